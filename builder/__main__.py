@@ -1,0 +1,187 @@
+"""python -m builder {build,validate,inspect}
+
+    build     --config X.yaml [--output DIR] [--force]   build an engine directory
+    validate  --config X.yaml [--output DIR]             check a config against its checkpoints, build nothing
+    inspect   ENGINE_DIR [--no-verify] [--json]          describe an engine directory and verify its checksums
+
+Defaults come from builder.config's dataclasses (one source of truth); exit status 0 on success, 1 when inspect
+finds damaged files, 2 on bad input or a failed build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from builder.config import BuildSection, default_of
+from runtime.errors import SpectreeError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m builder", description="Build and inspect spectree engine directories.")
+    sub = p.add_subparsers(dest="command", required=True)
+    output_help = f"engine directory (default: build.output from the config, {default_of(BuildSection, 'output')!r} if unset)"
+    b = sub.add_parser("build", help="build an engine directory from a YAML config")
+    b.add_argument("--config", required=True, help="YAML build config")
+    b.add_argument("--output", default=default_of(BuildSection, "output"), help=output_help)
+    b.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    b.add_argument("--quiet", action="store_true", help="no progress display (the summary is still printed)")
+    v = sub.add_parser("validate", help="check a config against its checkpoints without building")
+    v.add_argument("--config", required=True)
+    v.add_argument("--output", default=default_of(BuildSection, "output"), help=output_help)
+    i = sub.add_parser("inspect", help="describe an engine directory and verify its checksums")
+    i.add_argument("engine_dir")
+    i.add_argument("--no-verify", action="store_true", help="skip the sha256 check (sizes are still compared)")
+    i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return p
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _tree_text(draft: dict[str, Any]) -> str:
+    tree = draft.get("tree")
+    if tree is None:
+        opts = draft.get("options") or {}
+        return f"built per step ({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else "none (root only)"
+    if tree["kind"] == "dynamic":
+        return f"EAGLE-2 dynamic: total_tokens={tree['total_tokens']}, depth={tree['depth']}, top_k={tree['top_k']}"
+    return f"static: {tree['num_nodes']} nodes (root included), depth {tree['max_depth']}"
+
+
+def _files_table(title: str, files: dict[str, int], status: dict[str, str] | None = None):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    if status is not None:
+        table.add_column("checksum")
+    for name, size in sorted(files.items()):
+        row = [name, _size(size)]
+        if status is not None:
+            s = status[name]
+            row.append({"ok": "[green]ok[/green]", "unverified": "[dim]not checked[/dim]"}.get(s, f"[red]{s}[/red]"))
+        table.add_row(*row)
+    table.add_row("[bold]total[/bold]", f"[bold]{_size(sum(files.values()))}[/bold]", *([""] if status else []))
+    return table
+
+
+def _overview_table(manifest: dict[str, Any], stages: Sequence[Any] = ()):
+    from rich.table import Table
+
+    m = manifest
+    table = Table(show_header=False, title="engine", title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    model = m["model"]
+    table.add_row("model", f"{model['architecture']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
+                           f"vocab {model['vocab_size']}, {m['dtype']}")
+    table.add_row("drafter", f"{m['draft']['method']} {json.dumps(m['draft'].get('config') or {})}"
+                  if m["draft"].get("config") else m["draft"]["method"])
+    table.add_row("tree", _tree_text(m["draft"]))
+    lim = m["limits"]
+    table.add_row("limits", f"max_seq_len {lim['max_seq_len']}, max_draft_len {lim['max_draft_len']}, "
+                            f"max_batch_size {lim['max_batch_size']}, tp_size {lim['tp_size']}")
+    table.add_row("TensorRT-LLM", f"{m['trtllm']['architecture']} checkpoint, build with ./{m['trtllm']['build_script']}")
+    for stage in ("onnx", "tensorrt"):
+        rec = m[stage]
+        text = "[green]built[/green]" if rec["status"] == "built" else f"[yellow]skipped[/yellow]: {rec.get('reason')}"
+        table.add_row(stage, text)
+    p = m["provenance"]
+    table.add_row("built", f"{p['tool']} {p['version']} at {p['built_at']}, config sha256 {p['config_hash'][:16]}...")
+    for s in stages:
+        if s.status == "skipped" and s.name not in ("onnx", "tensorrt"):
+            table.add_row(s.name, f"[yellow]skipped[/yellow]: {s.detail}")
+    return table
+
+
+def _cmd_build(args) -> int:
+    from builder.build import build_engine
+    from builder.config import load_config
+    from builder.progress import NullProgress, RichProgress
+
+    console = _console()
+    config = load_config(args.config).with_output(args.output)
+    progress = NullProgress() if args.quiet else RichProgress()
+    result = build_engine(config, force=args.force, progress=progress)
+    files = {name: entry["size"] for name, entry in result.manifest["files"].items()}
+    console.print(_overview_table(result.manifest, result.stages))
+    console.print(_files_table(f"files in {result.output}", files))
+    from rich.table import Table
+
+    stages = Table(title="stages", title_justify="left")
+    for col in ("stage", "status", "detail", "seconds"):
+        stages.add_column(col, justify="right" if col == "seconds" else "left")
+    for s in result.stages:
+        status = "[green]done[/green]" if s.status == "done" else "[yellow]skipped[/yellow]"
+        stages.add_row(s.name, status, s.detail, f"{s.seconds:.1f}")
+    console.print(stages)
+    for s in result.skipped:
+        console.print(f"[yellow]skipped {s.name}[/yellow]: {s.detail}")
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    from builder.config import load_config, plan_build
+
+    config = load_config(args.config).with_output(args.output)
+    plan = plan_build(config, require_output=False)
+    console = _console()
+    tree = (f"static, {plan.tree.num_nodes} nodes, depth {plan.tree.max_depth}" if plan.tree is not None
+            else f"dynamic {plan.dynamic}" if plan.dynamic is not None
+            else f"lookup {plan.lookup}" if plan.lookup is not None else "none")
+    console.print(f"[green]ok[/green] {args.config}: {plan.model.architecture} ({plan.dtype}), drafter {plan.method}, "
+                  f"tree {tree}, {plan.draft_nodes} draft nodes <= max_draft_len {config.build.max_draft_len}, "
+                  f"max_seq_len {plan.max_seq_len}, tp_size {config.build.tp_size}"
+                  + (f", output {config.build.output}" if config.build.output else ", no output set"))
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from builder.inspect import inspect_engine
+
+    report = inspect_engine(args.engine_dir, verify=not args.no_verify)
+    if args.json:
+        sys.stdout.write(json.dumps(report.summary(), indent=2) + "\n")
+        return 0 if report.ok else 1
+    console = _console()
+    console.print(_overview_table(report.manifest))
+    files = {f.path: f.size for f in report.files}
+    console.print(_files_table(f"files in {report.root}", files, {f.path: f.status for f in report.files}))
+    if report.unlisted:
+        console.print(f"[yellow]not in engine.json (ignored)[/yellow]: {', '.join(report.unlisted)}")
+    for f in report.problems:
+        console.print(f"[red]{f.path}: {f.status}[/red]")
+    return 0 if report.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    commands = {"build": _cmd_build, "validate": _cmd_validate, "inspect": _cmd_inspect}
+    try:
+        return commands[args.command](args)
+    except SpectreeError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted; nothing was written in place of the output\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,331 @@
+"""`build_engine(config)`: one checked config -> a self-contained engine directory (format: runtime/engine.py).
+
+Everything is written into a fresh temporary directory next to the output and renamed into place at the end, so
+an interrupted or failing build never leaves a partial directory where a good one was (with --force the old
+engine is moved aside, the new one renamed in, and only then the old one deleted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from builder import trtllm
+from builder.config import BuildConfig, BuildPlan, make_drafter, plan_build
+from builder.progress import NullProgress, Progress
+from runtime.checkpoint import load_checkpoint
+from runtime.engine import (
+    BUILD_SCRIPT,
+    DRAFT_DIR,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ONNX_FILE,
+    PLAN_FILE,
+    TRTLLM_DIR,
+    is_engine_dir,
+    iter_files,
+    model_config_dict,
+    open_engine,
+    sha256_file,
+)
+from runtime.errors import SpectreeError
+
+TOOL = "spectree-builder"
+MODEL_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "chat_template.jinja",
+)
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+EAGLE_WEIGHTS = "model.safetensors"
+
+
+class BuildError(SpectreeError, RuntimeError):
+    """The build could not run or complete (output in the way, a stage failed)."""
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    name: str
+    status: str  # "done" | "skipped"
+    detail: str  # what it produced, or why it was skipped
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    output: Path
+    manifest: dict[str, Any]
+    stages: tuple[StageRecord, ...]
+
+    @property
+    def skipped(self) -> tuple[StageRecord, ...]:
+        return tuple(s for s in self.stages if s.status == "skipped")
+
+
+def tool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spectree")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_engine(config: BuildConfig, force: bool = False, progress: Progress | None = None) -> BuildResult:
+    """Build the engine directory `config.build.output`; see the module docstring for the guarantees."""
+    progress = progress or NullProgress()
+    stages: list[StageRecord] = []
+    t_start = time.perf_counter()
+
+    def record(name: str, status: str, detail: str, t0: float) -> None:
+        stages.append(StageRecord(name, status, detail, time.perf_counter() - t0))
+
+    t0 = time.perf_counter()
+    with progress.stage("validate config against checkpoints"):
+        plan = plan_build(config)
+    record("validate", "done", f"{plan.model.architecture}, {plan.method}, {plan.dtype}, tp {config.build.tp_size}", t0)
+    output = plan.output
+    _check_output(output, force)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.building-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        manifest = _build_into(tmp, plan, progress, record)
+        _install(tmp, output, force)
+    except BaseException:  # KeyboardInterrupt included: the partial directory must go either way
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    total = time.perf_counter() - t_start
+    stages.append(StageRecord("total", "done", str(output), total))
+    return BuildResult(output=output, manifest=manifest, stages=tuple(stages))
+
+
+def _check_output(output: Path, force: bool) -> None:
+    if not output.exists():
+        return
+    if not force:
+        raise BuildError(f"output {output} already exists; pass --force to replace it")
+    if not output.is_dir() or (not is_engine_dir(output) and any(output.iterdir())):
+        raise BuildError(f"refusing to replace {output}: it is not an engine directory (no {MANIFEST}) and not empty")
+
+
+def _install(tmp: Path, output: Path, force: bool) -> None:
+    if not output.exists():
+        os.rename(tmp, output)
+        return
+    _check_output(output, force)
+    backup = output.parent / f".{output.name}.replaced-{secrets.token_hex(4)}"
+    os.rename(output, backup)
+    try:
+        os.rename(tmp, output)
+    except BaseException:
+        os.rename(backup, output)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[str, Any]:
+    config = plan.config
+    src = config.model.checkpoint
+
+    t0 = time.perf_counter()
+    with progress.stage("load target checkpoint"):
+        model_config, tensors = load_checkpoint(src, dtype=plan.dtype)
+        from runtime.model import TargetModel
+
+        model = TargetModel.from_state(model_config, tensors, source=str(src))
+        drafter = make_drafter(config, model, config.source)
+    record("load", "done", f"{sum(t.numel() for t in tensors.values()):,} target parameters", t0)
+
+    t0 = time.perf_counter()
+    with progress.stage("copy configs and tokenizer"):
+        copied = [name for name in MODEL_FILES + TOKENIZER_FILES if (src / name).is_file()]
+        for name in copied:
+            shutil.copyfile(src / name, tmp / name)
+    record("tokenizer", "done", ", ".join(copied), t0)
+
+    t0 = time.perf_counter()
+    tp = config.build.tp_size
+    eagle_cfg = drafter.head.config if plan.method == "eagle" else None
+    with progress.stage("TensorRT-LLM checkpoint", total=tp, unit="rank") as advance:
+        trt_tensors, layout = trtllm.checkpoint_tensors(plan, tensors, drafter)
+        ckpt_config = trtllm.checkpoint_config(plan, eagle_cfg)
+        trtllm.write_checkpoint(tmp, ckpt_config, trt_tensors, layout, tp, on_rank=lambda r: advance(1))
+        del trt_tensors
+    record("trtllm", "done", f"{ckpt_config['architecture']}, {tp} rank file(s)", t0)
+
+    draft_path = None
+    if plan.method in ("medusa", "eagle"):
+        t0 = time.perf_counter()
+        with progress.stage("draft weights"):
+            draft_path = _write_draft(tmp / DRAFT_DIR, plan, drafter)
+        record("draft", "done", f"{DRAFT_DIR}/ ({plan.method})", t0)
+
+    onnx_record = _onnx_stage(tmp, plan, model, progress, record)
+    trt_record = _tensorrt_stage(tmp, plan, onnx_record, progress, record)
+
+    header = f"Generated by {TOOL} {tool_version()} from {config.source} ({_now()})."
+    (tmp / BUILD_SCRIPT).write_text(trtllm.build_script(plan, header), encoding="utf-8")
+
+    rel_files = list(iter_files(tmp))
+    for rel in rel_files:  # readable by a server running as another user (safetensors writes 0600)
+        (tmp / rel).chmod(0o755 if rel == BUILD_SCRIPT else 0o644)
+    total_bytes = sum((tmp / f).stat().st_size for f in rel_files)
+    t0 = time.perf_counter()
+    files: dict[str, dict[str, Any]] = {}
+    with progress.stage("checksums", total=total_bytes, unit="bytes") as advance:
+        for rel in rel_files:
+            files[rel] = {"size": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel, advance)}
+    record("checksums", "done", f"{len(files)} files, {total_bytes:,} bytes", t0)
+
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model": model_config_dict(plan.model),
+        "dtype": plan.dtype,
+        "draft": _draft_section(plan, drafter, draft_path),
+        "limits": {
+            "max_seq_len": plan.max_seq_len,
+            "max_draft_len": config.build.max_draft_len,
+            "max_batch_size": config.build.max_batch_size,
+            "tp_size": tp,
+        },
+        "trtllm": {
+            "version": trtllm.TRTLLM_VERSION,
+            "checkpoint": TRTLLM_DIR,
+            "architecture": ckpt_config["architecture"],
+            "tp_size": tp,
+            "build_script": BUILD_SCRIPT,
+            "build_command": ["trtllm-build", *trtllm.build_args(plan)],
+            "run_args": trtllm.run_args(plan),
+            "choices": None if plan.tree is None or plan.method not in ("medusa", "eagle")
+            else trtllm.choices_string(plan.tree),
+        },
+        "onnx": onnx_record,
+        "tensorrt": trt_record,
+        "tokenizer": [f for f in copied if f in TOKENIZER_FILES],
+        "provenance": {
+            "tool": TOOL,
+            "version": tool_version(),
+            "config_hash": config.config_hash(),
+            "config": config.to_dict(),
+            "config_file": config.source,
+            "built_at": _now(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "files": files,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    open_engine(tmp)  # the manifest must parse back before the directory goes live
+    return manifest
+
+
+def _write_draft(out: Path, plan: BuildPlan, drafter: Any) -> str:
+    """draft/: the drafter's weights in their public format (the runtime's own loaders read it back)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    src = plan.config.draft.checkpoint
+    shutil.copyfile(src / "config.json", out / "config.json")
+    if plan.method == "medusa":
+        h = drafter.heads
+        state: dict[str, torch.Tensor] = {}
+        num_layers = h.config.num_layers
+        for head in range(h.config.num_heads):  # FasterDecoding names: {h}.{l}.linear.*, {h}.{layers}.weight
+            for layer in range(num_layers):
+                state[f"{head}.{layer}.linear.weight"] = h.res_weight[head, layer].contiguous().clone()
+                state[f"{head}.{layer}.linear.bias"] = h.res_bias[head, layer].contiguous().clone()
+            state[f"{head}.{num_layers}.weight"] = h.lm_weight[head].contiguous().clone()
+        save_file(state, str(out / MEDUSA_WEIGHTS), metadata={"format": "pt"})
+    else:  # EAGLE checkpoint names (fc.*, layers.{i}.*, embed_tokens.weight): EagleHead's own state dict
+        state = {k: v.contiguous().clone() for k, v in drafter.head.state_dict().items()}
+        save_file(state, str(out / EAGLE_WEIGHTS), metadata={"format": "pt"})
+    return DRAFT_DIR
+
+
+def _draft_section(plan: BuildPlan, drafter: Any, draft_path: str | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    tree: dict[str, Any] | None = None
+    if plan.method == "medusa":
+        c = drafter.heads.config
+        cfg = {"num_heads": c.num_heads, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+               "vocab_size": c.vocab_size}
+    elif plan.method == "eagle":
+        head = drafter.head
+        cfg = {"num_layers": len(head.layers), "fc_bias": head.fc.bias is not None,
+               "own_embedding": head.embed_tokens is not None, "head": model_config_dict(head.config)}
+    if plan.tree is not None:
+        tree = {"kind": "static", "choices": [list(p) for p in plan.tree.choices], "num_nodes": plan.tree.num_nodes,
+                "max_depth": plan.tree.max_depth}
+    elif plan.dynamic is not None:
+        options = dataclasses.asdict(plan.dynamic)
+        tree = {"kind": "dynamic", **options}
+    if plan.lookup is not None:
+        options = dataclasses.asdict(plan.lookup)
+    return {"method": plan.method, "path": draft_path, "config": cfg, "tree": tree, "options": options}
+
+
+def _onnx_stage(tmp: Path, plan: BuildPlan, model: Any, progress: Progress, record) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    if not plan.config.build.onnx:
+        record("onnx", "skipped", "build.onnx is false", t0)
+        return {"status": "skipped", "reason": "build.onnx is false in the config"}
+    import warnings
+
+    from builder.onnx_stage import export_verify_step
+    from plugins.tree_attention.spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+    with progress.stage("ONNX export + checks (verification step)"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation chatter; real failures raise
+        result = export_verify_step(model, tmp / ONNX_FILE)
+    record("onnx", "done", f"{ONNX_FILE}, {result.plugin_nodes} plugin nodes", t0)
+    return {
+        "status": "built",
+        "path": ONNX_FILE,
+        "external_data": [p.name for p in result.files[1:]],
+        "plugin": {"op_type": PLUGIN_NAME, "namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
+                   "nodes": result.plugin_nodes},
+        "inputs": result.inputs,
+        "outputs": result.outputs,
+    }
+
+
+def _tensorrt_stage(tmp: Path, plan: BuildPlan, onnx_record: dict[str, Any], progress: Progress, record):
+    t0 = time.perf_counter()
+    if not plan.config.build.tensorrt:
+        reason = "build.tensorrt is false in the config"
+    elif onnx_record["status"] != "built":
+        reason = "no model.onnx to build from (the ONNX stage was skipped)"
+    else:
+        from builder.tensorrt_stage import build_plan
+
+        with progress.stage("TensorRT engine"):
+            result = build_plan(tmp / ONNX_FILE, tmp / PLAN_FILE, plan)
+        if result.built:
+            record("tensorrt", "done", f"{PLAN_FILE} ({result.reason})", t0)
+            return {"status": "built", "path": PLAN_FILE, "reason": result.reason, "profile": result.profile}
+        reason = result.reason
+    record("tensorrt", "skipped", reason, t0)
+    return {"status": "skipped", "reason": reason}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+__all__ = ["build_engine", "BuildResult", "BuildError", "StageRecord", "tool_version"]

@@ -1,0 +1,470 @@
+"""The build configuration: one YAML file -> frozen dataclasses, the single source of defaults.
+
+    model:
+      checkpoint: ../checkpoints/llama-7b        # Hugging Face checkpoint directory (required)
+    draft:
+      method: medusa                             # medusa | eagle | lookup | none (default none)
+      checkpoint: ../heads/medusa-llama-7b       # head weights, medusa / eagle only
+      tree: {preset: mc_sim_7b_63}               # or {choices: [[0], [0, 0], [1]]}
+                                                 # or {dynamic: {total_tokens: 60, depth: 5, top_k: 10}} (eagle)
+      lookup: {max_ngram: 3, num_draft_tokens: 10}   # lookup only
+    build:
+      dtype: float16                             # float32 | bfloat16 | float16 (default: the checkpoint's)
+      tp_size: 1
+      max_seq_len: 2048
+      max_draft_len: 63
+      max_batch_size: 8
+      output: ../engines/llama-7b-medusa
+      onnx: true                                 # export model.onnx
+      tensorrt: true                             # build model.plan where `tensorrt` is importable
+
+Relative paths are resolved from the config file's directory. Parsing checks keys and types (`load_config`);
+`plan_build` then checks the config against the checkpoints it names (architecture, head shapes, tree depth vs
+heads, tree size vs max_draft_len, tp_size vs head counts) using the runtime's own loaders. Every error names the
+key path, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from runtime.api import LoadConfig
+from runtime.config import ModelConfig
+from runtime.drafters import load_drafter
+from runtime.drafters.eagle import DynamicTreeOptions
+from runtime.drafters.lookup import LookupOptions
+from runtime.engine import QKVLayout
+from runtime.errors import CheckpointError, ConfigError, SpectreeError
+from runtime.tree import Tree
+
+Method = Literal["medusa", "eagle", "lookup", "none"]
+MAX_EAGLE_DRAFT_LEN = 256  # TensorRT-LLM's EAGLE converter rejects a larger max_draft_len
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class BuildConfigError(ConfigError):
+    """A build configuration is malformed or does not fit the checkpoints it names."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    checkpoint: Path  # Hugging Face checkpoint directory
+
+
+@dataclass(frozen=True)
+class TreeSection:
+    """Exactly one of: a preset name, explicit choice paths, or EAGLE-2 dynamic-tree options."""
+
+    preset: str | None = None  # "mc_sim_7b_63", "chain-K"
+    choices: tuple[tuple[int, ...], ...] | None = None  # Medusa-style choice paths
+    dynamic: DynamicTreeOptions | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("preset", "choices", "dynamic") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise BuildConfigError(
+                f"draft.tree: exactly one of preset, choices, dynamic must be set, got {', '.join(given) if given else 'none'}"
+            )
+        try:
+            self.static  # noqa: B018  (validates the preset name / choice paths)
+        except SpectreeError as exc:
+            raise BuildConfigError(f"draft.tree: {exc}") from exc
+
+    @property
+    def static(self) -> Tree | None:
+        """The static tree (validated by runtime.tree), or None for a dynamic tree."""
+        if self.preset is not None:
+            return Tree.preset(self.preset)
+        if self.choices is not None:
+            return Tree.from_choices(self.choices) if self.choices else Tree.root_only()
+        return None
+
+
+@dataclass(frozen=True)
+class DraftSection:
+    method: Method = "none"
+    checkpoint: Path | None = None  # head weights: FasterDecoding Medusa or SafeAILab EAGLE-1 directory
+    tree: TreeSection | None = None  # default: the drafter's own (Medusa: mc_sim_7b_63 / chain; EAGLE: dynamic)
+    lookup: LookupOptions | None = None  # prompt-lookup bounds (method lookup)
+
+    def __post_init__(self) -> None:
+        weights = self.method in ("medusa", "eagle")
+        if weights and self.checkpoint is None:
+            raise BuildConfigError(f"draft.checkpoint is required for method {self.method!r} (the head weights)")
+        if not weights and self.checkpoint is not None:
+            raise BuildConfigError(f"draft.checkpoint is only for medusa / eagle, not method {self.method!r}")
+        if self.method in ("lookup", "none") and self.tree is not None:
+            raise BuildConfigError(
+                f"draft.tree does not apply to method {self.method!r} "
+                f"({'lookup builds its trees from matches' if self.method == 'lookup' else 'none drafts nothing'})"
+            )
+        if self.method == "medusa" and self.tree is not None and self.tree.dynamic is not None:
+            raise BuildConfigError("draft.tree.dynamic is EAGLE-2's dynamic tree; Medusa needs a static tree "
+                                   "(preset or choices)")
+        if self.lookup is not None and self.method != "lookup":
+            raise BuildConfigError(f"draft.lookup applies to method 'lookup' only, not {self.method!r}")
+
+
+@dataclass(frozen=True)
+class BuildSection:
+    dtype: Dtype | None = None  # None: the checkpoint's own dtype
+    tp_size: int = 1
+    max_seq_len: int | None = None  # prompt + generated tokens; None: the model's context (max_position_embeddings)
+    max_draft_len: int = LoadConfig.max_draft_len  # draft nodes per step, root excluded (TensorRT-LLM's meaning)
+    max_batch_size: int = 8
+    output: Path | None = None  # engine directory (the CLI's --output overrides it)
+    onnx: bool = True
+    tensorrt: bool = True
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("tp_size", 1), ("max_seq_len", 2), ("max_draft_len", 0), ("max_batch_size", 1)):
+            value = getattr(self, name)
+            if value is None and name == "max_seq_len":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise BuildConfigError(f"build.{name}: got {value!r}, expected an integer >= {minimum}")
+        if self.max_seq_len is not None and self.max_draft_len + 1 > self.max_seq_len:
+            raise BuildConfigError(
+                f"build.max_draft_len: got {self.max_draft_len}, expected at most max_seq_len - 1 = "
+                f"{self.max_seq_len - 1} (a tree step must fit in the sequence)"
+            )
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model: ModelSection
+    draft: DraftSection = field(default_factory=DraftSection)
+    build: BuildSection = field(default_factory=BuildSection)
+    source: str = field(default="config", metadata={"yaml": False})  # where it came from, for error messages
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, as engine.json records it (paths absolute)."""
+        return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if _in_yaml(f)})
+
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of everything that determines the engine (the output path excluded)."""
+        d = self.to_dict()
+        d["build"].pop("output", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def with_output(self, output: str | Path | None) -> BuildConfig:
+        if output is None:
+            return self
+        return dataclasses.replace(self, build=dataclasses.replace(self.build, output=Path(output).resolve()))
+
+
+# ---- YAML -> dataclasses ------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path) -> BuildConfig:
+    """Read and type-check a YAML build config; relative paths resolve from its directory."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise BuildConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise BuildConfigError(f"cannot read {path}: {exc}") from exc
+    return parse_config(data, base_dir=path.resolve().parent, source=str(path))
+
+
+def parse_config(data: Any, base_dir: str | Path = ".", source: str = "config") -> BuildConfig:
+    """A parsed YAML document (dict) -> BuildConfig, every key and type checked."""
+    config = _from_mapping(BuildConfig, data, "", Path(base_dir).resolve(), source)
+    return dataclasses.replace(config, source=source)
+
+
+def _in_yaml(f: dataclasses.Field) -> bool:
+    return f.metadata.get("yaml", True)
+
+
+def _key(path: str, name: str | int) -> str:
+    if isinstance(name, int):
+        return f"{path}[{name}]"
+    return f"{path}.{name}" if path else name
+
+
+def _fail(source: str, key: str, value: Any, expected: str) -> BuildConfigError:
+    return BuildConfigError(f"{source}: {key or '<top level>'}: got {value!r}, expected {expected}")
+
+
+def _from_mapping(cls: type, data: Any, path: str, base_dir: Path, source: str) -> Any:
+    fields = [f for f in dataclasses.fields(cls) if _in_yaml(f)]
+    names = [f.name for f in fields]
+    if not isinstance(data, Mapping):
+        raise _fail(source, path, data, f"a mapping with keys {', '.join(names)}")
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        k = unknown[0]
+        raise BuildConfigError(
+            f"{source}: {_key(path, str(k))}: unknown key (value {data[k]!r}); expected one of {', '.join(names)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in fields:
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise BuildConfigError(f"{source}: {_key(path, f.name)}: missing (required)")
+            continue
+        kwargs[f.name] = _convert(hints[f.name], data[f.name], _key(path, f.name), base_dir, source)
+    try:
+        return cls(**kwargs)
+    except BuildConfigError as exc:  # our dataclasses' own checks name their keys
+        raise BuildConfigError(f"{source}: {exc}") from exc
+    except SpectreeError as exc:  # runtime option dataclasses (DynamicTreeOptions, LookupOptions) do not
+        raise BuildConfigError(f"{source}: {path + ': ' if path else ''}{exc}") from exc
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if _is_optional(tp):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if tp is Path:
+        return "a path"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _convert(tp: Any, value: Any, key: str, base_dir: Path, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if _is_optional(tp):
+        if value is None:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]  # the config uses `X | None` only
+        return _convert(inner, value, key, base_dir, source)
+    if origin is Literal:
+        if value in args and type(value) is type(args[args.index(value)]):
+            return value
+        raise _fail(source, key, value, f"one of {', '.join(repr(a) for a in args)}")
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _fail(source, key, value, _describe(tp))
+        item = args[0]
+        return tuple(_convert(item, v, _key(key, i), base_dir, source) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _from_mapping(tp, value, key, base_dir, source)
+    if tp is Path:
+        if not isinstance(value, str) or not value:
+            raise _fail(source, key, value, "a path (string)")
+        p = Path(value).expanduser()
+        return (p if p.is_absolute() else base_dir / p).resolve()
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported config field type {tp}")
+    raise _fail(source, key, value, _describe(tp))
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if _in_yaml(f)}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+# ---- checking the config against its checkpoints ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """A config checked against its checkpoints, with every default resolved."""
+
+    config: BuildConfig
+    model: ModelConfig  # the target, in the build dtype
+    method: str
+    tree: Tree | None  # static tree (medusa, eagle-1); None for dynamic / lookup / none
+    dynamic: DynamicTreeOptions | None  # EAGLE-2
+    lookup: LookupOptions | None
+    num_medusa_heads: int | None
+    num_medusa_layers: int | None
+    output: Path
+    max_seq_len: int  # build.max_seq_len, or the model's context
+
+    @property
+    def dtype(self) -> str:
+        return self.model.dtype
+
+    @property
+    def max_tree_depth(self) -> int:
+        """Deepest draft node (TensorRT-LLM's num_eagle_layers for EAGLE)."""
+        if self.tree is not None:
+            return self.tree.max_depth
+        if self.dynamic is not None:
+            return min(self.dynamic.depth + 1, self.dynamic.total_tokens - 1)
+        if self.lookup is not None:
+            return self.lookup.depth_limit
+        return 0
+
+    @property
+    def draft_nodes(self) -> int:
+        """Most draft nodes per step, root excluded."""
+        if self.tree is not None:
+            return self.tree.num_nodes - 1
+        if self.dynamic is not None:
+            return self.dynamic.total_tokens - 1
+        if self.lookup is not None:
+            return self.lookup.num_draft_tokens
+        return 0
+
+
+@contextmanager
+def at_key(source: str, key: str) -> Iterator[None]:
+    """Re-raise any spectree error inside as a BuildConfigError naming the config key it concerns."""
+    try:
+        yield
+    except BuildConfigError:
+        raise
+    except SpectreeError as exc:
+        raise BuildConfigError(f"{source}: {key}: {exc}") from exc
+
+
+def meta_target(config: ModelConfig):
+    """A weightless TargetModel (meta device) of `config`: enough for the drafters' loaders to validate heads."""
+    from runtime.model import TargetModel
+
+    with torch.device("meta"):
+        model = TargetModel(config)
+    return model.to(config.torch_dtype)
+
+
+def make_drafter(config: BuildConfig, model: Any, source: str = "config"):
+    """The runtime drafter for this config and `model` (a TargetModel, real or meta), via `load_drafter`.
+
+    The drafters' loaders do all head validation (files, hidden / vocab sizes, tree depth vs Medusa heads).
+    """
+    d = config.draft
+    options: dict[str, Any] = {}
+    tree = None
+    if d.tree is not None:
+        tree = d.tree.static
+        if d.tree.dynamic is not None:
+            options = dataclasses.asdict(d.tree.dynamic)
+    if d.lookup is not None:
+        options = dataclasses.asdict(d.lookup)
+    try:
+        return load_drafter(d.method, model, path=d.checkpoint, tree=tree, **options)
+    except CheckpointError as exc:  # head files: missing, corrupt, or not matching the target
+        raise BuildConfigError(f"{source}: draft.checkpoint: {exc}") from exc
+    except ConfigError as exc:  # e.g. a tree deeper than the Medusa heads
+        raise BuildConfigError(f"{source}: {'draft.tree' if d.tree is not None else 'draft'}: {exc}") from exc
+
+
+def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
+    """Check `config` against the checkpoints it names (reads configs and head weights, not the target's weights).
+
+    require_output=False lets `validate` check a config whose output comes from the command line later.
+    """
+    source = config.source
+    b = config.build
+    with at_key(source, "model.checkpoint"):
+        model = ModelConfig.from_hf(config.model.checkpoint)
+    model = model.with_dtype(b.dtype)
+    if b.max_seq_len is not None and b.max_seq_len > model.max_context:
+        raise BuildConfigError(
+            f"{source}: build.max_seq_len: got {b.max_seq_len}, expected at most {model.max_context} "
+            f"(the model's context: max_position_embeddings{', capped by sliding_window' if model.sliding_window else ''})"
+        )
+    with at_key(source, "build.tp_size"):
+        QKVLayout.of(model).check_tp(b.tp_size, "target attention")
+    for name in ("intermediate_size", "hidden_size"):
+        if getattr(model, name) % b.tp_size:
+            raise BuildConfigError(
+                f"{source}: build.tp_size: got {b.tp_size}, expected a divisor of the model's {name} "
+                f"{getattr(model, name)}"
+            )
+    if config.draft.method == "eagle" and model.architecture == "Qwen2ForCausalLM":
+        raise BuildConfigError(
+            f"{source}: draft.method: got 'eagle' for a Qwen2 target; TensorRT-LLM's EagleForCausalLM is a Llama "
+            "model (its attention bias covers q/k/v and the output projection together; Qwen2 biases q/k/v only). "
+            "Serve Qwen2 + EAGLE with `runtime.load(hf_dir, draft='eagle', ...)` instead"
+        )
+
+    drafter = make_drafter(config, meta_target(model), source)
+    tree = getattr(drafter, "tree", None)
+    dynamic = getattr(drafter, "dynamic", None)
+    lookup = getattr(drafter, "options", None) if config.draft.method == "lookup" else None
+    heads = getattr(drafter, "heads", None)
+    if config.draft.method == "eagle":
+        if b.max_draft_len > MAX_EAGLE_DRAFT_LEN:
+            raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
+                                   f"{MAX_EAGLE_DRAFT_LEN} for EAGLE (TensorRT-LLM's limit)")
+        head_cfg = drafter.head.config
+        with at_key(source, "build.tp_size"):
+            QKVLayout.of(head_cfg).check_tp(b.tp_size, "EAGLE head attention")
+        if head_cfg.intermediate_size % b.tp_size:
+            raise BuildConfigError(f"{source}: build.tp_size: got {b.tp_size}, expected a divisor of the EAGLE "
+                                   f"head's intermediate_size {head_cfg.intermediate_size}")
+    plan = BuildPlan(
+        config=config,
+        model=model,
+        method=config.draft.method,
+        tree=tree if config.draft.method in ("medusa", "eagle") else None,
+        dynamic=dynamic,
+        lookup=lookup,
+        num_medusa_heads=None if heads is None else heads.config.num_heads,
+        num_medusa_layers=None if heads is None else heads.config.num_layers,
+        output=b.output if b.output is not None else Path(),
+        max_seq_len=b.max_seq_len if b.max_seq_len is not None else model.max_context,
+    )
+    if b.max_draft_len + 1 > plan.max_seq_len:
+        raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
+                               f"{plan.max_seq_len - 1} (max_seq_len - 1)")
+    if plan.draft_nodes > b.max_draft_len:
+        what = {"lookup": "draft.lookup.num_draft_tokens", "eagle": "draft.tree"}.get(plan.method, "draft.tree")
+        raise BuildConfigError(
+            f"{source}: {what}: {plan.draft_nodes} draft nodes per step (root excluded), expected at most "
+            f"build.max_draft_len = {b.max_draft_len}"
+        )
+    if b.output is None and require_output:
+        raise BuildConfigError(f"{source}: build.output: missing; set it in the config or pass --output")
+    return plan
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A dataclass field's default (the CLI reads its defaults from here)."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+__all__ = [
+    "BuildConfig", "ModelSection", "DraftSection", "TreeSection", "BuildSection", "BuildConfigError", "BuildPlan",
+    "load_config", "parse_config", "plan_build", "make_drafter", "meta_target", "at_key", "default_of",
+]

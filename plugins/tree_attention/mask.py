@@ -1,0 +1,43 @@
+"""Bit-packed tree masks in TensorRT-LLM's attention-plugin layout.
+
+A bool mask  # [..., N, N]  packs into int32 words  # [..., N, ceil(N / 32)]: bit j of row i lives in word
+j // 32 at bit j % 32, least-significant bit first. Bit 31 set makes the int32 negative; that is expected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mask_words(n: int) -> int:
+    """Number of int32 words per packed row for n tree tokens."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return (n + 31) // 32
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., N, M] -> int32 [..., N, ceil(M / 32)]."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be bool, got {mask.dtype}")
+    m = mask.shape[-1]
+    words = mask_words(m)
+    pad = words * 32 - m
+    bits = torch.nn.functional.pad(mask.to(torch.int64), (0, pad))  # [..., N, words*32]
+    bits = bits.reshape(*mask.shape[:-1], words, 32)
+    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64), torch.arange(32))
+    packed = (bits * weights).sum(-1)  # [..., N, words] values in [0, 2^32)
+    # Reinterpret as signed int32 (two's complement) without overflow errors.
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_mask(packed: torch.Tensor, m: int) -> torch.Tensor:
+    """int32 [..., N, W] -> bool [..., N, m]; inverse of pack_mask."""
+    if packed.dtype != torch.int32:
+        raise TypeError(f"packed mask must be int32, got {packed.dtype}")
+    if packed.shape[-1] != mask_words(m):
+        raise ValueError(f"packed mask has {packed.shape[-1]} words per row, expected {mask_words(m)} for m={m}")
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(-1), shifts), 1)  # [..., N, W, 32]
+    return bits.reshape(*packed.shape[:-1], -1)[..., :m].to(torch.bool)

@@ -1,0 +1,54 @@
+"""The one tree-attention op every caller uses: `torch.ops.spectree.tree_attention(q, k, v, tree_mask, scale)`.
+
+Registered with torch.library when this module is imported (the standard custom-op pattern):
+- CUDA runs the Triton kernel (plugins/tree_attention/kernel.py, imported on first CUDA call) for fp16, bf16
+  and fp32, and the torch reference for other floating dtypes (fp64 checks);
+- every other device runs the torch reference;
+- the fake implementation gives torch.export / torch.compile the output's shape and dtype, so the op survives
+  export and the ONNX exporter turns it into the plugin node (plugins/tree_attention/onnx_export.py).
+Shapes are documented in plugins/tree_attention/__init__.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.tree_attention.reference import tree_attention_reference
+from plugins.tree_attention.spec import KERNEL_DTYPES, TreeAttentionDtypeError, TreeAttentionShapeError, check_inputs
+
+
+@torch.library.custom_op("spectree::tree_attention", mutates_args=())
+def tree_attention(
+    q: torch.Tensor,  # [B, Hq, N, D]
+    k: torch.Tensor,  # [B, Hkv, L + N, D]
+    v: torch.Tensor,  # [B, Hkv, L + N, D]
+    tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32 packed
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, N, D]
+    check_inputs(q, k, v, tree_mask)
+    return tree_attention_reference(q, k, v, tree_mask, scale)
+
+
+@tree_attention.register_kernel("cuda")
+def _tree_attention_cuda(q, k, v, tree_mask, scale):
+    check_inputs(q, k, v, tree_mask)
+    if q.dtype not in KERNEL_DTYPES:
+        return tree_attention_reference(q, k, v, tree_mask, scale)
+    from plugins.tree_attention.kernel import tree_attention_triton
+
+    return tree_attention_triton(q, k, v, tree_mask, scale)
+
+
+@tree_attention.register_fake
+def _tree_attention_fake(q, k, v, tree_mask, scale):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tree_mask.dim() != 3:
+        raise TreeAttentionShapeError(
+            f"tree_attention takes 4-D q/k/v and a 3-D tree_mask, got {q.dim()}/{k.dim()}/{v.dim()}/{tree_mask.dim()}-D"
+        )
+    if tree_mask.dtype != torch.int32:
+        raise TreeAttentionDtypeError(f"tree_mask must be int32 (packed), got {tree_mask.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TreeAttentionDtypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    # Size relations (Hq % Hkv, L + N >= N, ...) are checked by the real kernels: asserting them here on
+    # symbolic sizes would add export guards between independent dynamic dims.
+    return q.new_empty(q.shape)

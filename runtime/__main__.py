@@ -1,0 +1,108 @@
+"""python -m runtime generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [options]
+
+Defaults come from `runtime.api.LoadConfig` and `runtime.sampling.SamplingParams` (one source of truth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from runtime.api import LoadConfig, build
+from runtime.errors import SpectreeError
+from runtime.sampling import SamplingParams
+
+
+def _default(cls, name: str):
+    return cls.__dataclass_fields__[name].default
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from e
+
+
+def _options(pairs: Sequence[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--draft-option must look like KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate from a prompt with speculative decoding")
+    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
+    g.add_argument("--max-tokens", type=int, default=_default(SamplingParams, "max_tokens"))
+    g.add_argument("--temperature", type=float, default=_default(SamplingParams, "temperature"))
+    g.add_argument("--top-k", type=int, default=_default(SamplingParams, "top_k"))
+    g.add_argument("--top-p", type=float, default=_default(SamplingParams, "top_p"))
+    g.add_argument("--seed", type=int, default=_default(SamplingParams, "seed"))
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=_default(SamplingParams, "ignore_eos"))
+    g.add_argument("--draft", choices=["medusa", "eagle", "lookup", "none"], default=_default(LoadConfig, "draft"),
+                   help="drafter (default: inferred from --draft-model, else none)")
+    g.add_argument("--draft-model", default=_default(LoadConfig, "draft_model"), help="Medusa/EAGLE head directory")
+    g.add_argument("--tree", default=_default(LoadConfig, "tree"),
+                   help="tree preset (mc_sim_7b_63, chain-K) or JSON list of choice paths")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(LoadConfig, "dtype"))
+    g.add_argument("--max-draft-len", type=int, default=_default(LoadConfig, "max_draft_len"))
+    g.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="drafter option, e.g. total_tokens=60 (eagle) or max_ngram=4 (lookup); repeatable")
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        )
+        decoder = build(
+            LoadConfig(
+                model=args.model, draft=args.draft, draft_model=args.draft_model, tree=args.tree, dtype=args.dtype,
+                max_draft_len=args.max_draft_len, draft_options=_options(args.draft_option),
+            )
+        )
+        prompt = args.prompt if args.prompt is not None else args.prompt_ids
+        if args.json:
+            result = decoder.generate(prompt, params)
+            out = {"token_ids": list(result.token_ids), "text": result.text, "finish_reason": result.finish_reason,
+                   "stats": result.stats.to_dict()}
+            sys.stdout.write(json.dumps(out) + "\n")
+            return 0
+        for delta in decoder.stream(prompt, params):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.stats is not None:
+                s = delta.stats
+                sys.stderr.write(
+                    f"\n[{delta.finish_reason}] "
+                    f"{s.generated_tokens} tokens, {s.steps} steps, tau {s.tau:.2f}, "
+                    f"{s.generated_tokens / max(s.time_total, 1e-9):.1f} tok/s, drafter {s.drafter}, "
+                    f"verification {s.verification}\n"
+                )
+        return 0
+    except (SpectreeError, argparse.ArgumentTypeError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""`runtime.load(...)`: the Python entry point (its keywords mirror the CLI's flags)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.decode import SpecDecoder
+from runtime.drafters import KINDS, load_drafter
+from runtime.errors import CheckpointError, ConfigError
+from runtime.model import TargetModel
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How to assemble a SpecDecoder. The CLI reads its defaults from here."""
+
+    model: str  # HF checkpoint directory
+    draft: str | None = None  # medusa | eagle | lookup | none; None: inferred from draft_model, else "none"
+    draft_model: str | None = None  # head checkpoint directory (medusa / eagle)
+    tree: str | None = None  # preset name ("mc_sim_7b_63", "chain-4") or JSON list of choice paths
+    dtype: str | None = None  # float32 | bfloat16 | float16; None: the checkpoint's own
+    max_draft_len: int = 63  # most draft nodes per step (root excluded), as TensorRT-LLM's max_draft_len
+    draft_options: dict[str, Any] = field(default_factory=dict)  # drafter-specific, see load_drafter
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and self.draft not in KINDS:
+            raise ConfigError(f"draft must be one of {', '.join(KINDS)}, got {self.draft!r}")
+        if isinstance(self.max_draft_len, bool) or not isinstance(self.max_draft_len, int) or self.max_draft_len < 0:
+            raise ConfigError(f"max_draft_len must be an int >= 0, got {self.max_draft_len!r}")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+def infer_draft_kind(draft_model: str | Path) -> str:
+    """Tell a Medusa head directory from an EAGLE one by their public formats."""
+    d = Path(draft_model)
+    if not d.is_dir():
+        raise CheckpointError(f"draft model directory {str(d)!r} does not exist")
+    if any((d / n).exists() for n in ("medusa_lm_head.safetensors", "medusa_lm_head.pt")):
+        return "medusa"
+    cfg = d / "config.json"
+    if cfg.exists():
+        try:
+            raw = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg}: not valid JSON ({e})") from e
+        if "medusa_num_heads" in raw:
+            return "medusa"
+        if raw.get("num_hidden_layers") == 1 or any((d / n).exists() for n in ("pytorch_model.bin", "model.safetensors")):
+            return "eagle"
+    raise CheckpointError(
+        f"cannot tell what kind of draft model {str(d)!r} is: expected medusa_lm_head.safetensors/.pt (Medusa) or "
+        "config.json + pytorch_model.bin/model.safetensors (EAGLE); pass draft= explicitly"
+    )
+
+
+def build(config: LoadConfig) -> SpecDecoder:
+    path = Path(config.model)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    if (path / "engine.json").exists():
+        # An engine directory (runtime/engine.py): weights from its TensorRT-LLM checkpoint, files verified against
+        # engine.json as they are read; its drafter, tree and limits are defaults that explicit settings override.
+        from runtime.engine import open_engine
+
+        engine = open_engine(path)
+        model = engine.load_target(dtype=config.dtype)
+        kind = config.draft or (infer_draft_kind(config.draft_model) if config.draft_model else None)
+        kind, draft_path, tree, options = engine.draft_settings(kind, config.draft_model, config.tree,
+                                                                config.draft_options)
+        drafter = load_drafter(kind, model, path=draft_path, tree=tree, **options)
+        max_draft = min(config.max_draft_len, engine.limits.max_draft_len)
+        return SpecDecoder(model, engine.tokenizer(), drafter, max_tree_nodes=max_draft + 1)
+    model = TargetModel.from_pretrained(path, dtype=config.dtype)
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    kind = config.draft or (infer_draft_kind(config.draft_model) if config.draft_model else "none")
+    drafter = load_drafter(kind, model, path=config.draft_model, tree=config.tree, **config.draft_options)
+    return SpecDecoder(model, tokenizer, drafter, max_tree_nodes=config.max_draft_len + 1)
+
+
+def load(
+    path: str | Path,
+    draft: str | None = None,
+    draft_model: str | Path | None = None,
+    tree: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_draft_len: int = LoadConfig.max_draft_len,
+    **draft_options: Any,
+) -> SpecDecoder:
+    """Load a checkpoint directory with a drafter; returns a SpecDecoder (`generate`, `stream`).
+
+    path         HF checkpoint directory (config.json, model.safetensors[.index.json], tokenizer.json)
+    draft        medusa | eagle | lookup | none (default: inferred from draft_model, else none)
+    draft_model  Medusa heads (FasterDecoding format) or EAGLE-1 head (EAGLE repo layout) directory
+    tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
+    """
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return build(
+        LoadConfig(
+            model=str(path),
+            draft=draft,
+            draft_model=None if draft_model is None else str(draft_model),
+            tree=tree,
+            dtype=dtype,
+            max_draft_len=max_draft_len,
+            draft_options=dict(draft_options),
+        )
+    )
+
+
+__all__ = ["LoadConfig", "load", "build", "infer_draft_kind"]

@@ -1,0 +1,168 @@
+"""Hugging Face checkpoint loading: config.json + model.safetensors, or model.safetensors.index.json shards.
+
+`load_tensors` reads every tensor (name -> tensor, HF names); `validate_tensors` checks them against the
+config (missing / unexpected names, shapes) and resolves tied embeddings. `load_checkpoint` does both.
+The builder reuses these to export engines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from runtime.config import ModelConfig
+from runtime.errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+# Buffers some older checkpoints carry that are recomputed here, not weights.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_MAX_LISTED = 8
+
+
+def weight_files(path: str | Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of checkpoint directory `path`, and the index's weight_map (None if unsharded)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot read {index_path}: {exc}") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path} has no 'weight_map' object mapping tensor names to shard files")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise CheckpointError(f"shard file(s) listed in {index_path} are missing: {', '.join(missing)}")
+        return [root / s for s in shards], weight_map
+    single = root / SINGLE_FILE
+    if single.is_file():
+        return [single], None
+    others = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+    hint = f"; found {', '.join(others)} (convert them to safetensors)" if others else ""
+    raise CheckpointError(f"missing weights in {root}: neither {SINGLE_FILE} nor {INDEX_FILE} exists{hint}")
+
+
+def load_tensors(
+    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path`, by HF name; floating tensors cast to `dtype` if given."""
+    files, weight_map = weight_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                for name in names:
+                    if name in tensors:
+                        raise CheckpointError(f"tensor {name} appears in both {origin[name].name} and {file.name}")
+                    t = f.get_tensor(name)
+                    if dtype is not None and t.is_floating_point():
+                        t = t.to(dtype)
+                    tensors[name] = t.to(device)
+                    origin[name] = file
+        except SafetensorError as exc:
+            raise CheckpointError(f"corrupt or truncated safetensors file {file}: {exc}") from exc
+    if weight_map is not None:
+        absent = [n for n, shard in weight_map.items() if origin.get(n, Path()).name != Path(shard).name]
+        if absent:
+            listed = ", ".join(f"{n} (in {weight_map[n]})" for n in absent[:_MAX_LISTED])
+            more = f" and {len(absent) - _MAX_LISTED} more" if len(absent) > _MAX_LISTED else ""
+            raise CheckpointError(f"{INDEX_FILE} lists tensors missing from their shard: {listed}{more}")
+    return tensors
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape the config implies (lm_head included only when untied)."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (v, h), "model.norm.weight": (h,)}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for proj, out_features in (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size)):
+            shapes[p + f"self_attn.{proj}_proj.weight"] = (out_features, h)
+            if config.attention_bias:
+                shapes[p + f"self_attn.{proj}_proj.bias"] = (out_features,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, config.q_size)
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        for proj, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+            shapes[p + f"mlp.{proj}_proj.weight"] = shape
+            if config.mlp_bias:
+                shapes[p + f"mlp.{proj}_proj.bias"] = (shape[0],)
+    if not config.tie_word_embeddings:
+        shapes[LM_HEAD] = (v, h)
+    return shapes
+
+
+def _listing(names: list[str]) -> str:
+    head = ", ".join(names[:_MAX_LISTED])
+    return head + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
+def validate_tensors(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], source: str = "checkpoint"
+) -> dict[str, torch.Tensor]:
+    """Check names and shapes against `config`; return the tensors the model uses (a new dict).
+
+    With tied embeddings, lm_head.weight may be absent (the usual case) or present and equal to the embedding;
+    a different lm_head under tie_word_embeddings is an error, since one of the two would be silently dropped.
+    """
+    expected = expected_shapes(config)
+    present = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings and LM_HEAD in present:
+        head = present.pop(LM_HEAD)
+        embed = present.get(EMBED)
+        if embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
+            raise CheckpointError(
+                f"{source}: tie_word_embeddings is true but {LM_HEAD} differs from {EMBED}; "
+                "set tie_word_embeddings to false in config.json to use a separate lm_head"
+            )
+    missing = [n for n in expected if n not in present]
+    extra = sorted(n for n in present if n not in expected)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors: {_listing(extra)}")
+    wrong = [
+        f"{n} has shape {tuple(present[n].shape)}, expected {expected[n]}"
+        for n in expected
+        if n in present and tuple(present[n].shape) != expected[n]
+    ]
+    if wrong:
+        problems.append("wrong shapes: " + "; ".join(wrong[:_MAX_LISTED]))
+    if problems:
+        raise CheckpointError(f"{source} does not match its config ({config.architecture}): " + " | ".join(problems))
+    not_float = [n for n, t in present.items() if not t.is_floating_point()]
+    if not_float:
+        raise CheckpointError(f"{source}: tensors must be floating point, got {_listing(not_float)}")
+    return present
+
+
+def load_checkpoint(
+    path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, validated tensors) of the HF checkpoint directory `path`, tensors in the run dtype."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if not (root / "config.json").is_file():
+        raise CheckpointError(f"missing config.json in checkpoint directory {root}")
+    config = ModelConfig.from_hf(root).with_dtype(dtype)
+    tensors = load_tensors(root, config.torch_dtype, device)
+    return config, validate_tensors(config, tensors, source=str(root))
+
+
+__all__ = ["weight_files", "load_tensors", "expected_shapes", "validate_tensors", "load_checkpoint"]

@@ -1,0 +1,500 @@
+"""EAGLE-1 draft head (SafeAILab/EAGLE): static trees (EAGLE-1) or dynamic trees (EAGLE-2).
+
+The head is an autoregressive model over *features*. Its input at position t is
+    fc(cat(embed(x_{t+1}), f_t))            fc = Linear(2H -> H, bias), the embedding FIRST
+where f_t is the target's hidden state h_t (final-norm output). One Llama decoder layer (layer 0 without
+input_layernorm) maps it to a predicted feature f'_{t+1}; the TARGET's lm_head turns that into logits for
+x_{t+2}. While drafting, a node's true feature is unknown, so a node at depth d >= 1 is fed
+(its token, the head's output feature at its parent) at position L - 1 + d.
+
+Head KV cache (slot t = pair (f_t, x_{t+1}) at position t). The committed sequence x_0 .. x_{L-1} has hidden
+states h_0 .. h_{L-1}; the pair (h_{L-1}, x_L) needs the root x_L, so a session keeps the pairs it cannot or
+did not yet run as *pending* and runs them, root pair last, in one causal chunk at the start of `draft`
+(committed to the head cache: they are final). `advance(x_L..x_{L+a-1}, h_L..h_{L+a-1})` then adds the pairs
+(h_L, x_{L+1}) .. (h_{L+a-2}, x_{L+a-1}) and keeps h_{L+a-1} for the next root. Drafted nodes are never
+committed: their features were guesses, and the accepted ones are re-run with the target's real features.
+
+Tree expansion runs one head forward per depth. The `DecoderLayer` contract makes the committed prefix fully
+visible and masks only the new block, so each depth's forward carries every node forwarded so far this step
+(append-only, ancestors before descendants) plus the new ones, under their ancestor mask; earlier rows are
+recomputed bit-for-bit and only the new rows' outputs are read. Blocks stay small (tens of rows).
+
+Checkpoint: a directory with config.json (Llama-style, num_hidden_layers 1; "bias" (default true) says whether
+fc has a bias, "qkv_bias" whether q/k/v do) and pytorch_model.bin (torch.load weights_only=True) or
+model.safetensors with keys fc.weight, fc.bias, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+layers.{i}.post_attention_layernorm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight (layers i > 0 also
+input_layernorm.weight) and optionally embed_tokens.weight (otherwise the target's embedding is shared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plugins.tree_attention.mask import pack_mask
+from runtime.config import ModelConfig
+from runtime.errors import CheckpointError, ConfigError, SpectreeError
+from runtime.kv_cache import KVCache
+from runtime.model import DecoderLayer, causal_mask
+from runtime.protocol import Draft, Proposal
+from runtime.tree import Tree, expand_frontier, select_dynamic_tree
+
+CONFIG_FILE = "config.json"
+TORCH_FILE = "pytorch_model.bin"
+SAFETENSORS_FILE = "model.safetensors"
+# Buffers some older checkpoints persisted; recomputed here, not weights.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_MAX_LISTED = 6
+_MIN_CACHE = 256  # initial head-cache capacity beyond the prompt; doubled on demand
+
+
+class DraftStateError(SpectreeError, RuntimeError):
+    """A session was driven out of order (e.g. advance() whose first token is not the drafted root)."""
+
+
+@dataclass(frozen=True)
+class DynamicTreeOptions:
+    """EAGLE-2 dynamic tree, with EAGLE-2's own parameter meanings (SafeAILab/EAGLE `topK_generate`).
+
+    total_tokens  tree size, root included (EAGLE-2's total_token; the paper uses 60).
+    depth         expansion rounds after the root's top_k: the tree is at most depth + 1 deep.
+    top_k         children per expanded node and frontier width.
+    """
+
+    total_tokens: int = 60
+    depth: int = 5
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("total_tokens", 1), ("depth", 0), ("top_k", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"EAGLE dynamic-tree option {name} must be an integer >= {minimum}, got {value!r}")
+
+
+class EagleHead(nn.Module):
+    """fc + decoder layer(s); state-dict names are the EAGLE checkpoint's (fc.*, layers.{i}.*, embed_tokens.*)."""
+
+    def __init__(self, config: ModelConfig, fc_bias: bool, own_embedding: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, h) if own_embedding else None
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        # EAGLE's layer 0 feeds the fused input straight to attention (no input_layernorm); later layers have it.
+        self.layers = nn.ModuleList(DecoderLayer(config, i, input_norm=i > 0) for i in range(config.num_hidden_layers))
+
+    def new_cache(self, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(len(self.layers), c.num_key_value_heads, c.head_dim, max_len, 1, self.fc.weight.dtype,
+                       self.fc.weight.device)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [1, N, H]: embeddings of the tokens x_{t+1}
+        features: torch.Tensor,  # [1, N, H]: the paired features f_t
+        positions: torch.Tensor,  # [1, N] int64
+        cache: KVCache,
+        tree_mask: torch.Tensor,  # [1, N, ceil(N / 32)] int32 packed
+    ) -> torch.Tensor:  # [1, N, H]: predicted features f'_{t+1}
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, cache, i, tree_mask)
+        return x
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+
+
+def _read_state(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    bin_file, st_file = path / TORCH_FILE, path / SAFETENSORS_FILE
+    if bin_file.is_file():
+        try:
+            state = torch.load(str(bin_file), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # corrupt or unsafe
+            raise CheckpointError(f"cannot read EAGLE weights {bin_file} (weights-only torch.load): {exc}") from exc
+        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{bin_file} must hold a state dict of tensors, got {type(state).__name__}")
+        return bin_file, dict(state)
+    if st_file.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return st_file, load_file(str(st_file), device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read EAGLE weights {st_file}: {exc}") from exc
+    raise CheckpointError(f"EAGLE head directory {path} has neither {TORCH_FILE} nor {SAFETENSORS_FILE}")
+
+
+def _read_config(path: Path, target: ModelConfig) -> dict[str, Any]:
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise CheckpointError(f"EAGLE head directory {path} has no {CONFIG_FILE}")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {cfg_file}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object, got {type(raw).__name__}")
+    for key, ours in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if key in raw and raw[key] != ours:
+            raise CheckpointError(
+                f"{cfg_file}: EAGLE head {key} {raw[key]!r} does not match the target model's {key} {ours}"
+            )
+    return raw
+
+
+def _parse_config(raw: dict[str, Any], cfg_file: Path, target: ModelConfig) -> ModelConfig:
+    # A head config's token ids are not used; parse the Llama architecture fields.
+    try:
+        parsed = ModelConfig.from_hf({**raw, "eos_token_id": None, "bos_token_id": None, "architectures": None,
+                                      "model_type": "llama", "vocab_size": target.vocab_size})
+    except ConfigError as exc:
+        raise CheckpointError(f"{cfg_file}: {exc}") from exc
+    config = dataclasses.replace(
+        parsed,
+        # EAGLE's attention: q/k/v bias only when the config says qkv_bias; o_proj and the MLP never have one.
+        attention_bias=bool(raw.get("qkv_bias", False)),
+        o_proj_bias=False,
+        mlp_bias=False,
+        dtype=target.dtype,
+    )
+    return config
+
+
+def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
+    """Load an EAGLE-1 head directory for `model` (a TargetModel): validated, cast to its dtype and device."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"EAGLE head path {path} is not a directory")
+    target: ModelConfig = model.config
+    raw = _read_config(path, target)
+    file, state = _read_state(path)
+    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if "fc.weight" not in state:
+        raise CheckpointError(f"{file} has no fc.weight: not an EAGLE head (keys: {sorted(state)[:_MAX_LISTED]})")
+    if state["fc.weight"].ndim != 2 or state["fc.weight"].shape[1] != 2 * state["fc.weight"].shape[0]:
+        raise CheckpointError(f"{file}: fc.weight has shape {tuple(state['fc.weight'].shape)}, expected [H, 2H]")
+    head_hidden = int(state["fc.weight"].shape[0])
+    if head_hidden != target.hidden_size:
+        raise CheckpointError(
+            f"{file}: EAGLE head hidden size {head_hidden} (fc.weight) does not match the target model's "
+            f"hidden_size {target.hidden_size}"
+        )
+    if "embed_tokens.weight" in state and state["embed_tokens.weight"].shape[0] != target.vocab_size:
+        raise CheckpointError(
+            f"{file}: EAGLE head vocab size {state['embed_tokens.weight'].shape[0]} (embed_tokens.weight) does not "
+            f"match the target model's vocab_size {target.vocab_size}"
+        )
+    fc_bias = raw.get("bias", True)
+    if not isinstance(fc_bias, bool):
+        raise CheckpointError(f"{path / CONFIG_FILE}: bias must be true or false, got {fc_bias!r}")
+    if "layers.0.input_layernorm.weight" in state:
+        raise CheckpointError(
+            f"{file} has layers.0.input_layernorm.weight: EAGLE-1 heads have no input norm in layer 0 "
+            f"(this looks like an EAGLE-3 or full-model checkpoint)"
+        )
+
+    config = _parse_config(raw, path / CONFIG_FILE, target)
+    with torch.device("meta"):
+        head = EagleHead(config, fc_bias, own_embedding="embed_tokens.weight" in state)
+    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    missing = sorted(expected.keys() - state.keys())
+    extra = sorted(state.keys() - expected.keys())
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} key(s) {missing[:_MAX_LISTED]}")
+        if extra:
+            parts.append(f"unexpected {len(extra)} key(s) {extra[:_MAX_LISTED]}")
+        raise CheckpointError(
+            f"{file} does not match its config (num_hidden_layers={config.num_hidden_layers}, bias={fc_bias}, "
+            f"qkv_bias={config.attention_bias}): " + "; ".join(parts)
+        )
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise CheckpointError(
+                f"{file}: {key} has shape {tuple(state[key].shape)}, expected {shape} from {CONFIG_FILE}"
+            )
+        if not state[key].is_floating_point():
+            raise CheckpointError(f"{file}: {key} has dtype {state[key].dtype}, expected floating point")
+    dtype, device = model.dtype, model.device
+    head.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
+    head.to(device)  # the RoPE buffers (built on the CPU even under the meta device) follow the weights
+    head.requires_grad_(False)
+    head.eval()
+    return head
+
+
+# ---- drafting -------------------------------------------------------------------------------------------
+
+
+class EagleDrafter:
+    """Shared EAGLE head + the target (embedding, lm_head); `tree` static (EAGLE-1) or `dynamic` (EAGLE-2)."""
+
+    name = "eagle"
+
+    def __init__(
+        self, head: EagleHead, model: Any, tree: Tree | None = None, dynamic: DynamicTreeOptions | None = None
+    ) -> None:
+        if (tree is None) == (dynamic is None):
+            raise ConfigError("EagleDrafter needs exactly one of tree= (static) or dynamic= (EAGLE-2 options)")
+        if head.config.hidden_size != model.config.hidden_size:
+            raise CheckpointError(
+                f"EAGLE head hidden size {head.config.hidden_size} does not match the target model's hidden_size "
+                f"{model.config.hidden_size}"
+            )
+        if tree is not None and tree.num_nodes > 1 and max(tree.max_rank_per_depth()) > model.config.vocab_size:
+            raise ConfigError(f"tree ranks exceed the vocabulary size {model.config.vocab_size}")
+        self.head = head
+        self.model = model
+        self.tree = tree
+        self.dynamic = dynamic
+
+    def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> EagleSession:
+        """prompt # [P] int64 (x_0 .. x_{P-1}); hidden # [P, H] (h_0 .. h_{P-1})."""
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ConfigError(f"max_nodes must be an integer >= 1 (the root counts), got {max_nodes!r}")
+        tree, dynamic = self.tree, self.dynamic
+        if tree is not None and tree.num_nodes > max_nodes:
+            # A prefix of the canonical (length, lexicographic) order is ancestor-closed: parents sort first.
+            tree = Tree.from_choices(tree.choices[: max_nodes - 1]) if max_nodes > 1 else Tree.root_only()
+        if dynamic is not None and dynamic.total_tokens > max_nodes:
+            dynamic = dataclasses.replace(dynamic, total_tokens=max_nodes)
+        return EagleSession(self, prompt, hidden, tree, dynamic)
+
+
+class EagleSession:
+    def __init__(
+        self,
+        drafter: EagleDrafter,
+        prompt: torch.Tensor,
+        hidden: torch.Tensor,
+        tree: Tree | None,
+        dynamic: DynamicTreeOptions | None,
+    ) -> None:
+        self.head = drafter.head
+        self.model = drafter.model
+        self.tree = tree
+        self.dynamic = dynamic
+        h = self.head.config.hidden_size
+        if prompt.ndim != 1 or prompt.shape[0] == 0:
+            raise ConfigError(f"prompt must be a non-empty 1-D token tensor, got shape {tuple(prompt.shape)}")
+        if hidden.ndim != 2 or hidden.shape != (prompt.shape[0], h):
+            raise ConfigError(
+                f"hidden must be [{prompt.shape[0]}, {h}] (one row per prompt token), got {tuple(hidden.shape)}"
+            )
+        device = self.model.device
+        self.cache = self.head.new_cache(prompt.shape[0] + _MIN_CACHE)
+        # Pending pairs (f_t, x_{t+1}) not yet in the head cache, and the last hidden state awaiting its root.
+        self.pending_features: list[torch.Tensor] = [hidden[:-1].to(device, self.model.dtype)]  # [n, H] each
+        self.pending_tokens: list[torch.Tensor] = [prompt[1:].to(device)]  # [n] each
+        self.last_hidden = hidden[-1].to(device, self.model.dtype)  # [H]
+        self.drafted_root: int | None = None  # root whose pair is in the cache, until advance() arrives
+
+    # ---- head cache ---------------------------------------------------------------------------------------
+
+    def _reserve(self, n: int) -> None:
+        """Grow the head cache (copying its committed slots) so that n more tokens fit."""
+        c = self.cache
+        if c.length + n <= c.max_len:
+            return
+        bigger = self.head.new_cache(max(2 * c.max_len, c.length + n + _MIN_CACHE))
+        length = c.length
+        if length:
+            for layer in range(c.num_layers):
+                bigger.write(layer, c.k[layer, :, :, :length], c.v[layer, :, :, :length])
+            bigger.advance(length)
+        self.cache = bigger
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,  # [N] int64
+        features: torch.Tensor,  # [N, H]
+        positions: torch.Tensor,  # [N] int64
+        mask: torch.Tensor,  # [N, N] bool (ancestor-or-self / causal)
+    ) -> torch.Tensor:  # [N, H]
+        self._reserve(tokens.shape[0])
+        embeds = self._embed(tokens)
+        packed = pack_mask(mask)[None].to(tokens.device)  # [1, N, ceil(N / 32)]
+        return self.head(embeds[None], features[None], positions[None], self.cache, packed)[0]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.head.embed_tokens is not None:
+            return self.head.embed_tokens(tokens)
+        return self.model.embed(tokens)
+
+    def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
+        """features # [n, H] -> log-softmax of the target lm_head # [n, V] float32."""
+        return torch.log_softmax(self.model.lm_head(features), dim=-1)
+
+    def _run_pending(self, root: int) -> torch.Tensor:
+        """Commit the pending pairs plus (last hidden, root) to the head cache; the root pair's output # [H]."""
+        if self.drafted_root is not None:
+            # draft() again without advance(): drop the previous root pair and redo it with this root.
+            self.cache.truncate(self.cache.length - 1)
+            self.drafted_root = None
+        device = self.last_hidden.device
+        feats = torch.cat(self.pending_features + [self.last_hidden[None]])  # [n, H]
+        toks = torch.cat(self.pending_tokens + [torch.tensor([root], dtype=torch.int64, device=device)])  # [n]
+        n = toks.shape[0]
+        start = self.cache.length
+        positions = torch.arange(start, start + n, device=device)
+        self._reserve(n)
+        out = self.head(self._embed(toks)[None], feats[None], positions[None], self.cache, causal_mask(n, 1, device))[0]
+        self.cache.advance(n)
+        self.pending_features, self.pending_tokens = [], []
+        self.drafted_root = root
+        return out[-1]
+
+    # ---- protocol -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
+        root = int(root)
+        root_out = self._run_pending(root)  # [H]: predicted feature at the root's position
+        if self.dynamic is not None:
+            return self._draft_dynamic(root, root_out)
+        return self._draft_static(root, root_out)
+
+    def advance(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """tokens # [a] int64: x_L .. x_{L+a-1} (previous root first); hidden # [a, H]: h_L .. h_{L+a-1}."""
+        h = self.head.config.hidden_size
+        if tokens.ndim != 1 or tokens.shape[0] == 0 or hidden.shape != (tokens.shape[0], h):
+            raise ConfigError(
+                f"advance needs tokens [a >= 1] and hidden [a, {h}], "
+                f"got {tuple(tokens.shape)} and {tuple(hidden.shape)}"
+            )
+        device = self.last_hidden.device
+        tokens = tokens.to(device)
+        hidden = hidden.to(device, self.last_hidden.dtype)
+        first = int(tokens[0])
+        if self.drafted_root is None:
+            # No draft since the last hidden state arrived: its pair with x_L is still pending.
+            self.pending_features.append(self.last_hidden[None])
+            self.pending_tokens.append(tokens[:1])
+        elif first != self.drafted_root:
+            raise DraftStateError(f"advance tokens[0] = {first}, but the last draft was rooted at {self.drafted_root}")
+        self.pending_features.append(hidden[:-1])
+        self.pending_tokens.append(tokens[1:])
+        self.last_hidden = hidden[-1]
+        self.drafted_root = None
+
+    # ---- static trees (EAGLE-1) ---------------------------------------------------------------------------
+
+    def _draft_static(self, root: int, root_out: torch.Tensor) -> Draft:
+        tree = self.tree
+        assert tree is not None
+        n = tree.num_nodes
+        device = root_out.device
+        tokens = torch.full((n,), root, dtype=torch.int64, device=device)
+        if n == 1:
+            return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
+        parents = tree.parent_list
+        depth = tree.depth.tolist()
+        out = torch.empty(n, root_out.shape[0], dtype=root_out.dtype, device=device)  # [num_nodes, H]
+        out[0] = root_out
+        self._fill_children(tree, [0], out, tokens)
+        base = self.cache.length  # a node at depth d sits at position L - 1 + d = base - 1 + d
+        full_mask = tree.mask  # [num_nodes, num_nodes]
+        block: list[int] = []  # nodes forwarded so far this step, ancestors first
+        for d in range(1, tree.max_depth):
+            new = [i for i in range(1, n) if depth[i] == d and tree.children(i)]
+            if not new:
+                continue
+            block += new
+            idx = torch.tensor(block, dtype=torch.int64, device=device)
+            feats = out[torch.tensor([parents[i] for i in block], device=device)]  # [B, H]: parents' outputs
+            positions = torch.tensor([base - 1 + depth[i] for i in block], device=device)
+            res = self._forward(tokens[idx], feats, positions, full_mask[idx.cpu()][:, idx.cpu()])
+            out[idx[-len(new):]] = res[-len(new):]
+            self._fill_children(tree, new, out, tokens)
+        return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
+
+    def _fill_children(self, tree: Tree, nodes: list[int], out: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The child of rank r of node i gets the r-th top token of lm_head(out[i]); tokens # [num_nodes]."""
+        ranks = tree.ranks.tolist()
+        rows, kids = [], []
+        for row, i in enumerate(nodes):
+            for c in tree.children(i):
+                rows.append(row)
+                kids.append(c)
+        k = 1 + max(ranks[c] for c in kids)
+        idx = torch.tensor(nodes, device=out.device)
+        top = torch.topk(self.model.lm_head(out[idx]), k, dim=-1).indices  # [len(nodes), k]
+        dev = out.device
+        picked = top[torch.tensor(rows, device=dev), torch.tensor([ranks[c] for c in kids], device=dev)]
+        tokens[torch.tensor(kids, device=dev)] = picked
+
+    # ---- dynamic trees (EAGLE-2) --------------------------------------------------------------------------
+
+    def _draft_dynamic(self, root: int, root_out: torch.Tensor) -> Draft:
+        """EAGLE-2: grow a candidate pool level by level from a top_k frontier, then keep the best total_tokens - 1."""
+        opts = self.dynamic
+        assert opts is not None
+        if opts.total_tokens == 1:
+            return Draft(Tree.root_only(), torch.tensor([root], dtype=torch.int64), Proposal.DETERMINISTIC)
+        device = root_out.device
+        base = self.cache.length  # a node at depth d sits at position base - 1 + d
+        # A tree of total_tokens - 1 draft nodes is at most that deep: deeper rounds could never be selected.
+        rounds = min(opts.depth, opts.total_tokens - 2)
+        # The pool, in creation order: parent pool index (-1: the root), token, cumulative log-prob.
+        exp = expand_frontier(torch.zeros(1, device=device), self._logprobs(root_out[None]), opts.top_k)
+        pool_parent, pool_tokens, pool_scores = [torch.full_like(exp.tokens, -1)], [exp.tokens], [exp.scores]
+        pool_size = exp.tokens.shape[0]
+        frontier = exp.frontier  # [k] pool indices: the root's children are the first frontier
+        frontier_in = root_out[None].expand(frontier.shape[0], -1)  # [k, H]: input feature = parent's output
+        parent_of = pool_parent[0].tolist()  # pool index -> parent pool index
+        # Nodes forwarded so far this step, in forward order (parents first): pool index, block row of the
+        # parent (-1: the root, which is in the cache), depth, input feature.
+        blk_pool: list[int] = []
+        blk_parent: list[int] = []
+        blk_depth: list[int] = []
+        blk_in: list[torch.Tensor] = []
+        row_of: dict[int, int] = {}
+        for level in range(1, rounds + 1):
+            for p in frontier.tolist():
+                row_of[p] = len(blk_pool)
+                blk_parent.append(row_of.get(parent_of[p], -1))
+                blk_pool.append(p)
+                blk_depth.append(level)
+            blk_in.append(frontier_in)
+            k = frontier.shape[0]
+            all_tokens = torch.cat(pool_tokens)
+            positions = torch.tensor([base - 1 + d for d in blk_depth], device=device)
+            idx = torch.tensor(blk_pool, device=device)
+            out = self._forward(all_tokens[idx], torch.cat(blk_in), positions, _ancestor_mask(blk_parent))[-k:]
+            exp = expand_frontier(torch.cat(pool_scores)[frontier], self._logprobs(out), opts.top_k)
+            new_parent = frontier[exp.parent]  # [k * top_k] pool indices
+            pool_parent.append(new_parent)
+            pool_tokens.append(exp.tokens)
+            pool_scores.append(exp.scores)
+            parent_of += new_parent.tolist()
+            frontier_in = out[exp.parent[exp.frontier]]
+            frontier = pool_size + exp.frontier
+            pool_size += exp.tokens.shape[0]
+        tree, node_tokens = select_dynamic_tree(
+            torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores), opts.total_tokens, root_token=root
+        )
+        return Draft(tree, node_tokens.cpu(), Proposal.DETERMINISTIC)
+
+
+def _ancestor_mask(parent_rows: list[int]) -> torch.Tensor:
+    """Ancestor-or-self mask of a block whose rows list their parent's row (-1: outside the block), parents
+    first. # [m, m] bool"""
+    m = len(parent_rows)
+    mask = torch.eye(m, dtype=torch.bool)
+    for r, p in enumerate(parent_rows):
+        if p >= 0:
+            mask[r] |= mask[p]
+    return mask

@@ -1,0 +1,163 @@
+"""Prompt lookup decoding (PLD): draft by copying what followed earlier occurrences of the current suffix.
+
+No weights. The suffix of the sequence (prompt + generated + root) is matched against every earlier
+occurrence in the committed text, trying n-gram lengths from `max_ngram` down to `min_ngram`; the tokens that
+followed each occurrence are proposed. Several distinct continuations (longest n first, then most recent
+occurrence first) are merged into a trie, so the draft is a small tree (a chain when only one is found).
+Children are fixed candidates, so the proposal is DETERMINISTIC.
+
+The index maps every n-gram of the committed sequence to the positions right after its occurrences and is
+extended incrementally on `advance`, so a draft costs O(max_ngram + candidates) dict look-ups regardless of
+the sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import ConfigError
+from runtime.protocol import Draft, Proposal
+from runtime.tree import Tree
+
+# Occurrences looked at per n-gram length and draft (most recent first).
+_SCAN_PER_NGRAM = 64
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """Bounds of one lookup draft.
+
+    max_ngram / min_ngram   suffix lengths tried, longest first (min_ngram >= 1).
+    num_draft_tokens        draft nodes per tree, root excluded (also bounded by the session's max_nodes).
+    max_depth               longest continuation copied from one occurrence (None: num_draft_tokens).
+    max_branches            distinct continuations merged into the tree (1: a plain chain, PLD's original form).
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    num_draft_tokens: int = 10
+    max_depth: int | None = 6
+    max_branches: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_ngram", "min_ngram", "num_draft_tokens", "max_branches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"lookup option {name} must be an integer >= 1, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(
+                f"lookup option min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
+            )
+        if self.max_depth is not None and (
+            not isinstance(self.max_depth, int) or isinstance(self.max_depth, bool) or self.max_depth < 1
+        ):
+            raise ConfigError(f"lookup option max_depth must be an integer >= 1 or None, got {self.max_depth!r}")
+
+    @property
+    def depth_limit(self) -> int:
+        return self.num_draft_tokens if self.max_depth is None else min(self.max_depth, self.num_draft_tokens)
+
+
+class LookupDrafter:
+    """Prompt-lookup drafter; stateless apart from its options."""
+
+    name = "lookup"
+
+    def __init__(self, options: LookupOptions | None = None) -> None:
+        self.options = options if options is not None else LookupOptions()
+
+    def start(self, prompt: torch.Tensor, hidden: torch.Tensor | None, max_nodes: int) -> LookupSession:
+        """prompt # [P] int64; hidden is ignored (lookup needs no hidden states)."""
+        return LookupSession(prompt, max_nodes, self.options)
+
+
+class LookupSession:
+    """Per-request n-gram index over the committed sequence."""
+
+    def __init__(self, prompt: torch.Tensor, max_nodes: int, options: LookupOptions) -> None:
+        if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
+            raise ConfigError(f"max_nodes must be an integer >= 1 (the root counts), got {max_nodes!r}")
+        if prompt.ndim != 1:
+            raise ConfigError(f"prompt must be a 1-D token tensor, got shape {tuple(prompt.shape)}")
+        self.options = options
+        self.max_nodes = max_nodes
+        self.tokens: list[int] = []  # the committed sequence x_0 .. x_{L-1}
+        # index[n][ngram] = end positions e (exclusive) of the occurrences tokens[e - n : e] == ngram, ascending.
+        self.index: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(options.min_ngram, options.max_ngram + 1)
+        }
+        self._extend(prompt.tolist())
+
+    def _extend(self, new: list[int]) -> None:
+        toks = self.tokens
+        for tok in new:
+            toks.append(int(tok))
+            end = len(toks)
+            for n, table in self.index.items():
+                if end >= n:
+                    table.setdefault(tuple(toks[end - n : end]), []).append(end)
+
+    def continuations(self, root: int) -> Iterator[list[int]]:
+        """Continuations of (committed + root) in priority order (longest n-gram, then most recent occurrence).
+
+        Each is at most depth_limit tokens; at most _SCAN_PER_NGRAM occurrences are looked at per n-gram length
+        so that highly repetitive text cannot make a draft scan the whole sequence.
+        """
+        opts = self.options
+        committed = len(self.tokens)  # the root sits at index `committed` of the sequence
+        depth = opts.depth_limit
+        for n in range(min(opts.max_ngram, committed + 1), opts.min_ngram - 1, -1):
+            suffix = tuple(self.tokens[committed + 1 - n :]) + (root,)
+            ends = self.index[n].get(suffix, ())
+            for end in ends[: -_SCAN_PER_NGRAM - 1 : -1]:  # most recent first
+                cont = self.tokens[end : end + depth]
+                if len(cont) < depth:
+                    # The occurrence ends within `period` tokens of the sequence end, i.e. the text since it
+                    # repeats with that period: continue the repetition (the root included) instead of stopping.
+                    period = committed + 1 - end  # >= 1 since end <= committed
+                    cycle = self.tokens[end:] + [root]
+                    cont = [cycle[i % period] for i in range(depth)]
+                yield cont
+
+    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
+        budget = min(self.options.num_draft_tokens, self.max_nodes - 1)
+        if budget == 0:
+            return Draft(Tree.root_only(), torch.tensor([int(root)], dtype=torch.int64))
+        # Trie keyed by rank paths: children[path] = tokens of the children of `path`, in rank order.
+        children: dict[tuple[int, ...], list[int]] = {(): []}
+        node_token: dict[tuple[int, ...], int] = {}
+        used = 0
+        branches = 0
+        for cont in self.continuations(int(root)):
+            path: tuple[int, ...] = ()
+            added = 0
+            for tok in cont:
+                kids = children[path]
+                if tok in kids:
+                    path = path + (kids.index(tok),)
+                    continue
+                if used == budget:
+                    break
+                kids.append(tok)
+                path = path + (len(kids) - 1,)
+                children[path] = []
+                node_token[path] = tok
+                used += 1
+                added += 1
+            branches += added > 0  # a continuation already in the trie is not a new branch
+            if used == budget or branches == self.options.max_branches:
+                break
+        if not node_token:
+            return Draft(Tree.root_only(), torch.tensor([int(root)], dtype=torch.int64))
+        tree = Tree.from_choices(list(node_token))
+        tokens = [int(root)] + [node_token[p] for p in tree.choices]
+        return Draft(tree, torch.tensor(tokens, dtype=torch.int64), Proposal.DETERMINISTIC)
+
+    def advance(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """tokens # [a] int64: the newly committed x_L .. x_{L+a-1}; hidden is ignored."""
+        if tokens.ndim != 1:
+            raise ConfigError(f"advance tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        self._extend(tokens.tolist())

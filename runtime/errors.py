@@ -1,0 +1,34 @@
+"""Exception types shared by the runtime.
+
+Every error raised on bad input names the field or file, the value found and what was expected. Each type
+also subclasses the builtin that best describes it, so callers may catch either.
+"""
+
+from __future__ import annotations
+
+
+class SpectreeError(Exception):
+    """Base of every error spectree raises on purpose."""
+
+
+class ConfigError(SpectreeError, ValueError):
+    """A model / drafter / tree / sampling configuration is invalid or unsupported."""
+
+
+class CheckpointError(SpectreeError, ValueError):
+    """A checkpoint directory or file is missing, corrupt, or does not match its config."""
+
+
+class TokenizerError(SpectreeError, ValueError):
+    """tokenizer.json / tokenizer_config.json missing or unusable."""
+
+
+class CacheError(SpectreeError, RuntimeError):
+    """KV-cache misuse: overflow past max_len, bad commit indices, bad truncation."""
+
+
+class RequestError(SpectreeError, ValueError):
+    """A generation request (prompt, sampling parameters, limits) is invalid."""
+
+
+__all__ = ["SpectreeError", "ConfigError", "CheckpointError", "TokenizerError", "CacheError", "RequestError"]

@@ -1,0 +1,286 @@
+"""The target model: a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) that runs tree steps.
+
+Module and parameter names mirror Hugging Face's (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...)
+so a checkpoint's state dict loads by name; only lm_head.weight is stored as `output.weight` because
+`lm_head` is the method below. Attention always goes through `torch.ops.spectree.tree_attention`.
+
+One forward pass = N new tokens (a causal chunk of a prompt, or a draft tree) on top of the cache:
+    tokens, positions  # [B, N] int64
+    tree_mask          # [B, N, ceil(N / 32)] int32 packed: bit j of row i <=> token i sees new token j
+The committed prefix [0, cache.length) is always fully visible. For a causal chunk the mask is lower
+triangular and positions are cache.length + arange(N); for a tree, positions are cache.length + depth and
+the mask is ancestor-or-self.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plugins.tree_attention.op  # noqa: F401  (registers torch.ops.spectree.tree_attention)
+from plugins.tree_attention.mask import mask_words, pack_mask
+from runtime.checkpoint import LM_HEAD, load_checkpoint, validate_tensors
+from runtime.config import ModelConfig
+from runtime.errors import CacheError, CheckpointError, RequestError
+from runtime.kv_cache import KVCache
+from runtime.rope import RotaryEmbedding, apply_rope
+
+_OUTPUT = "output.weight"
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back, then scaled (HF Llama's order of operations)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x  # [..., H]
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.q_proj = nn.Linear(h, config.q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, N, H]
+        cos: torch.Tensor,  # [B, N, D] float32
+        sin: torch.Tensor,  # [B, N, D] float32
+        cache: KVCache,
+        cache_layer: int,
+        tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32
+    ) -> torch.Tensor:  # [B, N, H]
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, N, D]
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, N, D]
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_all, v_all = cache.write(cache_layer, k, v)  # [B, Hkv, L + N, D]
+        out = torch.ops.spectree.tree_attention(q, k_all, v_all, tree_mask, self.scale)  # [B, Hq, N, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)).
+
+    input_norm=False drops input_layernorm (EAGLE-1's draft layer feeds its fused input to attention
+    directly); the parameter then does not exist, so its state dict has no input_layernorm.weight.
+
+    Usable on its own with its own KVCache (e.g. KVCache(1, Hkv, D, max_len) and cache_layer=0):
+        y = layer(x, positions, cache, cache_layer, tree_mask)
+    It writes K/V of the N tokens at slots [cache.length, cache.length + N) of `cache_layer` and does not
+    advance the cache. A model running many layers computes RoPE once and passes `cos_sin`.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, input_norm: bool = True) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.rotary = RotaryEmbedding.from_config(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, N, H]
+        positions: torch.Tensor,  # [B, N] int64
+        cache: KVCache,
+        cache_layer: int,
+        tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # each [B, N, D] float32, from positions
+    ) -> torch.Tensor:  # [B, N, H]
+        cos, sin = self.rotary(positions) if cos_sin is None else cos_sin
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, cache, cache_layer, tree_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def causal_mask(n: int, batch: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Packed lower-triangular mask for a causal chunk of n tokens: # [batch, n, ceil(n / 32)] int32."""
+    tril = torch.ones(n, n, dtype=torch.bool).tril()
+    return pack_mask(tril).to(device).expand(batch, n, mask_words(n)).contiguous()
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        """Uninitialised parameters; use from_pretrained / from_state (or load_state) to fill them."""
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.rotary = RotaryEmbedding.from_config(config)
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+
+    # ---- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu"
+    ) -> TargetModel:
+        """Load an HF checkpoint directory; dtype defaults to the config's (torch_dtype / dtype)."""
+        config, tensors = load_checkpoint(path, dtype=dtype, device=device)
+        return cls.from_state(config, tensors, source=str(path))
+
+    @classmethod
+    def from_state(
+        cls, config: ModelConfig, tensors: dict[str, torch.Tensor], source: str = "state dict"
+    ) -> TargetModel:
+        """Build from HF-named tensors (validated against config; cast to config.dtype, device kept)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state(tensors, source=source)
+        return model
+
+    def load_state(self, tensors: dict[str, torch.Tensor], source: str = "state dict") -> None:
+        """Replace every parameter with HF-named `tensors` (validated; floats cast to config.dtype)."""
+        valid = validate_tensors(self.config, tensors, source=source)
+        devices = {t.device for t in valid.values()}
+        if len(devices) != 1:
+            raise CheckpointError(f"{source}: tensors are spread over several devices {sorted(map(str, devices))}")
+        dtype = self.config.torch_dtype
+        state = {(_OUTPUT if n == LM_HEAD else n): t.to(dtype) for n, t in valid.items()}
+        self.load_state_dict(state, strict=True, assign=True)
+        self.to(devices.pop())  # rotary buffers follow the weights
+        self.requires_grad_(False)
+        self.eval()
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """An empty cache for up to max_len positions (at most config.max_context), on the model's device."""
+        c = self.config
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 0 < max_len <= c.max_context:
+            raise CacheError(
+                f"cache max_len must be in [1, {c.max_context}] (the model's max_context"
+                f"{', capped by sliding_window' if c.sliding_window else ''}), got {max_len!r}"
+            )
+        return KVCache(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, batch, c.torch_dtype, self.device
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    # ---- compute ------------------------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens # [...] int64 -> # [..., H] in the model dtype."""
+        return self.model.embed_tokens(tokens)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """# [V, H]; the embedding matrix when tied."""
+        return self.model.embed_tokens.weight if self.output is None else self.output.weight
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden # [..., H] (final-norm output) -> logits # [..., V] float32."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, N] int64
+        positions: torch.Tensor,  # [B, N] int64
+        cache: KVCache,
+        tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32 packed
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, N, V] float32, hidden [B, N, H]
+        """Run N new tokens over the cache; writes their K/V at [cache.length, +N), does not advance it."""
+        self._check_inputs(tokens, positions, cache, tree_mask)
+        cos_sin = self.rotary(positions)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, cache, i, tree_mask, cos_sin)
+        hidden = self.model.norm(x)
+        return self.lm_head(hidden), hidden
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal pass over tokens # [B, P] at positions cache.length.. and commit them all.
+
+        Returns logits # [B, P, V] float32 and hidden # [B, P, H].
+        """
+        b, p = tokens.shape
+        start = cache.length
+        positions = torch.arange(start, start + p, device=tokens.device).expand(b, p)
+        logits, hidden = self.forward(tokens, positions, cache, causal_mask(p, b, tokens.device))
+        cache.advance(p)
+        return logits, hidden
+
+    def _check_inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor
+    ) -> None:
+        c = self.config
+        if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise RequestError(
+                f"tokens must be a non-empty [B, N] integer tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
+        b, n = tokens.shape
+        if positions.shape != tokens.shape or positions.is_floating_point():
+            raise RequestError(
+                f"positions must be an integer tensor of shape {(b, n)}, got {positions.dtype} {tuple(positions.shape)}"
+            )
+        expected_mask = (b, n, mask_words(n))
+        if tree_mask.dtype != torch.int32 or tuple(tree_mask.shape) != expected_mask:
+            raise RequestError(
+                f"tree_mask must be packed int32 of shape {expected_mask}, "
+                f"got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+            )
+        layout = (c.num_hidden_layers, b, c.num_key_value_heads, c.head_dim, self.dtype)
+        got = (cache.num_layers, cache.batch, cache.num_kv_heads, cache.head_dim, cache.dtype)
+        if got != layout:
+            raise CacheError(
+                f"cache (layers, batch, kv heads, head_dim, dtype) = {got} does not fit this model: {layout}"
+            )
+        cache.check_room(n)
+        # One host sync; an out-of-range id would otherwise be a device-side assert on GPU.
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= c.vocab_size:
+            raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {c.vocab_size})")
+
+__all__ = ["RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "causal_mask"]

@@ -1,0 +1,185 @@
+"""Lossless verification of a draft tree against the target's logits (reference-facts section 3).
+
+Vocabulary (accepted / bonus / residual tokens, tau): see the module docstring of `runtime.protocol`.
+
+Greedy (temperature 0): the emitted tokens equal greedy autoregressive decoding token for token.
+Sampling: tree rejection sampling whose output is distributed exactly as autoregressive sampling from
+p = `target_probs(logits, params)` at every position. At the current node the children are tried in rank
+order; child x (draft proposal q_c) is accepted with probability min(1, p(x) / q_c(x)) using a fresh uniform;
+on rejection p becomes the residual and the next child is tried; once every child is rejected the residual
+token is drawn from the final residual; an accepted leaf ends the step with a bonus token drawn from p there.
+The residual update depends on how the drafter produced the children (`Draft.proposal`):
+  DETERMINISTIC        q_c = one-hot(x): accept with probability p(x); residual p(x) <- 0, renormalised.
+  IID                  children i.i.d. from q: residual p <- norm(max(0, p - q)); q unchanged.
+  WITHOUT_REPLACEMENT  residual p <- norm(max(0, p - q_i)); q_{i+1} <- norm(q_i with x_i removed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.errors import ConfigError
+from runtime.protocol import Draft, Proposal, Verdict
+from runtime.sampling import SamplingParams, sample, target_probs
+
+
+def _check_inputs(draft: Draft, target_logits: torch.Tensor) -> list[int]:
+    """Shape checks; returns the draft tokens as a list."""
+    n = draft.tree.num_nodes
+    if target_logits.ndim != 2 or target_logits.shape[0] != n:
+        raise ConfigError(f"target_logits must be [num_nodes={n}, vocab], got {tuple(target_logits.shape)}")
+    vocab = target_logits.shape[1]
+    tokens = draft.tokens.tolist()
+    if n > 1 and not (0 <= min(tokens[1:]) and max(tokens[1:]) < vocab):
+        raise ConfigError(f"draft tokens {tokens} fall outside the target vocabulary [0, {vocab})")
+    if draft.draft_probs is not None and tuple(draft.draft_probs.shape) != (n, vocab):
+        raise ConfigError(
+            f"draft_probs must be [num_nodes={n}, vocab={vocab}] like target_logits, "
+            f"got {tuple(draft.draft_probs.shape)}"
+        )
+    return tokens
+
+
+def verify(
+    draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> Verdict:
+    """Accept a path of the draft and emit its tokens plus one bonus/residual token.
+
+    target_logits  # [num_nodes, vocab] float32: row i = the target's logits at draft node i
+    generator: randomness for sampling (any device: draws happen there); unused when params.greedy.
+    """
+    if params.greedy:
+        return verify_greedy(draft, target_logits)
+    return verify_sampling(draft, target_logits, params, generator)
+
+
+def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
+    """Deepest root-to-node path whose every token equals the target argmax at its parent.
+
+    target_logits  # [num_nodes, vocab]
+    Siblings may share a token (e.g. lookup + model candidates); the deepest matching branch wins, ties going
+    to the lower node index (rank order). The proposal kind is irrelevant: greedy is exact for any draft.
+    """
+    tokens = torch.tensor(_check_inputs(draft, target_logits), dtype=torch.int64)  # [num_nodes]
+    tree = draft.tree
+    argmax = target_logits.argmax(dim=-1).cpu()  # [num_nodes]
+    parents = tree.parents  # [num_nodes]
+    match = tokens == argmax[parents.clamp(min=0)]  # [num_nodes]: node i's token is its parent's argmax
+    match[0] = True
+    on_path_ok = ~(tree.mask & ~match).any(dim=-1)  # [num_nodes]: every node root..i matches
+    depth = torch.where(on_path_ok, tree.depth, -1)
+    best = int(depth.argmax())  # first maximum = lowest index among the deepest
+    path = tree.path(best)
+    emitted = tokens[list(path[1:])].tolist() + [int(argmax[best])]
+    return _verdict(list(path), emitted, bonus=tree.is_leaf(best))
+
+
+def _uniforms(m: int, generator: torch.Generator | None) -> list[float]:
+    device = generator.device if generator is not None else "cpu"
+    return torch.rand(m, generator=generator, device=device, dtype=torch.float64).tolist()
+
+
+def verify_sampling(
+    draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> Verdict:
+    """Tree rejection sampling with the rule of `draft.proposal` (see the module docstring).
+
+    target_logits  # [num_nodes, vocab]
+    """
+    tokens = _check_inputs(draft, target_logits)
+    tree = draft.tree
+    proposal = draft.proposal
+    node = 0
+    path = [0]
+    emitted: list[int] = []
+    while True:
+        p = target_probs(target_logits[node], params)  # [vocab] float32
+        kids = tree.children(node)
+        if not kids:
+            emitted.append(sample(p, generator))
+            return _verdict(path, emitted, bonus=True)
+        u = _uniforms(len(kids), generator)  # one fresh uniform per child tried
+        if proposal is Proposal.DETERMINISTIC:
+            child, residual = _try_deterministic(p, kids, tokens, draft.tokens, u)
+        else:
+            q = draft.draft_probs[node].to(device=p.device, dtype=torch.float32)  # [vocab]
+            q = q / q.sum()
+            child, residual = _try_stochastic(p, q, kids, tokens, u, node, proposal is Proposal.WITHOUT_REPLACEMENT)
+        if residual is not None:  # every child rejected
+            emitted.append(sample(residual, generator))
+            return _verdict(path, emitted, bonus=False)
+        path.append(child)
+        emitted.append(tokens[child])
+        node = child
+
+
+def _try_deterministic(
+    p: torch.Tensor, kids: tuple[int, ...], tokens: list[int], token_tensor: torch.Tensor, u: list[float]
+) -> tuple[int, torch.Tensor | None]:
+    """Returns (accepted child, None) or (-1, residual  # [vocab]) once every child is rejected.
+
+    q_c = one-hot(x). The residual after rejecting x_1..x_j is p with those tokens zeroed, renormalised; it is
+    kept implicitly as (p, rejected tokens, mass left) so the walk costs one gather. Child x is accepted with
+    probability residual(x) = p(x) / (mass left), which is 0 when x was already rejected (a duplicate sibling
+    from another candidate source): such a child is rejected with certainty, exactly as the rule requires."""
+    kid_tokens = [tokens[c] for c in kids]
+    # Siblings are contiguous in canonical order, so their tokens are one slice: a single gather for all p(x).
+    px = p[token_tensor[kids[0] : kids[-1] + 1].to(p.device)].tolist()
+    left = float(p.sum())
+    rejected: set[int] = set()
+    for c, x, pxi, ui in zip(kids, kid_tokens, px, u):
+        mass_x = 0.0 if x in rejected else pxi
+        if left > 0.0 and ui < mass_x / left:
+            return c, None
+        if x not in rejected:
+            rejected.add(x)
+            left -= pxi
+    residual = p.clone()
+    residual[torch.tensor(sorted(rejected), device=p.device)] = 0.0
+    if not float(residual.sum()) > 0.0:
+        # Only reachable through rounding (the last child's acceptance ratio was 1 - eps): the exact residual has
+        # zero mass and this branch has probability zero, so any choice is lossless; keep p.
+        return -1, p
+    return -1, residual
+
+
+def _try_stochastic(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    kids: tuple[int, ...],
+    tokens: list[int],
+    u: list[float],
+    node: int,
+    without_replacement: bool,
+) -> tuple[int, torch.Tensor | None]:
+    """IID / without-replacement rules; p, q  # [vocab] float32, both normalised. Returns like _try_deterministic."""
+    for c, ui in zip(kids, u):
+        x = tokens[c]
+        px, qx = float(p[x]), float(q[x])
+        if not qx > 0.0:
+            raise ConfigError(
+                f"draft node {c} (token {x}) has draft probability {qx} at its parent node {node}: a token sampled "
+                f"from q cannot have q = 0 (draft_probs do not match the drafted tokens)"
+            )
+        if ui < px / qx:  # min(1, p/q) is implicit: u < 1 always
+            return c, None
+        r = (p - q).clamp_min(0.0)
+        mass = float(r.sum())
+        if mass > 0.0:  # exact zero mass means rejection had probability 0 (rounding): keep p, see above
+            p = r / mass
+        if without_replacement:
+            q = q.clone()
+            q[x] = 0.0
+            q_mass = float(q.sum())
+            if q_mass > 0.0:
+                q = q / q_mass
+    return -1, p
+
+
+def _verdict(path: list[int], emitted: list[int], bonus: bool) -> Verdict:
+    return Verdict(
+        path=torch.tensor(path, dtype=torch.int64), tokens=torch.tensor(emitted, dtype=torch.int64), bonus=bonus
+    )
+
+
+__all__ = ["verify", "verify_greedy", "verify_sampling"]

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repo root with everything the project and its tests need. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: 2.13.0 is the CPU wheel kept on this machine kind's disk; anything unpinned pulls a
+# multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test,plots]"
+echo "set-up done: $(.venv/bin/python -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')"

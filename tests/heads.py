@@ -1,0 +1,235 @@
+"""Tiny random draft heads in the PUBLIC on-disk formats, for tests.
+
+    write_medusa_head(dir, hidden_size, vocab_size, ...)   FasterDecoding Medusa-1: config.json +
+                                                           medusa_lm_head.safetensors or medusa_lm_head.pt
+    write_eagle_head(dir, target_dir, ...)                 SafeAILab EAGLE-1: config.json (Llama-style, one
+                                                           layer) + pytorch_model.bin or model.safetensors
+
+The Medusa state dict is produced by the FasterDecoding module structure itself (nn.ModuleList of
+nn.Sequential(ResBlock..., Linear)); the EAGLE layer weights by transformers' LlamaDecoderLayer, so the key
+names are the real ones, not our own spelling of them. transformers is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+StateHook = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class ResBlock(nn.Module):
+    """FasterDecoding's ResBlock: x + SiLU(Linear(x))."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+def medusa_module(hidden_size: int, vocab_size: int, num_heads: int, num_layers: int) -> nn.ModuleList:
+    """The FasterDecoding `medusa_head` module list (independent layers per head)."""
+    return nn.ModuleList(
+        nn.Sequential(
+            *[ResBlock(hidden_size) for _ in range(num_layers)], nn.Linear(hidden_size, vocab_size, bias=False)
+        )
+        for _ in range(num_heads)
+    )
+
+
+def _randomize(module: nn.Module, seed: int, scale: float = 0.2) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(scale * noise)
+
+
+def write_medusa_head(
+    dir: str | Path,
+    hidden_size: int,
+    vocab_size: int,
+    num_heads: int = 4,
+    num_layers: int = 1,
+    fmt: str = "safetensors",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    config_overrides: dict[str, Any] | None = None,
+    state_hook: StateHook | None = None,
+) -> Path:
+    """Write a random Medusa-1 head directory; returns it. fmt: "safetensors" | "pt".
+
+    config_overrides update config.json (a None value removes the key); state_hook edits the state dict before
+    it is written (to make broken checkpoints for error tests).
+    """
+    if fmt not in ("safetensors", "pt"):
+        raise ValueError(f"fmt must be 'safetensors' or 'pt', got {fmt!r}")
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    heads = medusa_module(hidden_size, vocab_size, num_heads, num_layers)
+    _randomize(heads, seed)
+    state = {k: v.to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    if state_hook is not None:
+        state = state_hook(state)
+    config: dict[str, Any] = {
+        "medusa_num_heads": num_heads,
+        "medusa_num_layers": num_layers,
+        "base_model_name_or_path": "tiny-target",
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
+        "transformers_version": "4.34.0",
+    }
+    for k, v in (config_overrides or {}).items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(out / "medusa_lm_head.safetensors"))
+    else:
+        torch.save(state, out / "medusa_lm_head.pt")
+    return out
+
+
+def load_medusa_reference(dir: str | Path) -> nn.ModuleList:
+    """Load a head directory into the FasterDecoding module structure (strict), for reference outputs."""
+    from safetensors.torch import load_file
+
+    d = Path(dir)
+    cfg = json.loads((d / "config.json").read_text())
+    st = d / "medusa_lm_head.safetensors"
+    state = load_file(str(st)) if st.exists() else torch.load(d / "medusa_lm_head.pt", weights_only=True)
+    lm = state[f"0.{cfg['medusa_num_layers']}.weight"]
+    module = medusa_module(lm.shape[1], lm.shape[0], cfg["medusa_num_heads"], cfg["medusa_num_layers"])
+    module.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return module
+
+
+def eagle_layer_config(target_dir: str | Path, **overrides: Any):
+    """transformers LlamaConfig of an EAGLE head for the target at target_dir (one layer, same shapes)."""
+    from transformers import LlamaConfig
+
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    rope = t.get("rope_parameters") or {}
+    kw: dict[str, Any] = dict(
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        intermediate_size=t["intermediate_size"],
+        num_hidden_layers=1,
+        num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t.get("num_key_value_heads", t["num_attention_heads"]),
+        head_dim=t["hidden_size"] // t["num_attention_heads"],  # EAGLE's attention: hidden_size // heads
+        max_position_embeddings=t["max_position_embeddings"],
+        rms_norm_eps=t["rms_norm_eps"],
+        rope_theta=rope.get("rope_theta", t.get("rope_theta", 10000.0)),
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    cfg = LlamaConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def write_eagle_head(
+    dir: str | Path,
+    target_dir: str | Path,
+    fmt: str = "bin",
+    seed: int = 0,
+    with_embedding: bool = False,
+    fc_bias: bool = True,
+    num_layers: int = 1,
+    config_overrides: dict[str, Any] | None = None,
+    state_hook: StateHook | None = None,
+) -> Path:
+    """Write a random EAGLE-1 head for the target checkpoint at target_dir; returns the directory.
+
+    fmt: "bin" (pytorch_model.bin, what the EAGLE repo ships) | "safetensors" (model.safetensors).
+    with_embedding: include embed_tokens.weight (a perturbed copy of the target's, so using the wrong
+    embedding changes the drafts). fc_bias: the config's "bias" flag and the fc.bias tensor.
+    Layer weights come from transformers' LlamaDecoderLayer (layer 0 without input_layernorm, as in EAGLE).
+    """
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if fmt not in ("bin", "safetensors"):
+        raise ValueError(f"fmt must be 'bin' or 'safetensors', got {fmt!r}")
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = eagle_layer_config(target_dir, num_hidden_layers=num_layers)
+    h = cfg.hidden_size
+    state: dict[str, torch.Tensor] = {}
+    for i in range(num_layers):
+        layer = LlamaDecoderLayer(cfg, i)
+        _randomize(layer, seed + 100 * i, scale=0.15)
+        for k, v in layer.state_dict().items():
+            if i == 0 and k.startswith("input_layernorm."):
+                continue  # EAGLE-1: no input norm in layer 0
+            state[f"layers.{i}.{k}"] = v.contiguous()
+    fc = nn.Linear(2 * h, h, bias=fc_bias)
+    _randomize(fc, seed + 7, scale=0.1)
+    state["fc.weight"] = fc.weight.detach().contiguous()
+    if fc_bias:
+        state["fc.bias"] = fc.bias.detach().contiguous()
+    if with_embedding:
+        from safetensors.torch import load_file
+
+        target = load_file(str(Path(target_dir) / "model.safetensors"))
+        emb = target["model.embed_tokens.weight"].float()
+        gen = torch.Generator().manual_seed(seed + 11)
+        state["embed_tokens.weight"] = (emb + 0.5 * torch.randn(emb.shape, generator=gen)).contiguous()
+    if state_hook is not None:
+        state = state_hook(state)
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "bias": fc_bias,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hidden_act": "silu",
+        "hidden_size": h,
+        "initializer_range": 0.02,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "model_type": "llama",
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "pad_token_id": 0,
+        "pretraining_tp": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "transformers_version": "4.28.1",
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+    }
+    for k, v in (config_overrides or {}).items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    if fmt == "bin":
+        torch.save(state, out / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, str(out / "model.safetensors"))
+    return out

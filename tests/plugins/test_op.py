@@ -1,0 +1,73 @@
+"""torch.ops.spectree.tree_attention: registration, dispatch, fake implementation, torch.export."""
+
+import pytest
+import torch
+
+import plugins.tree_attention.op  # noqa: F401  (registers the op)
+from plugins.tree_attention import pack_mask, tree_attention_reference
+from plugins.tree_attention.spec import TreeAttentionDtypeError, TreeAttentionShapeError
+from tests.plugins.trees import random_tree_masks
+
+
+def inputs(batch=2, q_heads=4, kv_heads=2, n=5, prefix=9, d=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    _, tree = random_tree_masks(batch, n, g)
+    q = torch.randn(batch, q_heads, n, d, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, prefix + n, d, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, prefix + n, d, generator=g).to(dtype)
+    return q, k, v, pack_mask(tree)
+
+
+class TreeBlock(torch.nn.Module):
+    def forward(self, q, k, v, tree_mask):
+        return torch.ops.spectree.tree_attention(q, k, v, tree_mask, 0.125) * 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_cpu_dispatch_runs_the_reference(dtype):
+    q, k, v, mask = inputs(dtype=dtype)
+    out = torch.ops.spectree.tree_attention(q, k, v, mask, 0.3)
+    assert out.dtype == dtype
+    assert torch.equal(out, tree_attention_reference(q, k, v, mask, 0.3))
+
+
+def test_op_has_cuda_and_fake_kernels():
+    name = "spectree::tree_attention"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")  # the Triton kernel
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")  # the reference
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta")  # the fake implementation
+
+
+def test_opcheck():
+    """torch's own consistency checks: schema, fake vs real, no hidden mutation / aliasing."""
+    torch.library.opcheck(torch.ops.spectree.tree_attention.default, (*inputs(), 0.3))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = inputs(dtype=torch.float16)
+    with FakeTensorMode() as mode:
+        q, k, v, mask = (mode.from_tensor(t) for t in real)
+        out = torch.ops.spectree.tree_attention(q, k, v, mask, 0.3)
+    assert out.shape == q.shape and out.dtype == torch.float16
+
+
+def test_export_keeps_the_op_with_dynamic_shapes():
+    args = inputs()
+    n, s, b = torch.export.Dim("n", min=1, max=512), torch.export.Dim("s", min=1, max=65536), torch.export.Dim("b", max=64)
+    program = torch.export.export(
+        TreeBlock(), args, dynamic_shapes=({0: b, 2: n}, {0: b, 2: s}, {0: b, 2: s}, {0: b, 1: n})
+    )
+    targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert torch.ops.spectree.tree_attention.default in targets
+    other = inputs(batch=3, n=7, prefix=20, seed=1)
+    torch.testing.assert_close(program.module()(*other), TreeBlock()(*other))
+
+
+def test_bad_input_errors_surface_through_the_op():
+    q, k, v, mask = inputs()
+    with pytest.raises(TreeAttentionShapeError, match="tree_mask has shape"):
+        torch.ops.spectree.tree_attention(q, k, v, mask[:, :, :0], 1.0)
+    with pytest.raises(TreeAttentionDtypeError, match="tree_mask must be int32"):
+        torch.ops.spectree.tree_attention(q, k, v, mask.bool(), 1.0)
