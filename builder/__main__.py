@@ -155,7 +155,15 @@ def _cmd_validate(args) -> int:
 def _cmd_inspect(args) -> int:
     from builder.inspect import inspect_engine
 
-    report = inspect_engine(args.engine_dir, verify=not args.no_verify)
+    if args.json or args.no_verify:
+        report = inspect_engine(args.engine_dir, verify=not args.no_verify)
+    else:
+        from builder.progress import RichProgress
+        from runtime.engine import read_manifest
+
+        total = sum(int(e.get("size", 0)) for e in read_manifest(args.engine_dir)["files"].values())
+        with RichProgress().stage("verify checksums", total=total, unit="bytes") as advance:
+            report = inspect_engine(args.engine_dir, verify=True, on_bytes=advance)
     if args.json:
         sys.stdout.write(json.dumps(report.summary(), indent=2) + "\n")
         return 0 if report.ok else 1

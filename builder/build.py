@@ -312,14 +312,17 @@ def _tensorrt_stage(tmp: Path, plan: BuildPlan, onnx_record: dict[str, Any], pro
     elif onnx_record["status"] != "built":
         reason = "no model.onnx to build from (the ONNX stage was skipped)"
     else:
-        from builder.tensorrt_stage import build_plan
+        from builder.tensorrt_stage import build_plan, unavailable_reason
 
-        with progress.stage("TensorRT engine"):
-            result = build_plan(tmp / ONNX_FILE, tmp / PLAN_FILE, plan)
-        if result.built:
-            record("tensorrt", "done", f"{PLAN_FILE} ({result.reason})", t0)
-            return {"status": "built", "path": PLAN_FILE, "reason": result.reason, "profile": result.profile}
-        reason = result.reason
+        reason = unavailable_reason()
+        if reason is None:
+            with progress.stage("TensorRT engine"):
+                result = build_plan(tmp / ONNX_FILE, tmp / PLAN_FILE, plan)
+            if result.built:
+                record("tensorrt", "done", f"{PLAN_FILE} ({result.reason})", t0)
+                return {"status": "built", "path": PLAN_FILE, "reason": result.reason, "profile": result.profile}
+            reason = result.reason
+        progress.note(f"[yellow]skipped[/yellow] TensorRT engine: {reason}")
     record("tensorrt", "skipped", reason, t0)
     return {"status": "skipped", "reason": reason}
 

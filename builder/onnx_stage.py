@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,9 @@ def export_verify_step(model: Any, path: Path) -> OnnxResult:
     ids, pos, mask, past = example_inputs(config)
     path.parent.mkdir(parents=True, exist_ok=True)
     log = io.StringIO()
+    onnx_logger = logging.getLogger("torch.onnx")
+    level = onnx_logger.level
+    onnx_logger.setLevel(logging.ERROR)  # e.g. "torchvision is not installed" for ops this graph never uses
     try:
         # The exporter narrates each pass on stdout; the builder shows its own progress instead.
         with contextlib.redirect_stdout(log), torch.no_grad():
@@ -150,6 +154,8 @@ def export_verify_step(model: Any, path: Path) -> OnnxResult:
             )
     except (RuntimeError, ValueError, TypeError, ImportError) as exc:
         raise OnnxStageError(f"ONNX export of the verification step failed: {exc}\n{log.getvalue()[-2000:]}") from exc
+    finally:
+        onnx_logger.setLevel(level)
     return check_onnx(path, config)
 
 

@@ -48,15 +48,29 @@ def profile_shapes(plan: BuildPlan) -> dict[str, list[list[int]]]:
     return shapes
 
 
-def build_plan(onnx_path: Path, out_path: Path, plan: BuildPlan) -> TensorRTResult:
-    """Build model.plan from model.onnx, or return why it was skipped (TensorRT or CUDA absent)."""
+def unavailable_reason() -> str | None:
+    """Why no TensorRT engine can be built here (TensorRT, tensorrt.plugin or CUDA missing), or None.
+
+    Registers the tree-attention plugin when everything is present.
+    """
     from plugins.tree_attention.trt_plugin import TensorRTUnavailableError, import_tensorrt, register_trt_plugin
 
     try:
-        trt, _ = import_tensorrt()
+        import_tensorrt()
         register_trt_plugin()
     except TensorRTUnavailableError as exc:
-        return TensorRTResult(built=False, reason=str(exc))
+        return str(exc)
+    return None
+
+
+def build_plan(onnx_path: Path, out_path: Path, plan: BuildPlan) -> TensorRTResult:
+    """Build model.plan from model.onnx, or return why it was skipped (TensorRT or CUDA absent)."""
+    from plugins.tree_attention.trt_plugin import import_tensorrt
+
+    reason = unavailable_reason()
+    if reason is not None:
+        return TensorRTResult(built=False, reason=reason)
+    trt, _ = import_tensorrt()
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -82,4 +96,4 @@ def _as_bytes(serialized: Any) -> bytes:
     return bytes(memoryview(serialized))
 
 
-__all__ = ["TensorRTResult", "TensorRTStageError", "build_plan", "profile_shapes"]
+__all__ = ["TensorRTResult", "TensorRTStageError", "build_plan", "profile_shapes", "unavailable_reason"]

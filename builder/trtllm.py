@@ -25,7 +25,7 @@ from runtime.engine import (
     eagle_to_trtllm,
     medusa_to_trtllm,
     rank_file,
-    shard,
+    shard_rank,
     target_to_trtllm,
 )
 from runtime.tree import Tree
@@ -65,7 +65,6 @@ def _decoder_fields(config: ModelConfig, dtype: str, tp_size: int) -> dict[str, 
         "rotary_base": config.rope_theta,
         "rotary_scaling": rotary_scaling(config),
         "head_size": config.head_dim,
-        "head_dim": config.head_dim,
         "tie_word_embeddings": config.tie_word_embeddings,
         "attn_bias": config.attention_bias,
         "mlp_bias": config.mlp_bias,
@@ -93,8 +92,6 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
     cfg: dict[str, Any] = {"architecture": m.architecture, **_decoder_fields(m, plan.dtype, tp)}
     if m.architecture == "Qwen2ForCausalLM":
         cfg.update(qwen_type="qwen2", model_type="qwen2")  # MedusaConfig picks its Qwen base from model_type
-    if m.sliding_window is not None:
-        cfg["sliding_window"] = m.sliding_window
     if plan.method == "medusa":
         cfg.update(
             architecture="MedusaForCausalLM",
@@ -105,7 +102,7 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
     elif plan.method == "eagle":
         assert eagle_head is not None
         net = {"architecture": "LlamaForCausalLM", **_decoder_fields(eagle_head, plan.dtype, tp)}
-        net.update(tie_word_embeddings=False, mlp_bias=False)
+        net.update(tie_word_embeddings=False, mlp_bias=False, head_dim=eagle_head.head_dim)
         cfg.update(
             architecture="EagleForCausalLM",
             num_eagle_layers=plan.max_tree_depth,
@@ -163,9 +160,9 @@ def write_checkpoint(
     cfg_path = root / TRTLLM_CONFIG
     cfg_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     written = [cfg_path]
-    for rank, state in enumerate(shard(tensors, layout, tp_size)):
+    for rank in range(tp_size):
         path = root / rank_file(rank)
-        save_file(state, str(path), metadata={"format": "pt"})
+        save_file(shard_rank(tensors, layout, tp_size, rank), str(path), metadata={"format": "pt"})
         written.append(path)
         if on_rank is not None:
             on_rank(rank)

@@ -176,29 +176,36 @@ def shard_rule(name: str) -> str:
 
 
 def shard(tensors: Mapping[str, torch.Tensor], layout: TPLayout, tp_size: int) -> list[dict[str, torch.Tensor]]:
-    """Full (unsharded) TensorRT-LLM tensors -> one state dict per rank; the inverse is `unshard`.
+    """Full (unsharded) TensorRT-LLM tensors -> one state dict per rank; the inverse is `unshard`."""
+    return [shard_rank(tensors, layout, tp_size, rank) for rank in range(tp_size)]
+
+
+def shard_rank(
+    tensors: Mapping[str, torch.Tensor], layout: TPLayout, tp_size: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s state dict (one rank at a time keeps the writer's memory at full model + one rank).
 
     Every shard is a fresh contiguous tensor (safetensors refuses views sharing storage).
     """
-    ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+    out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         rule = shard_rule(name)
         if rule == _REPLICATE:
-            parts = [t] * tp_size
+            part = t
         elif rule == _SPLIT0 or rule == _SPLIT1:
-            parts = _split(t, 0 if rule == _SPLIT0 else 1, tp_size, name)
+            part = _split(t, 0 if rule == _SPLIT0 else 1, tp_size, name)[rank]
         elif rule == _VOCAB:
             padded = pad_vocab_size(layout.vocab_size, tp_size)
             if t.shape[0] != layout.vocab_size:
                 raise EngineError(f"{name} has {t.shape[0]} rows, expected the vocabulary size {layout.vocab_size}")
-            if padded != t.shape[0]:
-                t = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
-            parts = _split(t, 0, tp_size, name)
+            rows = padded // tp_size
+            part = t[rank * rows : min((rank + 1) * rows, t.shape[0])]
+            if part.shape[0] < rows:  # the last rank(s) carry the zero padding rows
+                part = torch.cat([part, t.new_zeros(rows - part.shape[0], *t.shape[1:])])
         else:
-            parts = _split_qkv(t, layout.qkv(name), tp_size, name)
-        for rank, part in enumerate(parts):
-            ranks[rank][name] = part.contiguous().clone()
-    return ranks
+            part = _split_qkv(t, layout.qkv(name), tp_size, name)[rank]
+        out[name] = part.contiguous().clone()
+    return out
 
 
 def unshard(ranks: Sequence[Mapping[str, torch.Tensor]], layout: TPLayout) -> dict[str, torch.Tensor]:
@@ -357,6 +364,11 @@ def target_to_trtllm(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -
     return out
 
 
+def is_target_tensor(name: str) -> bool:
+    """A TensorRT-LLM tensor of the target model itself (not of the Medusa / EAGLE heads)."""
+    return not name.startswith(("medusa_heads.", "eagle_nets."))
+
+
 def target_from_trtllm(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full TensorRT-LLM tensors -> the target's HF tensors (draft-head tensors are ignored)."""
     missing = [n for n in ("transformer.vocab_embedding.weight", "transformer.ln_f.weight", "lm_head.weight")
@@ -485,10 +497,14 @@ class Engine:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise EngineError(f"cannot read {path}: {exc}") from exc
 
-    def read_trtllm_tensors(self, on_rank: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
-        """Every rank file of trtllm_checkpoint/, re-assembled into full (unsharded) TensorRT-LLM tensors."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+    def read_trtllm_tensors(
+        self, include: Callable[[str], bool] | None = None, on_rank: Callable[[int], None] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The rank files of trtllm_checkpoint/ re-assembled into full (unsharded) TensorRT-LLM tensors.
+
+        include(name) selects tensors (default: all); the others are never read from disk.
+        """
+        from safetensors import SafetensorError, safe_open
 
         cfg = self.trtllm_config()
         tp = cfg.get("mapping", {}).get("tp_size")
@@ -499,7 +515,8 @@ class Engine:
         for r in range(tp):
             path = self.path(f"{TRTLLM_DIR}/{rank_file(r)}")
             try:
-                ranks.append(load_file(str(path)))
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    ranks.append({n: f.get_tensor(n) for n in f.keys() if include is None or include(n)})
             except (SafetensorError, OSError) as exc:
                 raise EngineError(f"cannot read {path}: {exc}") from exc
             if on_rank is not None:
@@ -516,7 +533,8 @@ class Engine:
         from runtime.model import TargetModel
 
         config = self.model_config(dtype)
-        tensors = target_from_trtllm(config, self.read_trtllm_tensors())
+        # Draft-head tensors are TensorRT-LLM's copy; the runtime's drafters read draft/.
+        tensors = target_from_trtllm(config, self.read_trtllm_tensors(include=is_target_tensor))
         return TargetModel.from_state(config, tensors, source=f"{self.root}/{TRTLLM_DIR}")
 
     def tokenizer(self):
@@ -638,7 +656,7 @@ def iter_files(root: Path) -> Iterable[str]:
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MANIFEST", "TRTLLM_DIR", "DRAFT_DIR", "ONNX_FILE", "PLAN_FILE", "BUILD_SCRIPT",
     "EngineError", "EngineChecksumError", "QKVLayout", "TPLayout", "Engine", "DraftSpec", "Limits",
-    "pad_vocab_size", "shard", "unshard", "shard_rule", "target_to_trtllm", "target_from_trtllm",
-    "layers_to_trtllm", "layers_from_trtllm", "medusa_to_trtllm", "eagle_to_trtllm", "open_engine",
+    "pad_vocab_size", "shard", "shard_rank", "unshard", "shard_rule", "target_to_trtllm", "target_from_trtllm",
+    "layers_to_trtllm", "layers_from_trtllm", "is_target_tensor", "medusa_to_trtllm", "eagle_to_trtllm", "open_engine",
     "read_manifest", "verify_file", "sha256_file", "rank_file", "is_engine_dir", "model_config_dict", "iter_files",
 ]

@@ -4,7 +4,7 @@ A tree is a set of *choice paths* (reference-facts section 1). Path (i0, ..., i_
 whose token is the rank-i_{d-1} candidate among its siblings; its parent is the path minus its last element.
 The root (the last emitted token, see the vocabulary in `runtime.protocol`) is implicit and never listed.
 Nodes are numbered in canonical order: root = 0, then the paths sorted by (length, lexicographic), so a parent
-always precedes its children and siblings appear in rank order.
+always precedes its children and siblings are contiguous node indices, in rank order.
 
 Dynamic trees (EAGLE-2, reference-facts section 2) are selected from a scored candidate pool by
 `select_dynamic_tree`; `expand_frontier` is the per-level pool-growing step.

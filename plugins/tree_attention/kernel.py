@@ -245,6 +245,8 @@ def tree_attention_triton(
         raise TreeAttentionShapeError(f"out must have a unit last-dim stride, got strides {out.stride()}")
     if q.numel() == 0:
         return out
+    if not q.is_cuda and isinstance(tree_attention_kernel, triton.runtime.JITFunction):
+        raise TreeAttentionDeviceError(f"the compiled Triton kernel needs CUDA tensors, got {q.device}")
     q, k, v, tree_mask = (_last_dim_contiguous(t) for t in (q, k, v, tree_mask))
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
     plan = plan_launch(

@@ -8,13 +8,16 @@ it to PTX) untouched, `interpreted_kernel` instead
   only for that import, so its kernels are interpreter functions;
 - while the fixture is active (one test module), swaps the @triton.jit helpers of triton.language that the
   kernels call (tl.max, tl.sum, tl.zeros, ...) for interpreter versions of the same Python functions, and
-  fixes the interpreter's bf16 tl.dot (below). Everything is undone at teardown.
+  fixes the interpreter's bf16 tl.dot (below). Everything is undone at teardown, including the patches the
+  interpreter itself leaves on triton.language (it patches the language for every device-function call and
+  never restores those), so later tests can still compile real kernels in this process.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -62,6 +65,40 @@ def _interpret_triton_stdlib(monkeypatch: pytest.MonkeyPatch) -> None:
                 monkeypatch.setattr(module, attr, replacement)
 
 
+def _restore_interpreter_leaks(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Record the first (true) value of every attribute the interpreter patches, and the names it copies into
+    triton.language module namespaces; the returned function puts all of it back."""
+    from triton.runtime import interpreter
+
+    missing = object()
+    originals: dict[tuple[int, str], tuple[object, str, object]] = {}
+    set_attr = interpreter._LangPatchScope.set_attr
+
+    def recording_set_attr(self, obj, name, value):
+        originals.setdefault((id(obj), name), (obj, name, vars(obj).get(name, missing)))
+        set_attr(self, obj, name, value)
+
+    monkeypatch.setattr(interpreter._LangPatchScope, "set_attr", recording_set_attr)
+    namespaces = {name: set(vars(m)) for name, m in sys.modules.items() if name.startswith("triton.language") and m}
+
+    def restore() -> None:
+        for obj, name, original in originals.values():
+            if original is missing:
+                if name in vars(obj):
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+        # The interpreter runs each function in its module's namespace after copying its own globals there.
+        leaked = vars(interpreter)
+        for name, keys in namespaces.items():
+            module = sys.modules[name]
+            for added in set(vars(module)) - keys:
+                if added in leaked and vars(module)[added] is leaked[added]:
+                    delattr(module, added)
+
+    return restore
+
+
 @pytest.fixture(scope="module")
 def interpreted_kernel():
     """plugins/tree_attention/kernel.py with every @triton.jit kernel built for Triton's CPU interpreter."""
@@ -73,11 +110,15 @@ def interpreted_kernel():
         module = importlib.util.module_from_spec(spec)
         sys.modules[_PRIVATE_NAME] = module  # dataclasses in the module look themselves up here
         spec.loader.exec_module(module)
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+    from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(module.tree_attention_kernel, InterpretedFunction)
     with pytest.MonkeyPatch.context() as patch:
+        restore = _restore_interpreter_leaks(patch)
         _interpret_triton_stdlib(patch)
         _fix_interpreter_bf16_dot(patch)
-        yield module
+        try:
+            yield module
+        finally:
+            restore()
     del sys.modules[_PRIVATE_NAME]

@@ -2,18 +2,15 @@
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
 from plugins.tree_attention import pack_mask, tree_attention_reference
 from plugins.tree_attention.onnx_decompose import OnnxDecomposeError, onnx_decompose
+from plugins.tree_attention.onnx_export import export_onnx
 from plugins.tree_attention.spec import ONNX_DOMAIN, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from tests.plugins.trees import random_tree_masks
-
-pytest.importorskip("onnxscript", reason="torch's ONNX exporter needs onnxscript for custom ops")
-ort = pytest.importorskip("onnxruntime")
-
-from plugins.tree_attention.onnx_export import export_onnx  # noqa: E402
 
 Q_HEADS, KV_HEADS, D = 4, 2, 8
 

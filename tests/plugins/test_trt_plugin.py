@@ -34,9 +34,11 @@ def entry_param_types(ptx: str, entry: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def kernel_module():
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     from plugins.tree_attention import kernel
 
+    if not isinstance(kernel.tree_attention_kernel, triton.runtime.JITFunction):
+        pytest.skip("TRITON_INTERPRET is set for the whole process: no compiled kernels to test")
     return kernel
 
 
@@ -80,3 +82,11 @@ def test_scale_is_baked_into_the_ptx(kernel_module):
     a = kernel_module.compile_aot(torch.float16, 64, 0.125, arch=90, block_m=16)
     b = kernel_module.compile_aot(torch.float16, 64, 0.25, arch=90, block_m=16)
     assert a.ptx != b.ptx
+
+
+def test_compiled_kernel_refuses_cpu_tensors(kernel_module):
+    from plugins.tree_attention.spec import TreeAttentionDeviceError
+
+    q, k, v = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
+    with pytest.raises(TreeAttentionDeviceError, match="needs CUDA tensors"):
+        kernel_module.tree_attention_triton(q, k, v, torch.ones(1, 2, 1, dtype=torch.int32), 0.25)

@@ -1,0 +1,1 @@
+"""Benchmarks and GPU checks (run on a CUDA machine; see each module's docstring)."""

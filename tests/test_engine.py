@@ -1,0 +1,309 @@
+"""runtime.load(engine_dir): same outputs as runtime.load(hf_dir), checksums, defaults, atomic builds, inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import runtime
+from builder.__main__ import main
+from builder.build import BuildError, build_engine
+from builder.config import parse_config
+from builder.inspect import inspect_engine
+from runtime.engine import EngineChecksumError, open_engine, sha256_file
+from runtime.sampling import SamplingParams
+from tests.heads import write_eagle_head, write_medusa_head
+from tests.tiny import make_checkpoint, vocab_size
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox"
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+GREEDY = SamplingParams(max_tokens=24)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    llama = make_checkpoint(root / "llama3", "llama3")
+    qwen = make_checkpoint(root / "qwen2", "qwen2", tie=True)
+    return {
+        "root": root,
+        "llama": llama,
+        "qwen": qwen,
+        "medusa": write_medusa_head(root / "medusa", 64, vocab_size(), num_heads=3),
+        "eagle": write_eagle_head(root / "eagle", llama, with_embedding=True),
+    }
+
+
+def config(src, name, model="llama", draft=None, **b):
+    data = {"model": {"checkpoint": str(src[model])}, "draft": draft or {"method": "none"},
+            "build": {"output": str(src["root"] / "engines" / name), "onnx": False, "max_draft_len": 16, **b}}
+    return parse_config(data, src["root"], f"{name}.yaml")
+
+
+@pytest.fixture(scope="module")
+def engines(src):
+    medusa = {"method": "medusa", "checkpoint": str(src["medusa"]), "tree": {"choices": TREE}}
+    eagle_dyn = {"method": "eagle", "checkpoint": str(src["eagle"]),
+                 "tree": {"dynamic": {"total_tokens": 12, "depth": 3, "top_k": 3}}}
+    eagle_static = {"method": "eagle", "checkpoint": str(src["eagle"]), "tree": {"preset": "chain-3"}}
+    lookup = {"method": "lookup", "lookup": {"num_draft_tokens": 6, "max_ngram": 2}}
+    out = {}
+    for name, cfg in {
+        "medusa": config(src, "medusa", draft=medusa),
+        "medusa_tp2": config(src, "medusa_tp2", draft=medusa, tp_size=2),
+        "eagle_dynamic": config(src, "eagle_dynamic", draft=eagle_dyn, tp_size=2),
+        "eagle_static": config(src, "eagle_static", draft=eagle_static),
+        "lookup": config(src, "lookup", draft=lookup),
+        "qwen_bf16": config(src, "qwen_bf16", model="qwen", dtype="bfloat16"),
+    }.items():
+        out[name] = build_engine(cfg).output
+    return out
+
+
+def same_outputs(a, b, prompt=PROMPT) -> None:
+    for params in (GREEDY, SAMPLED):
+        ra, rb = a.generate(prompt, params), b.generate(prompt, params)
+        assert ra.token_ids == rb.token_ids
+        assert ra.text == rb.text
+        assert ra.stats.accepted_per_step == rb.stats.accepted_per_step
+
+
+@pytest.mark.parametrize("name", ["medusa", "medusa_tp2"])
+def test_medusa_engine_matches_hf(src, engines, name):
+    eng = runtime.load(engines[name])
+    ref = runtime.load(src["llama"], draft="medusa", draft_model=src["medusa"], tree=json.dumps(TREE), max_draft_len=16)
+    same_outputs(eng, ref)
+    assert eng.drafter.tree == ref.drafter.tree
+    for p in ("res_weight", "res_bias", "lm_weight"):
+        assert torch.equal(getattr(eng.drafter.heads, p), getattr(ref.drafter.heads, p))
+    for (n, a), (_, b) in zip(eng.model.state_dict().items(), ref.model.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert eng.max_tree_nodes == 17
+
+
+def test_eagle_engines_match_hf(src, engines):
+    eng = runtime.load(engines["eagle_dynamic"])
+    ref = runtime.load(src["llama"], draft="eagle", draft_model=src["eagle"], total_tokens=12, depth=3, top_k=3,
+                       max_draft_len=16)
+    assert eng.drafter.dynamic == ref.drafter.dynamic and eng.drafter.tree is None
+    same_outputs(eng, ref)
+    assert eng.drafter.head.embed_tokens is not None  # the head's own embedding travelled in draft/
+    eng = runtime.load(engines["eagle_static"])
+    ref = runtime.load(src["llama"], draft="eagle", draft_model=src["eagle"], tree="chain-3", max_draft_len=16)
+    same_outputs(eng, ref)
+
+
+def test_lookup_and_plain_bf16_engines_match_hf(src, engines):
+    eng = runtime.load(engines["lookup"])
+    ref = runtime.load(src["llama"], draft="lookup", num_draft_tokens=6, max_ngram=2, max_draft_len=16)
+    assert eng.drafter.options == ref.drafter.options
+    same_outputs(eng, ref)
+    eng = runtime.load(engines["qwen_bf16"])
+    ref = runtime.load(src["qwen"], dtype="bfloat16", max_draft_len=16)
+    assert eng.model.dtype == torch.bfloat16 and eng.model.config.tie_word_embeddings
+    same_outputs(eng, ref)
+
+
+def test_explicit_arguments_override_engine_defaults(src, engines):
+    assert runtime.load(engines["medusa"], draft="none").drafter.name == "none"
+    assert runtime.load(engines["medusa"], tree="chain-2").drafter.tree.choices == ((0,), (0, 0))
+    dec = runtime.load(engines["eagle_dynamic"], total_tokens=5)
+    assert (dec.drafter.dynamic.total_tokens, dec.drafter.dynamic.top_k) == (5, 3)  # key by key
+    dec = runtime.load(engines["eagle_dynamic"], tree="chain-2")
+    assert dec.drafter.dynamic is None and dec.drafter.tree.num_nodes == 3
+    other = write_medusa_head(src["root"] / "medusa_other", 64, vocab_size(), num_heads=2, seed=5)
+    dec = runtime.load(engines["medusa"], draft_model=other)  # another head: kind inferred, engine tree dropped
+    assert dec.drafter.heads.config.num_heads == 2 and dec.drafter.tree.choices == ((0,), (0, 0))
+    # The engine's max_draft_len is a limit: a larger request is capped, a smaller one honoured.
+    assert runtime.load(engines["medusa"], max_draft_len=100).max_tree_nodes == 17
+    assert runtime.load(engines["medusa"], max_draft_len=3).max_tree_nodes == 4
+    assert runtime.load(engines["medusa"], dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+def copy_engine(engines, name, tmp_path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(engines[name], dst)
+    return dst
+
+
+@pytest.mark.parametrize("victim", ["trtllm_checkpoint/rank1.safetensors", "tokenizer.json", "config.json",
+                                    "draft/medusa_lm_head.safetensors", "trtllm_checkpoint/config.json"])
+def test_tampered_file_is_caught_at_load(engines, tmp_path, victim):
+    eng = copy_engine(engines, "medusa_tp2", tmp_path)
+    data = bytearray((eng / victim).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (eng / victim).write_bytes(bytes(data))
+    with pytest.raises(EngineChecksumError, match=victim.replace(".", r"\.") + r": sha256"):
+        runtime.load(eng)
+
+
+def test_missing_or_truncated_file_is_caught(engines, tmp_path):
+    eng = copy_engine(engines, "medusa", tmp_path)
+    (eng / "trtllm_checkpoint" / "rank0.safetensors").unlink()
+    with pytest.raises(EngineChecksumError, match="rank0.safetensors: listed in engine.json but missing"):
+        runtime.load(eng)
+    eng = copy_engine(engines, "lookup", tmp_path / "b")
+    path = eng / "trtllm_checkpoint" / "rank0.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(EngineChecksumError, match="size"):
+        runtime.load(eng)
+
+
+def test_weights_are_read_from_the_trtllm_checkpoint(src, engines, tmp_path):
+    """Edit a weight in rank0.safetensors (and re-record its checksum): the served model changes accordingly."""
+    original = runtime.load(engines["medusa"]).generate(PROMPT, GREEDY).token_ids
+    eng = copy_engine(engines, "medusa", tmp_path)
+    path = eng / "trtllm_checkpoint" / "rank0.safetensors"
+    state = load_file(str(path))
+    state["lm_head.weight"][5] = 0.5
+    save_file(state, str(path), metadata={"format": "pt"})
+    manifest = json.loads((eng / "engine.json").read_text())
+    manifest["files"]["trtllm_checkpoint/rank0.safetensors"] = {"size": path.stat().st_size,
+                                                                 "sha256": sha256_file(path)}
+    (eng / "engine.json").write_text(json.dumps(manifest))
+    dec = runtime.load(eng)
+    ref = runtime.load(src["llama"], draft="medusa", draft_model=src["medusa"], tree=json.dumps(TREE), max_draft_len=16)
+    ref.model.lm_head_weight[5] = 0.5  # the same edit, made on the HF-loaded model
+    same_outputs(dec, ref)
+    assert dec.generate(PROMPT, GREEDY).token_ids != original
+
+
+def test_engine_json_records_the_build(src, engines):
+    m = json.loads((engines["eagle_dynamic"] / "engine.json").read_text())
+    assert (m["format"], m["format_version"]) == ("spectree-engine", 1)
+    assert m["dtype"] == "float32" and m["model"]["architecture"] == "LlamaForCausalLM"
+    assert m["draft"]["method"] == "eagle" and m["draft"]["path"] == "draft"
+    assert m["draft"]["tree"] == {"kind": "dynamic", "total_tokens": 12, "depth": 3, "top_k": 3}
+    assert m["limits"] == {"max_seq_len": 1024, "max_draft_len": 16, "max_batch_size": 8, "tp_size": 2}
+    assert m["trtllm"]["architecture"] == "EagleForCausalLM"
+    assert "--eagle_use_dynamic_tree" in m["trtllm"]["run_args"]
+    p = m["provenance"]
+    assert p["tool"] == "spectree-builder" and len(p["config_hash"]) == 64 and p["built_at"]
+    assert p["config"]["draft"]["checkpoint"] == str(src["eagle"])
+    files = set(m["files"])
+    assert {"config.json", "tokenizer.json", "trtllm_checkpoint/config.json", "trtllm_checkpoint/rank0.safetensors",
+            "trtllm_checkpoint/rank1.safetensors", "draft/config.json", "draft/model.safetensors",
+            "trtllm-build.sh"} <= files
+    assert "engine.json" not in files
+    for rel, entry in m["files"].items():
+        assert sha256_file(engines["eagle_dynamic"] / rel) == entry["sha256"]
+    assert m["onnx"]["status"] == "skipped" and "build.onnx is false" in m["onnx"]["reason"]
+    eng = open_engine(engines["eagle_dynamic"])
+    assert eng.model_config().max_context == 1024
+
+
+# ---- atomic builds -------------------------------------------------------------------------------------------
+
+
+class InterruptAt:
+    """A progress reporter that raises when a given stage starts (what Ctrl-C half-way does)."""
+
+    def __init__(self, stage: str, exc: BaseException) -> None:
+        self.target, self.exc, self.seen = stage, exc, []
+
+    @contextmanager
+    def stage(self, name, total=None, unit=""):
+        self.seen.append(name)
+        if name == self.target:
+            raise self.exc
+        yield lambda n: None
+
+    def note(self, message):
+        pass
+
+
+def leftovers(parent: Path, name: str) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("disk full")])
+def test_interrupted_build_leaves_nothing(src, tmp_path, exc):
+    cfg = config(src, "x", draft={"method": "medusa", "checkpoint": str(src["medusa"])}, output=str(tmp_path / "eng"))
+    progress = InterruptAt("draft weights", exc)
+    with pytest.raises(type(exc)):
+        build_engine(cfg, progress=progress)
+    assert "TensorRT-LLM checkpoint" in progress.seen  # it got half-way: files had been written
+    assert not (tmp_path / "eng").exists()
+    assert leftovers(tmp_path, "eng") == []
+
+
+def test_failed_rebuild_keeps_the_old_engine(src, engines, tmp_path):
+    eng = copy_engine(engines, "lookup", tmp_path)
+    before = {p.relative_to(eng): p.read_bytes() for p in eng.rglob("*") if p.is_file()}
+    cfg = config(src, "x", draft={"method": "medusa", "checkpoint": str(src["medusa"])}, output=str(eng))
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(cfg, force=True, progress=InterruptAt("checksums", KeyboardInterrupt()))
+    after = {p.relative_to(eng): p.read_bytes() for p in eng.rglob("*") if p.is_file()}
+    assert after == before and leftovers(tmp_path, eng.name) == []
+    assert inspect_engine(eng).ok
+    # Without --force an existing engine is refused before any work; with it, replaced whole.
+    with pytest.raises(BuildError, match="already exists; pass --force"):
+        build_engine(cfg)
+    result = build_engine(cfg, force=True)
+    assert open_engine(eng).draft.method == "medusa" and leftovers(tmp_path, eng.name) == []
+    assert not (eng / "lookup").exists() and result.output == eng
+
+
+def test_force_refuses_to_replace_a_non_engine_directory(src, tmp_path):
+    target = tmp_path / "home"
+    target.mkdir()
+    (target / "notes.txt").write_text("precious")
+    with pytest.raises(BuildError, match="not an engine directory"):
+        build_engine(config(src, "x", output=str(target)), force=True)
+    assert (target / "notes.txt").read_text() == "precious"
+
+
+# ---- inspect and the CLI ---------------------------------------------------------------------------------
+
+
+def test_inspect_reports_damage(engines, tmp_path, capsys):
+    eng = copy_engine(engines, "medusa", tmp_path)
+    report = inspect_engine(eng)
+    assert report.ok and report.unlisted == ()
+    assert {f.status for f in report.files} == {"ok"}
+    assert main(["inspect", str(eng)]) == 0
+    out = capsys.readouterr().out
+    assert "MedusaForCausalLM" in out and "rank0.safetensors" in out and "skipped" in out
+    (eng / "draft" / "config.json").write_text('{"medusa_num_heads": 9}')
+    (eng / "stray.txt").write_text("x")
+    report = inspect_engine(eng)
+    assert [(f.path, f.status) for f in report.problems] == [("draft/config.json", "size mismatch")]
+    assert report.unlisted == ("stray.txt",)
+    assert main(["inspect", str(eng), "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["files"]["draft/config.json"]["status"] == "size mismatch" and not summary["ok"]
+
+
+def test_cli_build_prints_a_summary(src, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{checkpoint: {src['llama']}}}\n"
+                   f"draft: {{method: medusa, checkpoint: {src['medusa']}, tree: {{preset: chain-2}}}}\n"
+                   "build: {onnx: false, max_draft_len: 4}\n")
+    out_dir = tmp_path / "out"
+    assert main(["build", "--config", str(cfg), "--output", str(out_dir), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    for part in ("static: 3 nodes", "rank0.safetensors", "total", "skipped", "build.onnx is false", "KiB"):
+        assert part in out, part
+    assert main(["build", "--config", str(cfg), "--output", str(out_dir), "--quiet"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert runtime.load(out_dir).drafter.tree.num_nodes == 3
+    assert os.access(out_dir / "trtllm-build.sh", os.X_OK)
+
+
+def test_runtime_cli_serves_an_engine_directory(src, engines, capsys):
+    from runtime.__main__ import main as runtime_main
+
+    assert runtime_main(["generate", "--model", str(engines["medusa"]), "--prompt", PROMPT, "--max-tokens", "8",
+                         "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = runtime.load(src["llama"], draft="medusa", draft_model=src["medusa"], tree=json.dumps(TREE), max_draft_len=16)
+    assert out["token_ids"] == list(ref.generate(PROMPT, SamplingParams(max_tokens=8)).token_ids)
+    assert out["stats"]["drafter"] == "medusa"
