@@ -7,7 +7,6 @@ Both config formats on the hub are accepted: the older one (top-level `rope_thet
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from runtime.errors import ConfigError
+from runtime.files import read_json_object
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -134,10 +134,10 @@ class ModelConfig:
                 config_path, gen_path = path, path.parent / "generation_config.json"
             if not config_path.is_file():
                 raise ConfigError(f"missing config.json: {config_path} does not exist")
-            raw = _read_json(config_path)
+            raw = read_json_object(config_path, ConfigError)
             source = str(config_path)
             if gen_path.is_file():
-                generation = _read_json(gen_path)
+                generation = read_json_object(gen_path, ConfigError)
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         return _parse(raw, generation, source)
@@ -166,13 +166,6 @@ def token_id_list(value: Any, field: str) -> list[int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"{field} must be a non-negative int or a list of them, got {value!r}")
     return list(values)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:

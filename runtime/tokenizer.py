@@ -8,7 +8,6 @@ tokenizer_config.json's eos_token, in that order.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,20 +16,13 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from runtime.config import token_id_list
 from runtime.errors import ConfigError, TokenizerError
+from runtime.files import read_json_object
 
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, TokenizerError) if path.is_file() else {}
 
 
 def _token_content(value: Any) -> str | None:

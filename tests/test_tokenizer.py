@@ -107,7 +107,7 @@ def test_fallback_to_config_ids_and_union(tmp_path):
         (lambda p: (p / "tokenizer.json").write_text("{not json"), "cannot load .*tokenizer.json"),
         (lambda p: (p / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"})),
          "eos_token '<eos>' is not in tokenizer.json"),
-        (lambda p: (p / "tokenizer_config.json").write_text("[1, 2]"), "expected a JSON object"),
+        (lambda p: (p / "tokenizer_config.json").write_text("[1, 2]"), "must hold a JSON object"),
         (lambda p: (p / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"})),
          "generation_config.json eos_token_id"),
         (lambda p: (p / "generation_config.json").write_text(json.dumps({"eos_token_id": 100000})),

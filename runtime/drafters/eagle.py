@@ -29,7 +29,6 @@ input_layernorm.weight) and optionally embed_tokens.weight (otherwise the target
 from __future__ import annotations
 
 import dataclasses
-import json
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from torch import nn
 from plugins.tree_attention.mask import pack_mask
 from runtime.config import ModelConfig
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
+from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
 from runtime.model import DecoderLayer, causal_mask
 from runtime.protocol import Draft, Proposal
@@ -140,12 +140,7 @@ def _read_config(path: Path, target: ModelConfig) -> dict[str, Any]:
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise CheckpointError(f"EAGLE head directory {path} has no {CONFIG_FILE}")
-    try:
-        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {cfg_file}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_file} must hold a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(cfg_file, CheckpointError)
     for key, ours in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
         if key in raw and raw[key] != ours:
             raise CheckpointError(

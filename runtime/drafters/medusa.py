@@ -20,7 +20,6 @@ d - 1, so siblings under different parents at the same depth share one candidate
 
 from __future__ import annotations
 
-import json
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from runtime.errors import CheckpointError, ConfigError
+from runtime.files import read_json_object
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
 
@@ -76,13 +76,7 @@ def _read_config(path: Path) -> dict:
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise CheckpointError(f"Medusa head directory {path} has no {CONFIG_FILE}")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return read_json_object(cfg_path, CheckpointError)
 
 
 def _read_state_dict(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
