@@ -288,7 +288,11 @@ def _onnx_stage(tmp: Path, plan: BuildPlan, model: Any, progress: Progress, reco
     import warnings
 
     from builder.onnx_stage import export_verify_step
-    from plugins.tree_attention.spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+    from plugins.tree_attention.spec import (
+        PLUGIN_NAME,
+        PLUGIN_NAMESPACE,
+        PLUGIN_VERSION,
+    )
 
     with progress.stage("ONNX export + checks (verification step)"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter; real failures raise

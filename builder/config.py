@@ -315,7 +315,7 @@ class BuildPlan:
     lookup: LookupOptions | None
     num_medusa_heads: int | None
     num_medusa_layers: int | None
-    output: Path
+    output: Path | None  # None only when plan_build(require_output=False)
     max_seq_len: int  # build.max_seq_len, or the model's context
 
     @property
@@ -441,16 +441,17 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
         lookup=lookup,
         num_medusa_heads=None if heads is None else heads.config.num_heads,
         num_medusa_layers=None if heads is None else heads.config.num_layers,
-        output=b.output if b.output is not None else Path(),
+        output=b.output,
         max_seq_len=b.max_seq_len if b.max_seq_len is not None else model.max_context,
     )
     if b.max_draft_len + 1 > plan.max_seq_len:
         raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
                                f"{plan.max_seq_len - 1} (max_seq_len - 1)")
     if plan.draft_nodes > b.max_draft_len:
-        what = {"lookup": "draft.lookup.num_draft_tokens", "eagle": "draft.tree"}.get(plan.method, "draft.tree")
+        what = "draft.lookup.num_draft_tokens" if plan.method == "lookup" else "draft.tree"
+        default = " (the drafter's default; set draft.tree)" if plan.method != "lookup" and config.draft.tree is None else ""
         raise BuildConfigError(
-            f"{source}: {what}: {plan.draft_nodes} draft nodes per step (root excluded), expected at most "
+            f"{source}: {what}: {plan.draft_nodes} draft nodes per step (root excluded){default}, expected at most "
             f"build.max_draft_len = {b.max_draft_len}"
         )
     if b.output is None and require_output:

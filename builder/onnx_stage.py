@@ -63,8 +63,8 @@ class _ConcatCache:
 class VerifyStep(nn.Module):
     """TargetModel.forward with the cache as explicit tensors in and out (what a graph compiler needs).
 
-    It runs the model's own submodules in TargetModel.forward's order; only the input checks (data-dependent,
-    untraceable) and the in-place cache are left out.
+    It calls TargetModel.run (forward without the data-dependent, untraceable input checks) over a cache that
+    concatenates past and new K/V instead of writing in place.
     """
 
     def __init__(self, model: Any) -> None:
@@ -78,14 +78,8 @@ class VerifyStep(nn.Module):
         tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32
         past_key_values: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([B, Hkv, L, D], [B, Hkv, L, D])
     ) -> tuple[torch.Tensor, ...]:  # logits [B, N, V] f32, hidden [B, N, H], then per layer present k, v
-        m = self.model
         cache = _ConcatCache(list(past_key_values))
-        cos_sin = m.rotary(position_ids)
-        x = m.embed(input_ids)
-        for i, layer in enumerate(m.model.layers):
-            x = layer(x, position_ids, cache, i, tree_mask, cos_sin)
-        hidden = m.model.norm(x)
-        logits = m.lm_head(hidden)
+        logits, hidden = self.model.run(input_ids, position_ids, cache, tree_mask)
         return (logits, hidden, *[t for kv in cache.present for t in kv])
 
 

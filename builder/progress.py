@@ -45,10 +45,12 @@ class RichProgress:
             BarColumn,
             DownloadColumn,
             MofNCompleteColumn,
-            Progress as RichBar,
             SpinnerColumn,
             TextColumn,
             TimeElapsedColumn,
+        )
+        from rich.progress import (
+            Progress as RichBar,
         )
 
         counter = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()

@@ -53,7 +53,11 @@ def unavailable_reason() -> str | None:
 
     Registers the tree-attention plugin when everything is present.
     """
-    from plugins.tree_attention.trt_plugin import TensorRTUnavailableError, import_tensorrt, register_trt_plugin
+    from plugins.tree_attention.trt_plugin import (
+        TensorRTUnavailableError,
+        import_tensorrt,
+        register_trt_plugin,
+    )
 
     try:
         import_tensorrt()

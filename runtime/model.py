@@ -15,6 +15,7 @@ the mask is ancestor-or-self.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -233,6 +234,13 @@ class TargetModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, N, V] float32, hidden [B, N, H]
         """Run N new tokens over the cache; writes their K/V at [cache.length, +N), does not advance it."""
         self._check_inputs(tokens, positions, cache, tree_mask)
+        return self.run(tokens, positions, cache, tree_mask)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, tree_mask: torch.Tensor):
+        """`forward` without its input checks (which are data-dependent, so graph exporters cannot trace them).
+
+        `cache` is anything with KVCache's `write(layer, k_new, v_new) -> (k_all, v_all)`.
+        """
         cos_sin = self.rotary(positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.model.layers):

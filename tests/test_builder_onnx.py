@@ -71,6 +71,7 @@ def test_every_attention_is_one_plugin_node(built):
 def test_decomposed_graph_matches_torch_on_a_tree_step(built):
     """Prefill a prompt with the torch runtime, then run one mc_sim_7b_63 tree step both ways."""
     decoder = runtime.load(built.output)
+    assert decoder.max_context == 256  # the engine's max_seq_len caps the model's 512 positions
     model = decoder.model
     prompt = torch.tensor([decoder.encode_prompt("Speculative decoding drafts several tokens and the target")])
     cache = model.new_cache(128)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from builder.build import build_engine
 from builder.config import parse_config
 from builder.trtllm import max_non_leaves_per_layer
-from runtime.engine import EngineError, QKVLayout, TPLayout, shard, unshard
+from runtime.engine import EngineError, QKVLayout, TPLayout, open_engine, shard, unshard
 from runtime.tree import Tree
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
@@ -226,7 +226,7 @@ def test_eagle_checkpoint(src):
     assert net["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
     head = torch.load(src["eagle"] / "pytorch_model.bin", weights_only=True)
     hf = src["hf"]
-    full = unshard([rank(engine, r) for r in range(2)], TPLayout(VOCAB, QKVLayout(HEADS, KV, D), QKVLayout(HEADS, KV, D)))
+    full = open_engine(engine).read_trtllm_tensors()  # both ranks, re-assembled (EAGLE layout from config.json)
     for d in range(3):
         p = f"eagle_nets.{d}."
         assert torch.equal(full[p + "drafter.fc.weight"], head["fc.weight"])

@@ -288,10 +288,12 @@ def test_cli_build_prints_a_summary(src, tmp_path, capsys):
                    f"draft: {{method: medusa, checkpoint: {src['medusa']}, tree: {{preset: chain-2}}}}\n"
                    "build: {onnx: false, max_draft_len: 4}\n")
     out_dir = tmp_path / "out"
-    assert main(["build", "--config", str(cfg), "--output", str(out_dir), "--quiet"]) == 0
-    out = capsys.readouterr().out
+    assert main(["build", "--config", str(cfg), "--output", str(out_dir)]) == 0
+    captured = capsys.readouterr()
     for part in ("static: 3 nodes", "rank0.safetensors", "total", "skipped", "build.onnx is false", "KiB"):
-        assert part in out, part
+        assert part in captured.out, part
+    for stage in ("validate config", "TensorRT-LLM checkpoint", "draft weights", "checksums"):  # progress, stderr
+        assert f"done {stage}" in captured.err, stage
     assert main(["build", "--config", str(cfg), "--output", str(out_dir), "--quiet"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert runtime.load(out_dir).drafter.tree.num_nodes == 3
