@@ -213,6 +213,14 @@ class RankedDrafter:
 
     def __init__(self, model: TargetModel, tree: Tree) -> None:
         self.model, self.tree = model, tree
+        self._ranked: dict[tuple[int, ...], torch.Tensor] = {}  # trials share prefixes: memoise
+
+    def ranked(self, seq: tuple[int, ...]) -> torch.Tensor:
+        """Vocabulary ranked by the target's logits after seq."""
+        if seq not in self._ranked:
+            logits, _ = self.model.prefill(torch.tensor([seq]), self.model.new_cache(len(seq)))
+            self._ranked[seq] = logits[0, -1].argsort(descending=True)
+        return self._ranked[seq]
 
     def start(self, prompt, hidden, max_nodes):
         outer = self
@@ -229,9 +237,7 @@ class RankedDrafter:
                     while j > 0:
                         path.append(tokens[j])
                         j = int(tree.parents[j])
-                    seq = self.seq + [root] + path[::-1]
-                    logits, _ = outer.model.prefill(torch.tensor([seq]), outer.model.new_cache(len(seq)))
-                    ranked = logits[0, -1].argsort(descending=True)
+                    ranked = outer.ranked(tuple(self.seq + [root] + path[::-1]))
                     tokens[node] = int(ranked[outer.ORDER[int(tree.ranks[node])]])
                 return Draft(tree, torch.tensor(tokens), Proposal.DETERMINISTIC)
 
