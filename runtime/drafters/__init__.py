@@ -90,9 +90,9 @@ def load_drafter(
         from runtime.drafters.medusa import MedusaDrafter, check_against_target, load_medusa_heads
 
         _reject_options(kind, options, ())
-        heads = load_medusa_heads(path, dtype=_model_dtype(model))
+        heads = load_medusa_heads(path, dtype=model.dtype)
         check_against_target(heads, config.hidden_size, config.vocab_size, str(path))
-        heads = heads.to(_model_device(model))
+        heads = heads.to(model.device)
         if static is None:
             n = heads.config.num_heads
             static = Tree.preset("mc_sim_7b_63") if n >= Tree.preset("mc_sim_7b_63").max_depth else Tree.chain(n)
@@ -105,22 +105,6 @@ def load_drafter(
         raise ConfigError(f"options {sorted(options)} apply to the dynamic EAGLE-2 tree only; got a static tree too")
     head = load_eagle_head(path, model)
     return EagleDrafter(head, model, tree=static, dynamic=DynamicTreeOptions(**options) if static is None else None)
-
-
-def _model_dtype(model: Any):
-    import torch
-
-    for p in model.parameters():
-        return p.dtype
-    return torch.float32
-
-
-def _model_device(model: Any):
-    import torch
-
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 __all__ = ["KINDS", "as_tree", "load_drafter"]
