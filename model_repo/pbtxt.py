@@ -369,7 +369,9 @@ def _build(cls: type, fields: Parsed, where: str) -> Any:
                     raise PbtxtError(f"{here}[{i}]: a map entry must be a message {{ key: ... value: ... }}")
                 extra = sorted(set(entry) - {"key", "value"})
                 if extra or len(entry.get("key", ())) != 1 or len(entry.get("value", ())) != 1:
-                    raise PbtxtError(f"{here}[{i}]: a map entry needs exactly one key and one value (got {sorted(entry)})")
+                    raise PbtxtError(
+                        f"{here}[{i}]: a map entry needs exactly one key and one value (got {sorted(entry)})"
+                    )
                 key = _value(key_tp, entry["key"][0], f"{here}[{i}].key")
                 if key in out:
                     raise PbtxtError(f"{here}: key {key!r} appears twice")

@@ -78,14 +78,14 @@ class EnsembleScheduling:
     step: tuple[EnsembleStep, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str
+    backend: str | None = None  # "python" for python models
+    platform: str | None = None  # "ensemble" for ensembles
     max_batch_size: int
     input: tuple[ModelInput, ...]
     output: tuple[ModelOutput, ...]
-    backend: str | None = None  # "python" for python models
-    platform: str | None = None  # "ensemble" for ensembles
     instance_group: tuple[InstanceGroup, ...] = ()
     model_transaction_policy: TransactionPolicy | None = None
     parameters: dict[str, ModelParameter] = field(default_factory=dict)
@@ -95,7 +95,9 @@ class ModelConfig:
         if (self.backend is None) == (self.platform is None):
             raise PbtxtError(f"model {self.name!r}: exactly one of backend and platform must be set")
         if (self.platform == "ensemble") != (self.ensemble_scheduling is not None):
-            raise PbtxtError(f"model {self.name!r}: ensemble_scheduling goes with platform \"ensemble\" and only with it")
+            raise PbtxtError(
+                f"model {self.name!r}: ensemble_scheduling goes with platform \"ensemble\" and only with it"
+            )
         for group, items in (("input", self.input), ("output", self.output)):
             names = [t.name for t in items]
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -114,6 +116,14 @@ class ModelConfig:
 
 
 __all__ = [
-    "DataType", "Kind", "ModelInput", "ModelOutput", "InstanceGroup", "TransactionPolicy", "ModelParameter",
-    "EnsembleStep", "EnsembleScheduling", "ModelConfig",
+    "DataType",
+    "EnsembleScheduling",
+    "EnsembleStep",
+    "InstanceGroup",
+    "Kind",
+    "ModelConfig",
+    "ModelInput",
+    "ModelOutput",
+    "ModelParameter",
+    "TransactionPolicy",
 ]

@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
                    help="tree preset (mc_sim_7b_63, chain-K) or JSON list of choice paths")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(LoadConfig, "dtype"))
     g.add_argument("--max-draft-len", type=int, default=_default(LoadConfig, "max_draft_len"))
+    g.add_argument("--device", default=_default(LoadConfig, "device"), help="torch device: cpu, cuda, cuda:1, ...")
     g.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, e.g. total_tokens=60 (eagle) or max_ngram=4 (lookup); repeatable")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         decoder = build(
             LoadConfig(
                 model=args.model, draft=args.draft, draft_model=args.draft_model, tree=args.tree, dtype=args.dtype,
-                max_draft_len=args.max_draft_len, draft_options=_options(args.draft_option),
+                max_draft_len=args.max_draft_len, device=args.device, draft_options=_options(args.draft_option),
             )
         )
         prompt = args.prompt if args.prompt is not None else args.prompt_ids

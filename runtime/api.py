@@ -26,6 +26,7 @@ class LoadConfig:
     tree: str | None = None  # preset name ("mc_sim_7b_63", "chain-4") or JSON list of choice paths
     dtype: str | None = None  # float32 | bfloat16 | float16; None: the checkpoint's own
     max_draft_len: int = 63  # most draft nodes per step (root excluded), as TensorRT-LLM's max_draft_len
+    device: str = "cpu"  # torch device for the target and drafter weights: "cpu", "cuda", "cuda:1", ...
     draft_options: dict[str, Any] = field(default_factory=dict)  # drafter-specific, see load_drafter
 
     def __post_init__(self) -> None:
@@ -35,6 +36,12 @@ class LoadConfig:
             raise ConfigError(f"max_draft_len must be an int >= 0, got {self.max_draft_len!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {self.device!r}") from e
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} requested but torch sees no CUDA device on this machine")
 
 
 def infer_draft_kind(draft_model: str | Path) -> str:
@@ -70,14 +77,14 @@ def build(config: LoadConfig) -> SpecDecoder:
         from runtime.engine import open_engine
 
         engine = open_engine(path)
-        model = engine.load_target(dtype=config.dtype)
+        model = engine.load_target(dtype=config.dtype, device=config.device)
         kind = config.draft or (infer_draft_kind(config.draft_model) if config.draft_model else None)
         kind, draft_path, tree, options = engine.draft_settings(kind, config.draft_model, config.tree,
                                                                 config.draft_options)
         drafter = load_drafter(kind, model, path=draft_path, tree=tree, **options)
         max_draft = min(config.max_draft_len, engine.limits.max_draft_len)
         return SpecDecoder(model, engine.tokenizer(), drafter, max_tree_nodes=max_draft + 1)
-    model = TargetModel.from_pretrained(path, dtype=config.dtype)
+    model = TargetModel.from_pretrained(path, dtype=config.dtype, device=config.device)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     kind = config.draft or (infer_draft_kind(config.draft_model) if config.draft_model else "none")
     drafter = load_drafter(kind, model, path=config.draft_model, tree=config.tree, **config.draft_options)
@@ -91,6 +98,7 @@ def load(
     tree: str | None = None,
     dtype: str | torch.dtype | None = None,
     max_draft_len: int = LoadConfig.max_draft_len,
+    device: str | torch.device = LoadConfig.device,
     **draft_options: Any,
 ) -> SpecDecoder:
     """Load a checkpoint directory with a drafter; returns a SpecDecoder (`generate`, `stream`).
@@ -99,6 +107,9 @@ def load(
     draft        medusa | eagle | lookup | none (default: inferred from draft_model, else none)
     draft_model  Medusa heads (FasterDecoding format) or EAGLE-1 head (EAGLE repo layout) directory
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
+    dtype        float32 | bfloat16 | float16 (default: the checkpoint's)
+    device       where the weights live and the loop runs ("cpu", "cuda", ...)
+    draft_options  drafter-specific (EAGLE-2: total_tokens, depth, top_k; lookup: max_ngram, ...)
     """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -110,6 +121,7 @@ def load(
             tree=tree,
             dtype=dtype,
             max_draft_len=max_draft_len,
+            device=str(device),
             draft_options=dict(draft_options),
         )
     )

@@ -528,13 +528,14 @@ class Engine:
             eagle = QKVLayout(e["num_attention_heads"], e["num_key_value_heads"], e["head_size"])
         return unshard(ranks, TPLayout(config.vocab_size, QKVLayout.of(config), eagle))
 
-    def load_target(self, dtype: str | torch.dtype | None = None):
+    def load_target(self, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"):
         """The target model, weights read back from trtllm_checkpoint/ (a runtime.model.TargetModel)."""
         from runtime.model import TargetModel
 
         config = self.model_config(dtype)
         # Draft-head tensors are TensorRT-LLM's copy; the runtime's drafters read draft/.
         tensors = target_from_trtllm(config, self.read_trtllm_tensors(include=is_target_tensor))
+        tensors = {name: t.to(device) for name, t in tensors.items()}
         return TargetModel.from_state(config, tensors, source=f"{self.root}/{TRTLLM_DIR}")
 
     def tokenizer(self):

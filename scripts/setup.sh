@@ -9,4 +9,9 @@ PY=${PYTHON:-python3}
 # multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,plots]"
+# Serving (model_repo/, deploy/, tests/test_serving.py): nvidia-pytriton only for the tritonserver 2.51 binary and
+# python backend it bundles, without its own Python dependencies (they pull tritonclient[grpc], which pins
+# protobuf<5 and breaks onnx); tritonclient's gRPC client runs on the protobuf onnx needs (checked by the tests).
+.venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
+.venv/bin/python -m pip install -q "tritonclient[http]==2.51.0" "grpcio>=1.64.3" "packaging>=14.1" protobuf
 echo "set-up done: $(.venv/bin/python -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')"

@@ -60,3 +60,8 @@ def test_bad_input_exits_2_with_message(ckpt, args, message):
 def test_missing_model_dir(tmp_path):
     r = cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_device_is_validated(ckpt):
+    r = cli("generate", "--model", str(ckpt), "--prompt", "hi", "--device", "tpu:x")
+    assert r.returncode == 2 and "device" in r.stderr

@@ -1,0 +1,176 @@
+"""python -m deploy {serve,client,k8s,docker}
+
+    serve   --repo REPO_DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002 --address 127.0.0.1]
+            start tritonserver on a model repository, wait until it is ready, print the endpoints, and shut it
+            down cleanly on SIGINT / SIGTERM (exit status 0 after a clean shutdown)
+    client  --url HOST:GRPC_PORT --prompt TEXT [--model ensemble] [--max-tokens N] [sampling options]
+            stream a generation over gRPC, printing text as it arrives
+    k8s     --output DIR [options]   render Kubernetes manifests (deployment.yaml, service.yaml)
+    docker  --output DIR [options]   render a Dockerfile (FROM NVIDIA's Triton image) and compose.yaml
+
+Exit status: 0 on success, 2 on bad input, 1 when the server fails or a request is answered with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+import time
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import SpectreeError
+
+
+class _Shutdown(BaseException):
+    """Raised by the SIGINT / SIGTERM handler to unwind into a clean shutdown."""
+
+
+def _default(cls: type, name: str) -> Any:
+    return cls.__dataclass_fields__[name].default
+
+
+def parser() -> argparse.ArgumentParser:
+    from deploy.k8s import DeployConfig
+    from deploy.server import ServerConfig
+
+    p = argparse.ArgumentParser(prog="python -m deploy", description="Serve spectree model repositories with Triton.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run tritonserver on a model repository")
+    s.add_argument("--repo", required=True, help="model repository (python -m model_repo render)")
+    for name in ("http_port", "grpc_port", "metrics_port"):
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=_default(ServerConfig, name))
+    s.add_argument("--address", default=_default(ServerConfig, "address"),
+                   help="address every endpoint binds (default: loopback only)")
+    s.add_argument("--exit-timeout-s", type=int, default=_default(ServerConfig, "exit_timeout_s"),
+                   help="seconds in-flight requests get to finish at shutdown")
+    s.add_argument("--ready-timeout-s", type=float, default=_default(ServerConfig, "ready_timeout_s"))
+    s.add_argument("--log-verbose", type=int, default=_default(ServerConfig, "log_verbose"))
+    s.add_argument("--log-file", help="tritonserver's log (default: a temporary file)")
+    s.add_argument("--tritonserver", help="tritonserver binary (default: PATH, then the nvidia-pytriton wheel)")
+
+    c = sub.add_parser("client", help="stream a generation over gRPC")
+    c.add_argument("--url", required=True, help="gRPC endpoint, HOST:PORT")
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--model", default="ensemble",
+                   help="ensemble (default) or spec_decode. Ctrl-C stops the server-side generation only on "
+                        "spec_decode: tritonserver 2.51 does not forward a cancellation into a running ensemble step")
+    c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float)
+    c.add_argument("--top-k", type=int)
+    c.add_argument("--top-p", type=float)
+    c.add_argument("--seed", type=int)
+    c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    c.add_argument("--no-stream", action="store_true", help="one response with the whole text")
+    c.add_argument("--stats", action="store_true", help="print the speculation stats to stderr at the end")
+    c.add_argument("--timeout-s", type=float, default=120.0)
+
+    hints = typing.get_type_hints(DeployConfig)
+    for command, help_text in (("k8s", "render Kubernetes manifests"), ("docker", "render Dockerfile + compose.yaml")):
+        d = sub.add_parser(command, help=help_text)
+        d.add_argument("--output", required=True, help="directory to write into")
+        for f in dataclasses.fields(DeployConfig):
+            tp = hints[f.name]
+            base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+            d.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=base, default=argparse.SUPPRESS,
+                           help=f"default: {f.default!r}")
+    return p
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from deploy.server import ServerConfig, TritonServer, endpoints_text
+
+    config = ServerConfig(repo=ns.repo, http_port=ns.http_port, grpc_port=ns.grpc_port, metrics_port=ns.metrics_port,
+                          address=ns.address, exit_timeout_s=ns.exit_timeout_s, ready_timeout_s=ns.ready_timeout_s,
+                          log_verbose=ns.log_verbose, tritonserver=ns.tritonserver)
+    server = TritonServer(config, log_path=Path(ns.log_file) if ns.log_file else None)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # Once: a second signal during shutdown must not interrupt it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Shutdown(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    reason = "the server exited"
+    try:
+        print(f"starting tritonserver on {config.repo} ...", flush=True)
+        server.start()
+        models = sorted(p.parent.name for p in Path(config.repo).glob("*/config.pbtxt"))
+        print(f"ready (tritonserver pid {server.process.pid}, {server.install.kind} install)\n"
+              f"{endpoints_text(config, models)}", flush=True)
+        while server.process.poll() is None:
+            time.sleep(0.5)
+    except _Shutdown as sig:
+        reason = f"{sig}"
+    except SpectreeError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        server.stop()
+        server.cleanup()
+        return 1
+    print(f"shutting down ({reason}) ...", flush=True)
+    code = server.stop()
+    server.cleanup()
+    if reason == "the server exited":
+        print(f"error: tritonserver exited on its own with status {code}", file=sys.stderr, flush=True)
+        return 1
+    print(f"stopped (tritonserver exit status {code})", flush=True)
+    return 0 if code == 0 else 1
+
+
+def _client(ns: argparse.Namespace) -> int:
+    from deploy.client import ClientError, generate_stream
+
+    options = {"stream": not ns.no_stream, "temperature": ns.temperature, "top_k": ns.top_k, "top_p": ns.top_p,
+               "seed": ns.seed, "stop": tuple(ns.stop)}
+    last = None
+    try:
+        for event in generate_stream(ns.url, ns.model, ns.prompt, ns.max_tokens, timeout_s=ns.timeout_s, **options):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            last = event
+    except ClientError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # leaving the loop cancelled the request on the server
+        print("\n(cancelled)", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    if ns.stats and last is not None:
+        print(f"finish_reason={last.finish_reason} verification={last.verification} tau={last.tau} "
+              f"accepted_per_step={list(last.accepted_per_step or ())}", file=sys.stderr)
+    return 0
+
+
+def _render(ns: argparse.Namespace) -> int:
+    from deploy.k8s import DeployConfig, write_docker, write_k8s
+
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(DeployConfig) if hasattr(ns, f.name)}
+    cfg = DeployConfig(**values)
+    files = (write_k8s if ns.command == "k8s" else write_docker)(cfg, ns.output)
+    for f in files:
+        print(f)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    try:
+        if ns.command == "serve":
+            return _serve(ns)
+        if ns.command == "client":
+            return _client(ns)
+        return _render(ns)
+    except (SpectreeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

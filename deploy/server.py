@@ -1,0 +1,384 @@
+"""Start, watch and stop a real tritonserver on a model repository.
+
+Where the server comes from (`find_installation`):
+  1. an explicit binary (`tritonserver=`), or a `tritonserver` on PATH (NVIDIA's container: /opt/tritonserver),
+     used with its own backends and environment;
+  2. otherwise the server bundled in the nvidia-pytriton wheel (tritonserver 2.51 + python backend). That one
+     needs a writable backend directory holding the python backend and the stub built for the running Python,
+     PATH starting with this interpreter's bin/ (the stub finds the virtualenv's site-packages through the
+     `python3` on PATH) and LD_LIBRARY_PATH with this interpreter's libpython directory first, then the wheel's
+     bundled libraries (measured facts: /work/shared/notes/serving-on-cpu.md).
+
+The server binds loopback unless told otherwise, runs with model control off, and is stopped with SIGTERM
+(SIGKILL to its whole process group after a grace period), so its python stubs go with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.errors import ConfigError, SpectreeError
+
+
+class ServerError(SpectreeError, RuntimeError):
+    """tritonserver could not be found, did not become ready, or exited."""
+
+
+def _port(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(f"{name}: expected a TCP port in 1..65535, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    repo: str  # model repository directory
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    address: str = "127.0.0.1"  # every endpoint binds here (0.0.0.0 to serve other hosts)
+    exit_timeout_s: int = 30  # how long tritonserver lets in-flight requests finish on shutdown
+    ready_timeout_s: float = 300.0  # how long `start` waits for /v2/health/ready
+    log_verbose: int = 0
+    tritonserver: str | None = None  # explicit binary; None: PATH, then the nvidia-pytriton wheel
+    extra_args: tuple[str, ...] = ()  # more tritonserver flags, passed through
+
+    def __post_init__(self) -> None:
+        ports = {n: _port(getattr(self, n), n) for n in ("http_port", "grpc_port", "metrics_port")}
+        if len(set(ports.values())) != 3:
+            raise ConfigError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+        if not Path(self.repo).is_dir():
+            raise ConfigError(f"repo: {self.repo!r} is not a directory")
+        if not self.address:
+            raise ConfigError("address: expected an IP address to bind, got an empty string")
+        if isinstance(self.exit_timeout_s, bool) or not isinstance(self.exit_timeout_s, int) or self.exit_timeout_s < 0:
+            raise ConfigError(f"exit_timeout_s: expected an int >= 0, got {self.exit_timeout_s!r}")
+
+    @property
+    def client_host(self) -> str:
+        """Where a local client connects (a wildcard bind is reachable on loopback)."""
+        return "127.0.0.1" if self.address in ("0.0.0.0", "::", "[::]") else self.address
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+
+@dataclass(frozen=True)
+class Installation:
+    binary: Path
+    backend_source: Path | None  # python backend to copy into a writable backend dir (wheel only)
+    stub: Path | None  # triton_python_backend_stub for this Python (wheel only)
+    lib_dirs: tuple[Path, ...] = ()  # LD_LIBRARY_PATH additions (wheel only)
+    kind: str = "path"  # "explicit" | "path" | "wheel"
+
+
+def find_installation(tritonserver: str | None = None) -> Installation:
+    if tritonserver is not None:
+        binary = Path(tritonserver)
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            raise ServerError(f"tritonserver: {tritonserver!r} is not an executable file")
+        return Installation(binary=binary, backend_source=None, stub=None, kind="explicit")
+    on_path = shutil.which("tritonserver")
+    if on_path is not None:
+        return Installation(binary=Path(on_path), backend_source=None, stub=None, kind="path")
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError(
+            "no tritonserver found: none on PATH and the nvidia-pytriton wheel is not installed "
+            "(pip install nvidia-pytriton==0.7.0, or run inside NVIDIA's tritonserver container)"
+        )
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    binary = root / "bin" / "tritonserver"
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    for path in (binary, stub, root / "backends" / "python", libs):
+        if not path.exists():
+            raise ServerError(f"nvidia-pytriton install is incomplete: {path} is missing "
+                              f"(the wheel has no stub for Python {version}?)")
+    return Installation(binary=binary, backend_source=root / "backends", stub=stub, lib_dirs=(libs,), kind="wheel")
+
+
+def project_root() -> Path:
+    """The directory holding this package (and runtime/, model_repo/): the stub imports the same code."""
+    return Path(__file__).resolve().parent.parent
+
+
+def server_environment(install: Installation, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    python_path = [str(project_root())] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(python_path))
+    if install.kind == "wheel":
+        bin_dir = str(Path(sys.executable).parent)
+        env["PATH"] = os.pathsep.join([bin_dir, *[p for p in env.get("PATH", "").split(os.pathsep) if p]])
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        inherited = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+        libs = [libdir, *map(str, install.lib_dirs), *inherited]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(dict.fromkeys(p for p in libs if p))
+    return env
+
+
+def prepare_backends(install: Installation, into: Path) -> Path | None:
+    """A writable backend directory for the wheel's server (the python backend + this Python's stub)."""
+    if install.backend_source is None or install.stub is None:
+        return None
+    target = into / "backends"
+    shutil.copytree(install.backend_source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(install.stub, target / "python" / "triton_python_backend_stub")
+    return target
+
+
+def command(config: ServerConfig, install: Installation, backend_dir: Path | None) -> list[str]:
+    cmd = [
+        str(install.binary),
+        f"--model-repository={Path(config.repo).resolve()}",
+        "--model-control-mode=none",
+        "--disable-auto-complete-config",
+        "--strict-readiness=true",
+        f"--http-address={config.address}",
+        f"--http-port={config.http_port}",
+        f"--grpc-address={config.address}",
+        f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.address}",
+        f"--metrics-port={config.metrics_port}",
+        "--allow-gpu-metrics=false" if install.kind == "wheel" else "--allow-gpu-metrics=true",
+        f"--exit-timeout-secs={config.exit_timeout_s}",
+        f"--log-verbose={config.log_verbose}",
+    ]
+    if backend_dir is not None:
+        cmd.append(f"--backend-directory={backend_dir}")
+    return [*cmd, *config.extra_args]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports free right now (the OS picks them)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of pid (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes in process group pgid (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def shm_regions(pids: Sequence[int]) -> list[str]:
+    """Shared-memory region names the python backend stubs among pids were started with."""
+    regions = []
+    for pid in pids:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        regions += [a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region_")]
+    return regions
+
+
+def pid_alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver (use as a context manager, or call start / stop)."""
+
+    config: ServerConfig
+    log_path: Path | None = None  # server output; None: a file in the server's temporary directory
+    process: subprocess.Popen | None = field(default=None, init=False)
+    install: Installation | None = field(default=None, init=False)
+    _tmp: Path | None = field(default=None, init=False)
+    _log_file: object = field(default=None, init=False)
+
+    def start(self) -> TritonServer:
+        if self.process is not None:
+            raise ServerError("this server was already started")
+        busy = [p for p in (self.config.http_port, self.config.grpc_port, self.config.metrics_port)
+                if not port_is_free(p, self.config.address)]
+        if busy:
+            raise ServerError(f"port(s) {busy} on {self.config.address} are already in use")
+        self.install = find_installation(self.config.tritonserver)
+        self._tmp = Path(tempfile.mkdtemp(prefix="spectree-triton-"))
+        backend_dir = prepare_backends(self.install, self._tmp)
+        if self.log_path is None:
+            self.log_path = self._tmp / "tritonserver.log"
+        self._log_file = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            command(self.config, self.install, backend_dir),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_environment(self.install),
+            start_new_session=True,  # its own process group: stop() can take the python stubs down with it
+        )
+        try:
+            self.wait_ready(self.config.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The server log's error lines, then its last lines."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        errors = [line for line in text if re.match(r"^E\d{4} ", line)]
+        return "\n".join([*errors[:10], "...", *text[-lines:]] if errors else text[-lines:])
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.config.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise ServerError(f"tritonserver exited with status {code} before it was ready; its log ends:\n"
+                                  f"{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise ServerError(f"tritonserver was not ready after {timeout_s:.0f} s; its log ends:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM, wait (exit_timeout_s + 15 s by default), then SIGKILL the process group. Returns the exit
+        status (None if it was never started)."""
+        proc = self.process
+        if proc is None:
+            return None
+        grace = self.config.exit_timeout_s + 15 if grace_s is None else grace_s
+        regions = shm_regions(group_members(proc.pid))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Anything left in the group (a stuck stub) goes now.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        code = proc.wait()
+        # A stub that did not exit on its own leaves its shared-memory region behind; no process maps it now.
+        for region in regions:
+            Path("/dev/shm", region).unlink(missing_ok=True)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return code
+
+    def cleanup(self) -> None:
+        """Remove the temporary directory (backend copy, and the log unless log_path was given)."""
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.cleanup()
+
+
+def endpoints_text(config: ServerConfig, models: Sequence[str]) -> str:
+    lines = [
+        f"  HTTP     {config.http_url}   (POST /v2/models/<model>/generate, /generate_stream)",
+        f"  gRPC     {config.grpc_url}",
+        f"  metrics  {config.metrics_url}",
+        f"  models   {', '.join(models) if models else '(none)'}",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "Installation",
+    "ServerConfig",
+    "ServerError",
+    "TritonServer",
+    "child_pids",
+    "command",
+    "endpoints_text",
+    "find_installation",
+    "free_ports",
+    "group_members",
+    "pid_alive",
+    "port_is_free",
+    "prepare_backends",
+    "project_root",
+    "server_environment",
+    "shm_regions",
+]

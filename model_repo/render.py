@@ -1,0 +1,264 @@
+"""Render a Triton model repository for an engine directory (or a Hugging Face checkpoint directory).
+
+    REPO/
+      ensemble/config.pbtxt        text_input, max_tokens, ... -> preprocessing -> spec_decode -> text_output
+      ensemble/1/                  (empty: an ensemble has no files, but Triton wants a version directory)
+      preprocessing/config.pbtxt   tokenizer stage: text_input -> input_ids, input_length
+      preprocessing/1/model.py     thin adapter: model_repo.triton_adapter.PreprocessingModel
+      spec_decode/config.pbtxt     decoupled generation model; parameters record the engine, the load options,
+                                   the limits and the verification stage (greedy at temperature 0,
+                                   rejection_sampling above)
+      spec_decode/1/model.py       thin adapter: model_repo.triton_adapter.SpecDecodeModel
+      spectree-repo.json           the RepoOptions this repository was rendered from (Triton ignores files at
+                                   the repository root)
+
+Every config.pbtxt is rendered from `model_repo.schema` dataclasses by `model_repo.pbtxt` and parsed back
+before it is written. spec_decode also takes text_input directly (vllm_backend's single-model style): use it
+when cancelling streams matters, because Triton 2.51 does not forward a client's cancellation into a running
+ensemble step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model_repo import pipeline
+from model_repo.pbtxt import dumps, loads
+from model_repo.schema import (
+    EnsembleScheduling,
+    EnsembleStep,
+    InstanceGroup,
+    Kind,
+    ModelConfig,
+    ModelParameter,
+    TransactionPolicy,
+)
+from runtime.errors import ConfigError
+
+ENSEMBLE = "ensemble"
+PREPROCESSING = "preprocessing"
+SPEC_DECODE = "spec_decode"
+MODELS = (ENSEMBLE, PREPROCESSING, SPEC_DECODE)
+MANIFEST = "spectree-repo.json"
+LOAD_OPTION_KEYS = ("draft", "draft_model", "tree", "dtype", "max_draft_len")
+
+
+class RenderError(ConfigError):
+    """Rendering options are invalid, or do not fit the engine they name."""
+
+
+@dataclass(frozen=True)
+class RepoOptions:
+    """Everything `python -m model_repo render` accepts (CLI flags and YAML keys are these field names)."""
+
+    engine: str  # engine directory (engine.json) or Hugging Face checkpoint directory, with tokenizer.json
+    output: str  # repository directory to create
+    engine_path_in_server: str | None = None  # the engine's path as the server sees it (a container mount);
+    # None: the engine's absolute local path
+    device: str = "cpu"  # cpu | cuda: instance kind of spec_decode (KIND_CPU / KIND_GPU)
+    instances: int = 1  # spec_decode instances (each loads its own copy of the model)
+    max_concurrent_requests: int = 8  # generations running at once per spec_decode instance; more get UNAVAILABLE
+    max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: the engine's context length
+    torch_threads: int = 0  # torch intra-op threads per instance; 0: torch's default
+    draft: str | None = None  # runtime.load overrides (None: the engine's own drafter / tree / dtype)
+    draft_model: str | None = None
+    tree: str | None = None
+    dtype: str | None = None
+    max_draft_len: int | None = None
+    force: bool = False  # replace an existing output directory
+
+    def __post_init__(self) -> None:
+        for name in ("engine", "output"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise RenderError(f"{name}: expected a directory path, got {v!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise RenderError(f"device: expected cpu or cuda, got {self.device!r}")
+        for name, minimum in (("instances", 1), ("max_concurrent_requests", 1), ("torch_threads", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise RenderError(f"{name}: expected an integer >= {minimum}, got {v!r}")
+        for name, minimum in (("max_tokens_limit", 1), ("max_draft_len", 0)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
+                raise RenderError(f"{name}: expected an integer >= {minimum} (or unset), got {v!r}")
+        if self.draft is not None and self.draft not in ("medusa", "eagle", "lookup", "none"):
+            raise RenderError(f"draft: expected medusa, eagle, lookup or none, got {self.draft!r}")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise RenderError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.force, bool):
+            raise RenderError(f"force: expected a bool, got {self.force!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Any, where: str = "options") -> RepoOptions:
+        """Strict construction from a mapping (YAML): unknown keys fail, required keys must be there."""
+        if not isinstance(data, dict):
+            raise RenderError(f"{where}: expected a mapping of option -> value, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise RenderError(f"{where}: unknown option(s) {unknown}; accepted: {sorted(fields)}")
+        missing = sorted(n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in data)
+        if missing:
+            raise RenderError(f"{where}: missing required option(s) {missing}")
+        return cls(**data)
+
+    def load_options(self) -> dict[str, Any]:
+        """Keyword arguments for runtime.load (only the ones set)."""
+        return {k: getattr(self, k) for k in LOAD_OPTION_KEYS if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class RenderedRepo:
+    path: Path
+    configs: dict[str, ModelConfig]  # model name -> config written
+    max_context: int
+    max_tokens_limit: int
+
+
+def _params(values: dict[str, Any]) -> dict[str, ModelParameter]:
+    return {k: ModelParameter(v if isinstance(v, str) else json.dumps(v)) for k, v in values.items()}
+
+
+def model_configs(
+    options: RepoOptions, engine_path: str, max_context: int, max_tokens_limit: int
+) -> dict[str, ModelConfig]:
+    """The three model configs (pure: no filesystem access)."""
+    cpu = InstanceGroup(kind=Kind.KIND_CPU, count=1)
+    preprocessing = ModelConfig(
+        name=PREPROCESSING,
+        backend="python",
+        max_batch_size=0,
+        input=pipeline.PREPROCESSING_INPUTS,
+        output=pipeline.PREPROCESSING_OUTPUTS,
+        instance_group=(cpu,),
+        parameters=_params({"engine_dir": engine_path, "max_context": str(max_context)}),
+    )
+    spec_decode = ModelConfig(
+        name=SPEC_DECODE,
+        backend="python",
+        max_batch_size=0,
+        input=pipeline.SPEC_DECODE_INPUTS,
+        output=pipeline.SPEC_DECODE_OUTPUTS,
+        instance_group=(InstanceGroup(kind=Kind.KIND_GPU if options.device == "cuda" else Kind.KIND_CPU,
+                                      count=options.instances),),
+        model_transaction_policy=TransactionPolicy(decoupled=True),
+        parameters=_params({
+            "engine_dir": engine_path,
+            "load_options": options.load_options(),
+            "max_concurrent_requests": str(options.max_concurrent_requests),
+            "max_tokens_limit": str(max_tokens_limit),
+            "torch_threads": str(options.torch_threads),
+            "device": options.device,
+            # The lossless verification stage, explicit: runtime.verify's rule by temperature. spec_decode checks
+            # these at load and reports the mode each request ran as its `verification` output.
+            "verification_at_temperature_0": pipeline.VERIFICATION_GREEDY,
+            "verification_above_temperature_0": pipeline.VERIFICATION_SAMPLED,
+        }),
+    )
+    passthrough = {i.name: i.name for i in pipeline.ENSEMBLE_INPUTS if i.name != "text_input"}
+    ensemble = ModelConfig(
+        name=ENSEMBLE,
+        platform="ensemble",
+        max_batch_size=0,
+        input=pipeline.ENSEMBLE_INPUTS,
+        output=pipeline.SPEC_DECODE_OUTPUTS,
+        ensemble_scheduling=EnsembleScheduling(step=(
+            EnsembleStep(model_name=PREPROCESSING, model_version=-1,
+                         input_map={"text_input": "text_input"},
+                         output_map={"input_ids": "_input_ids"}),
+            EnsembleStep(model_name=SPEC_DECODE, model_version=-1,
+                         input_map={"input_ids": "_input_ids", "text_input": "text_input", **passthrough},
+                         output_map={o.name: o.name for o in pipeline.SPEC_DECODE_OUTPUTS}),
+        )),
+    )
+    return {ENSEMBLE: ensemble, PREPROCESSING: preprocessing, SPEC_DECODE: spec_decode}
+
+
+ADAPTERS = {PREPROCESSING: "PreprocessingModel", SPEC_DECODE: "SpecDecodeModel"}
+
+
+def adapter_source(model: str) -> str:
+    """model.py of a python model: one import of package code."""
+    cls = ADAPTERS[model]
+    return (
+        f'"""Triton python-backend entry point of {model} (rendered by `python -m model_repo render`)."""\n\n'
+        f"from model_repo.triton_adapter import {cls} as TritonPythonModel\n\n"
+        f'__all__ = ["TritonPythonModel"]\n'
+    )
+
+
+def render(options: RepoOptions) -> RenderedRepo:
+    """Write the repository (atomically: into a temporary sibling, then renamed into place)."""
+    engine = Path(options.engine)
+    if not engine.is_dir():
+        raise RenderError(f"engine: {str(engine)!r} is not a directory")
+    max_context, _, has_tokenizer = pipeline.engine_facts(str(engine))
+    if not has_tokenizer:
+        raise RenderError(f"engine: {str(engine)!r} has no tokenizer.json; the text pipeline needs one")
+    limit = options.max_tokens_limit if options.max_tokens_limit is not None else max_context
+    if limit > max_context:
+        raise RenderError(f"max_tokens_limit: {limit} is above the engine's context length {max_context}")
+    if options.draft_model is not None and not Path(options.draft_model).is_dir():
+        raise RenderError(f"draft_model: {options.draft_model!r} is not a directory")
+    engine_path = options.engine_path_in_server or str(engine.resolve())
+    configs = model_configs(options, engine_path, max_context, limit)
+
+    out = Path(options.output)
+    if out.exists() and not options.force:
+        raise RenderError(f"output: {str(out)!r} already exists (pass force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for name, config in configs.items():
+            text = dumps(config)
+            if loads(ModelConfig, text) != config:  # the writer and the parser must agree
+                raise RenderError(f"{name}/config.pbtxt does not parse back to the config it was rendered from")
+            (tmp / name / "1").mkdir(parents=True)
+            (tmp / name / "config.pbtxt").write_text(text, encoding="utf-8")
+            if name in ADAPTERS:
+                (tmp / name / "1" / "model.py").write_text(adapter_source(name), encoding="utf-8")
+        manifest = {"format": "spectree-model-repo", "format_version": 1, "options": dataclasses.asdict(options),
+                    "engine_path_in_server": engine_path, "max_context": max_context, "max_tokens_limit": limit,
+                    "models": list(configs)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return RenderedRepo(path=out, configs=configs, max_context=max_context, max_tokens_limit=limit)
+
+
+def read_repo(path: str | Path) -> dict[str, ModelConfig]:
+    """Parse every config.pbtxt of a repository (strict)."""
+    root = Path(path)
+    out = {}
+    for cfg in sorted(root.glob("*/config.pbtxt")):
+        out[cfg.parent.name] = loads(ModelConfig, cfg.read_text(encoding="utf-8"))
+    if not out:
+        raise RenderError(f"{root}: no */config.pbtxt found; not a model repository")
+    return out
+
+
+__all__ = [
+    "ENSEMBLE",
+    "MANIFEST",
+    "MODELS",
+    "PREPROCESSING",
+    "SPEC_DECODE",
+    "RenderError",
+    "RenderedRepo",
+    "RepoOptions",
+    "adapter_source",
+    "model_configs",
+    "read_repo",
+    "render",
+]

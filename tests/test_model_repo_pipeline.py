@@ -1,0 +1,337 @@
+"""model_repo.pipeline without a server: request parsing (every error names its input), the tokenizer stage,
+the generation driver over a real SpecDecoder, slots, error codes, metrics and config parameters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import runtime
+from model_repo import pipeline
+from model_repo.pipeline import (
+    ErrorCode,
+    InputError,
+    RequestCancelled,
+    RequestLimits,
+    SettingsError,
+    Slots,
+    SlotsFullError,
+    SpecDecodeSettings,
+    SpecMetrics,
+    error_code,
+    parse_generate_request,
+    preprocess,
+    run_generation,
+)
+from runtime.errors import CacheError, RequestError
+from runtime.sampling import SamplingParams
+from tests.heads import write_medusa_head
+from tests.tiny import EOS_ID, make_checkpoint, vocab_size
+
+LIMITS = RequestLimits(max_tokens=100, vocab_size=vocab_size())
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    ckpt = make_checkpoint(root / "llama2", "llama2", max_position_embeddings=64)
+    heads = write_medusa_head(root / "medusa", 64, vocab_size(), num_heads=2)
+    return runtime.load(ckpt, draft_model=heads, tree="[[0], [1], [0, 0]]")
+
+
+def s(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=np.object_)
+
+
+def i32(*v: int) -> np.ndarray:
+    return np.array(v, dtype=np.int32)
+
+
+def f32(v: float) -> np.ndarray:
+    return np.array([v], dtype=np.float32)
+
+
+def b(v: bool) -> np.ndarray:
+    return np.array([v], dtype=np.bool_)
+
+
+def req(**inputs) -> dict[str, np.ndarray]:
+    base = {"text_input": s(PROMPT), "max_tokens": i32(8)}
+    base.update(inputs)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+# ---- parsing --------------------------------------------------------------------------------------------
+
+
+def test_parse_defaults_and_all_inputs():
+    r = parse_generate_request(req(), LIMITS)
+    assert r.prompt == PROMPT and r.prompt_source == "text_input"
+    assert r.params == SamplingParams(max_tokens=8) and not r.stream
+    assert r.echo == PROMPT  # a whole (non-streamed) response includes the prompt, as tensorrtllm_backend does
+
+    r = parse_generate_request(req(stream=b(True), temperature=f32(0.5), top_k=i32(7), top_p=f32(0.9),
+                                   random_seed=np.array([2**63 + 5], dtype=np.uint64),
+                                   stop_words=np.array([b"", b"fox", b"dog"], dtype=np.object_),
+                                   bad_words=np.array([b""], dtype=np.object_), end_id=i32(2)), LIMITS)
+    assert r.stream and r.echo == ""
+    assert r.params == SamplingParams(max_tokens=8, temperature=0.5, top_k=7, top_p=float(np.float32(0.9)),
+                                      seed=2**63 + 5, stop=("fox", "dog"), stop_token_ids=(2,), ignore_eos=True)
+
+    r = parse_generate_request(req(stream=b(True), exclude_input_in_output=b(False)), LIMITS)
+    assert r.echo == PROMPT
+    r = parse_generate_request(req(exclude_input_in_output=b(True)), LIMITS)
+    assert r.echo == ""
+
+
+def test_parse_token_ids_and_sampling_parameters_json():
+    r = parse_generate_request({"input_ids": i32(0, 5, 9), "text_input": s("echo me"), "max_tokens": i32(3)}, LIMITS)
+    assert r.prompt == (0, 5, 9) and r.prompt_source == "input_ids" and r.echo == "echo me"
+    sp = '{"temperature": 0.7, "top_k": -1, "seed": 4, "stop": "x", "ignore_eos": true}'
+    r = parse_generate_request(req(sampling_parameters=s(sp)), LIMITS)
+    assert r.params == SamplingParams(max_tokens=8, temperature=0.7, top_k=0, seed=4, stop=("x",), ignore_eos=True)
+    r = parse_generate_request({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": 5}')}, LIMITS)
+    assert r.params.max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "inputs,message",
+    [
+        ({"text_input": None}, "text_input: missing"),
+        ({"text_input": s("")}, "text_input: empty"),
+        ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "text_input: not valid UTF-8"),
+        ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "text_input: expected exactly one value"),
+        ({"max_tokens": i32(0)}, "max_tokens: expected an integer >= 1, got 0"),
+        ({"max_tokens": i32(-4)}, "max_tokens: expected an integer >= 1, got -4"),
+        ({"max_tokens": i32(101)}, "max_tokens: 101 is above this server's limit of 100"),
+        ({"max_tokens": None}, "max_tokens: missing"),
+        ({"max_tokens": np.array([8.0], dtype=np.float32)}, "max_tokens: expected INT32"),
+        ({"temperature": np.array([1], dtype=np.int32)}, "temperature: expected FP32"),
+        ({"temperature": f32(-0.5)}, "temperature: expected a finite number >= 0"),
+        ({"temperature": f32(float("nan"))}, "temperature: expected a finite number >= 0"),
+        ({"top_p": f32(0.0)}, "top_p: expected a number in (0, 1]"),
+        ({"top_p": f32(1.5)}, "top_p: expected a number in (0, 1]"),
+        ({"top_k": i32(-2)}, "top_k: expected an integer >= 0"),
+        ({"stream": np.array([1], dtype=np.int32)}, "stream: expected BOOL"),
+        ({"end_id": i32(10**6)}, "end_id: expected a token id in [0,"),
+        ({"bad_words": np.array([b"fox"], dtype=np.object_)}, "bad_words: not supported"),
+        ({"sampling_parameters": s("{not json")}, "sampling_parameters: not valid JSON"),
+        ({"sampling_parameters": s('{"temprature": 1}')}, "sampling_parameters: unknown key(s) ['temprature']"),
+        ({"sampling_parameters": s('{"max_tokens": 3}')}, "'max_tokens' is also given as the input 'max_tokens'"),
+        ({"sampling_parameters": s('{"stop_token_ids": [-1]}')}, "stop_token_ids must be a list of ints >= 0"),
+        ({"input_ids": i32(), "text_input": None}, "input_ids: empty"),
+        ({"input_ids": i32(0, 10**6), "text_input": None}, "input_ids: token ids must be in [0,"),
+        ({"input_ids": i32(0, 5), "text_input": None, "exclude_input_in_output": b(False)},
+         "exclude_input_in_output: false needs text_input"),
+        ({"pad_id": i32(0)}, "unknown input(s) ['pad_id']"),
+    ],
+)
+def test_bad_inputs_name_the_input(inputs, message):
+    with pytest.raises(InputError) as e:
+        parse_generate_request(req(**inputs), LIMITS)
+    assert message in str(e.value)
+    assert error_code(e.value) is ErrorCode.INVALID_ARG
+
+
+# ---- the tokenizer stage --------------------------------------------------------------------------------
+
+
+def test_preprocess_matches_the_decoder(decoder):
+    out = preprocess({"text_input": s(PROMPT)}, decoder.tokenizer, decoder.max_context)
+    assert out["input_ids"].dtype == np.int32 and out["input_length"].tolist() == [len(out["input_ids"])]
+    assert out["input_ids"].tolist() == decoder.encode_prompt(PROMPT)
+    with pytest.raises(InputError, match="text_input: empty"):
+        preprocess({"text_input": s("")}, decoder.tokenizer, decoder.max_context)
+    with pytest.raises(InputError, match=r"text_input: the prompt is \d+ tokens; the context limit is 64"):
+        preprocess({"text_input": s(PROMPT * 20)}, decoder.tokenizer, decoder.max_context)
+
+
+# ---- the generation driver ------------------------------------------------------------------------------
+
+
+class ListSink:
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.responses: list[tuple[dict, bool]] = []
+        self.cancel_after = cancel_after
+
+    def send(self, outputs, final):
+        assert not (self.responses and self.responses[-1][1]), "a response after the final one"
+        self.responses.append((outputs, final))
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.responses) >= self.cancel_after
+
+    def text(self) -> str:
+        return "".join(o["text_output"][0].decode() for o, _ in self.responses)
+
+    def ids(self) -> list[int]:
+        return [int(t) for o, _ in self.responses for t in o["output_ids"]]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": f32(0.9), "top_p": f32(0.95), "random_seed":
+                                           np.array([7], dtype=np.uint64)}])
+def test_streamed_deltas_equal_the_offline_result(decoder, sampling):
+    request = parse_generate_request(req(max_tokens=i32(20), stream=b(True), **sampling), LIMITS)
+    sink = ListSink()
+    final = run_generation(decoder, request, sink)
+    ref = decoder.generate(PROMPT, request.params)
+    assert sink.text() == ref.text and sink.ids() == list(ref.token_ids)
+    assert len(sink.responses) > 1 and [f for _, f in sink.responses] == [False] * (len(sink.responses) - 1) + [True]
+    last = sink.responses[-1][0]
+    assert last["finish_reason"][0].decode() == ref.finish_reason == final.finish_reason
+    assert last["verification"][0].decode() == ref.stats.verification
+    assert last["verification"][0].decode().startswith("greedy" if not sampling else "rejection_sampling/")
+    assert last["accepted_per_step"].tolist() == list(ref.stats.accepted_per_step)
+    assert last["tau"][0] == pytest.approx(ref.stats.tau)
+    assert all("tau" not in o for o, _ in sink.responses[:-1])
+
+
+def test_whole_response_echoes_the_prompt(decoder):
+    request = parse_generate_request(req(max_tokens=i32(12)), LIMITS)
+    sink = ListSink()
+    run_generation(decoder, request, sink)
+    ref = decoder.generate(PROMPT, max_tokens=12)
+    assert len(sink.responses) == 1 and sink.responses[0][1]
+    assert sink.text() == PROMPT + ref.text and sink.ids() == list(ref.token_ids)
+
+
+def test_stop_words_and_end_id(decoder):
+    ref = decoder.generate(PROMPT, max_tokens=30, ignore_eos=True)
+    stop = ref.text[5:8]
+    request = parse_generate_request(req(max_tokens=i32(30), stream=b(True),
+                                         stop_words=np.array([stop.encode()], dtype=np.object_),
+                                         sampling_parameters=s('{"ignore_eos": true}')), LIMITS)
+    sink = ListSink()
+    run_generation(decoder, request, sink)
+    assert sink.text() == decoder.generate(PROMPT, request.params).text
+    assert stop not in sink.text() and sink.responses[-1][0]["finish_reason"][0] == b"stop"
+    # end_id replaces EOS: generation ends at that token (kept in output_ids, as the runtime keeps its stop ids).
+    end = ref.token_ids[4]
+    request = parse_generate_request(req(max_tokens=i32(30), stream=b(True), end_id=i32(end)), LIMITS)
+    sink = ListSink()
+    run_generation(decoder, request, sink)
+    assert sink.ids()[-1] == end and end not in sink.ids()[:-1] and EOS_ID != end
+
+
+def test_cancellation_stops_the_generation(decoder):
+    request = parse_generate_request(req(max_tokens=i32(50), stream=b(True),
+                                         sampling_parameters=s('{"ignore_eos": true}')), LIMITS)
+    sink = ListSink(cancel_after=2)
+    with pytest.raises(RequestCancelled) as e:
+        run_generation(decoder, request, sink)
+    assert error_code(e.value) is ErrorCode.CANCELLED
+    assert len(sink.responses) == 2 and not sink.responses[-1][1]
+
+
+def test_prompt_too_long_is_an_input_error(decoder):
+    request = parse_generate_request(req(text_input=s(PROMPT * 20)), LIMITS)
+    with pytest.raises(InputError, match="text_input: prompt has .* the context limit is 64"):
+        run_generation(decoder, request, ListSink())
+    request = parse_generate_request({"input_ids": i32(*[5] * 64), "max_tokens": i32(2)}, LIMITS)
+    with pytest.raises(InputError, match="input_ids: prompt has 64 tokens"):
+        run_generation(decoder, request, ListSink())
+
+
+# ---- slots, error codes, metrics, settings --------------------------------------------------------------
+
+
+def test_slots():
+    seen: list[int] = []
+    slots = Slots(2, on_change=seen.append)
+    slots.acquire()
+    slots.acquire()
+    with pytest.raises(SlotsFullError, match="all 2 generation slots are busy") as e:
+        slots.acquire()
+    assert error_code(e.value) is ErrorCode.UNAVAILABLE
+    slots.release()
+    slots.acquire()
+    assert slots.active == 2
+    slots.release()
+    slots.release()
+    with pytest.raises(RuntimeError, match="without a matching acquire"):
+        slots.release()
+    assert seen == [1, 2, 1, 2, 1, 0]
+    with pytest.raises(SettingsError):
+        Slots(0)
+
+
+def test_error_codes_and_messages():
+    assert error_code(RequestError("x")) is ErrorCode.INVALID_ARG
+    assert error_code(CacheError("x")) is ErrorCode.INTERNAL
+    assert error_code(KeyError("k")) is ErrorCode.INTERNAL
+    assert pipeline.error_message(KeyError("k")) == "internal error: KeyError: 'k'"
+    assert pipeline.error_message(InputError("top_p: bad")) == "top_p: bad"
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.values: dict[tuple, float] = {}
+        self.observations: dict[tuple, list[float]] = {}
+
+    def _key(self, spec, labels):
+        return (spec.name, tuple(sorted(labels.items())))
+
+    def add(self, spec, labels, value):
+        assert spec.kind == "counter"
+        k = self._key(spec, labels)
+        self.values[k] = self.values.get(k, 0) + value
+
+    def set(self, spec, labels, value):
+        assert spec.kind == "gauge"
+        self.values[self._key(spec, labels)] = value
+
+    def observe(self, spec, labels, value):
+        assert spec.kind == "histogram"
+        self.observations.setdefault(self._key(spec, labels), []).append(value)
+
+
+def test_metrics_follow_the_stats(decoder):
+    backend = RecordingBackend()
+    metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0_0")
+    metrics.capacity(8)
+    metrics.active(3)
+    gauge = ("spectree_active_requests", (("instance", "spec_decode_0_0"), ("model", "spec_decode")))
+    assert backend.values[gauge] == 3
+    sampled = parse_generate_request(req(max_tokens=i32(15), temperature=f32(0.8),
+                                         random_seed=np.array([1], dtype=np.uint64)), LIMITS)
+    final = run_generation(decoder, sampled, ListSink())
+    metrics.finished(None, final)
+    metrics.finished(InputError("x"))
+    metrics.finished(RequestCancelled("x"))
+    st = final.stats
+    lab = (("model", "spec_decode"), ("verification", "rejection_sampling"))
+    assert backend.values[("spectree_generated_tokens_total", (("model", "spec_decode"),))] == st.generated_tokens
+    assert backend.values[("spectree_verify_steps_total", lab)] == st.steps > 0
+    assert backend.values[("spectree_accepted_tokens_total", lab)] == st.accepted_tokens
+    assert backend.values[("spectree_drafted_tokens_total", lab)] == st.drafted_tokens
+    assert backend.observations[("spectree_accepted_tokens_per_step", lab)] == list(st.accepted_per_step)
+    assert backend.observations[("spectree_tau", lab)] == [st.tau]
+    for outcome in ("completed", "invalid", "cancelled"):
+        assert backend.values[("spectree_requests_total", (("model", "spec_decode"), ("outcome", outcome)))] == 1
+    assert {m.name for m in pipeline.METRICS} >= {"spectree_tau", "spectree_accepted_tokens_per_step"}
+
+
+def settings_params(**over: str) -> dict[str, str]:
+    p = {"engine_dir": "/e", "load_options": '{"draft": "lookup"}', "max_concurrent_requests": "8",
+         "max_tokens_limit": "100", "torch_threads": "0", "device": "cpu",
+         "verification_at_temperature_0": "greedy", "verification_above_temperature_0": "rejection_sampling"}
+    p.update(over)
+    return {k: v for k, v in p.items() if v is not None}
+
+
+def test_spec_decode_settings_are_strict():
+    st = SpecDecodeSettings.from_parameters(settings_params())
+    assert st.load_options == {"draft": "lookup"} and st.max_concurrent_requests == 8
+    for over, message in (
+        ({"max_concurrent_requests": "zero"}, "max_concurrent_requests: expected an integer, got 'zero'"),
+        ({"max_concurrent_requests": "0"}, "expected an integer >= 1, got 0"),
+        ({"load_options": "[1]"}, "load_options: expected a JSON object"),
+        ({"device": "tpu"}, "device: expected cpu or cuda"),
+        ({"verification_above_temperature_0": "greedy"}, "runtime.verify implements 'rejection_sampling'"),
+        ({"extra": "1"}, "unknown ['extra']"),
+        ({"engine_dir": None}, "missing ['engine_dir']"),
+    ):
+        with pytest.raises(SettingsError, match=None) as e:
+            SpecDecodeSettings.from_parameters(settings_params(**over))
+        assert message in str(e.value)
