@@ -3,6 +3,12 @@
     build     --config X.yaml [--output DIR] [--force]   build an engine directory
     validate  --config X.yaml [--output DIR]             check a config against its checkpoints, build nothing
     inspect   ENGINE_DIR [--no-verify] [--json]          describe an engine directory and verify its checksums
+    train-target --config TRAIN.yaml [--fresh]           train a small Llama target + tokenizer on a corpus
+    train-heads  --config TRAIN.yaml [--only medusa|eagle] [--fresh]
+                                                         train Medusa-1 / EAGLE-1 heads for a frozen target
+    tune-tree    --config BUILD.yaml (--prompts P.jsonl | --heldout TRAIN.yaml) [--output Y.yaml | --in-place]
+                                                         measure acceptance and costs, pick the static tree
+                                                         (Sequoia DP) and write its choice paths into the config
 
 Defaults come from builder.config's dataclasses (one source of truth); exit status 0 on success, 1 when inspect
 finds damaged files, 2 on bad input or a failed build.
@@ -36,7 +42,48 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("engine_dir")
     i.add_argument("--no-verify", action="store_true", help="skip the sha256 check (sizes are still compared)")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    tt = sub.add_parser("train-target", help="train a small Llama target (and its tokenizer) on a text corpus")
+    tt.add_argument("--config", required=True, help="training YAML (corpus + target sections)")
+    tt.add_argument("--fresh", action="store_true", help="discard the resumable state in target.work_dir")
+    tt.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
+    th = sub.add_parser("train-heads", help="train Medusa-1 and/or EAGLE-1 draft heads for a frozen target")
+    th.add_argument("--config", required=True, help="training YAML (corpus + heads sections)")
+    th.add_argument("--only", choices=("medusa", "eagle"), help="train only these heads")
+    th.add_argument("--fresh", action="store_true", help="discard the resumable state in heads.work_dir")
+    th.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
+    from builder.tune_tree import add_arguments as _tune_tree_arguments
+
+    _tune_tree_arguments(sub.add_parser("tune-tree", help="pick the static draft tree that maximises tokens/s "
+                                                          "(Sequoia DP on measured acceptance and costs)"))
     return p
+
+
+def _cmd_train_target(args) -> int:
+    from builder.train_target import train_target
+    from builder.training.config import load_train_config
+
+    result = train_target(load_train_config(args.config), fresh=args.fresh, quiet=args.quiet)
+    _console().print(f"[green]target written[/green] to {result.output}: {result.num_parameters:,} parameters, "
+                     f"{result.steps} steps, {result.train_tokens:,} tokens in {result.elapsed_s / 60:.1f} min, "
+                     f"held-out loss {result.held_out_loss:.3f}")
+    return 0
+
+
+def _cmd_train_heads(args) -> int:
+    from builder.train_heads import report_table, train_heads
+    from builder.training.config import load_train_config
+
+    results = train_heads(load_train_config(args.config), only=args.only, fresh=args.fresh, quiet=args.quiet)
+    console = _console()
+    for r in results:
+        console.print(report_table(r))
+    return 0
+
+
+def _cmd_tune_tree(args) -> int:
+    from builder.tune_tree import run_cli
+
+    return run_cli(args, _console())
 
 
 def _console():
@@ -180,7 +227,8 @@ def _cmd_inspect(args) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    commands = {"build": _cmd_build, "validate": _cmd_validate, "inspect": _cmd_inspect}
+    commands = {"build": _cmd_build, "validate": _cmd_validate, "inspect": _cmd_inspect,
+                "train-target": _cmd_train_target, "train-heads": _cmd_train_heads, "tune-tree": _cmd_tune_tree}
     try:
         return commands[args.command](args)
     except SpectreeError as exc:

@@ -1,0 +1,518 @@
+"""`python -m builder train-heads --config CFG`: Medusa-1 and EAGLE-1 draft heads for a frozen target.
+
+The target (a Hugging Face checkpoint, run by `transformers`' reference Llama in float32) supplies, for every
+corpus window, its final-norm hidden states h_t (the lm_head input: exactly what `runtime` hands a drafter) and
+its logits. Labels (heads.labels):
+  target  the target's own next-token distribution (self-distillation: a draft is accepted when it agrees with
+          the target, not with the corpus)
+  data    the corpus tokens (Medusa-1's original recipe)
+
+Medusa-1 (FasterDecoding): head i = Linear(H -> V)(ResBlock^n(h_t)) predicts x_{t+i+2}, i.e. the distribution
+the target gives at position t+i+1. Each head starts as the target itself: ResBlock linears at zero (identity)
+and the vocabulary projection copied from the target's lm_head. Loss: sum_i 0.8^i CE_i (Medusa's weighting).
+
+EAGLE-1 (SafeAILab): at position t the head reads fc(cat(embed(x_{t+1}), f_t)) (the target's embedding, frozen
+and shared), runs one Llama decoder layer without input_layernorm (causal over the window, position t) and
+predicts f_{t+1}; the target's frozen lm_head turns it into the distribution of x_{t+2}.
+Loss = SmoothL1(f'_{t+1}, f_{t+1}) + ce_weight * CE(lm_head(f'_{t+1}), labels of x_{t+2}), as in EAGLE.
+
+Held-out metrics on fixed windows: Medusa top-1 / top-5 agreement with the target's greedy token per head
+(= per tree depth); EAGLE the same per depth, where depth d > 1 feeds the head's own predicted features back
+d - 1 times (every position at once: an approximation of tree drafting, whose prefix features are exact).
+Outputs: FasterDecoding head directory (config.json + medusa_lm_head.safetensors) and the EAGLE repository's
+layout (config.json + pytorch_model.bin), both loadable by `runtime.drafters` and by those projects' loaders;
+plus training_log.jsonl and training_summary.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from builder.training.config import (
+    EagleSection,
+    HeadsSection,
+    MedusaSection,
+    OptimSection,
+    TrainConfig,
+    TrainConfigError,
+)
+from builder.training.corpus import (
+    TokenData,
+    check_windows,
+    fixed_windows,
+    load_tokens,
+    random_windows,
+    split_corpus,
+)
+from builder.training.loop import (
+    RunLog,
+    learning_rate,
+    load_state,
+    param_groups,
+    progress_fraction,
+    save_state,
+)
+
+MEDUSA_WEIGHT_DECAY = 0.8  # Medusa-1 weights head i's loss by 0.8^i
+EVAL_TOPK = 5
+LOG_EVERY = 10
+
+
+# ---- modules (public state-dict names) -------------------------------------------------------------------
+
+
+class ResBlock(nn.Module):
+    """FasterDecoding's ResBlock: x + SiLU(Linear(x)); `linear` is the name in their state dicts."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)  # the block starts as the identity
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+def medusa_heads_module(lm_head_weight: torch.Tensor, num_heads: int, num_layers: int) -> nn.ModuleList:
+    """FasterDecoding's `medusa_head`: ModuleList of Sequential(ResBlock * n, Linear(H, V, bias=False)); every
+    projection initialised from the target's lm_head (# [V, H]). State-dict keys {h}.{l}.linear.*, {h}.{n}.weight."""
+    v, h = lm_head_weight.shape
+    heads = nn.ModuleList()
+    for _ in range(num_heads):
+        proj = nn.Linear(h, v, bias=False)
+        with torch.no_grad():
+            proj.weight.copy_(lm_head_weight)
+        heads.append(nn.Sequential(*[ResBlock(h) for _ in range(num_layers)], proj))
+    return heads
+
+
+def eagle_layer_config(target_config: Any):
+    """The EAGLE head's transformers LlamaConfig: the target's shapes, one layer."""
+    from transformers import LlamaConfig
+
+    t = target_config
+    cfg = LlamaConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.hidden_size // t.num_attention_heads, max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=t.rms_norm_eps, rope_theta=_rope_theta(t), attention_bias=False, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _rope_theta(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+class EagleTrainHead(nn.Module):
+    """fc + one LlamaDecoderLayer without input_layernorm. The embedding is the target's (passed in, frozen)."""
+
+    def __init__(self, layer_config: Any) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import (
+            LlamaDecoderLayer,
+            LlamaRotaryEmbedding,
+        )
+
+        h = layer_config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        layer = LlamaDecoderLayer(layer_config, 0)
+        layer.input_layernorm = nn.Identity()  # EAGLE-1: the fused input goes straight to attention
+        self.layers = nn.ModuleList([layer])
+        self.rotary = LlamaRotaryEmbedding(layer_config)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, T, H]: embeddings of x_{t+1}
+        features: torch.Tensor,  # [B, T, H]: f_t
+    ) -> torch.Tensor:  # [B, T, H]: predicted f_{t+1}
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        positions = torch.arange(x.shape[1], device=x.device)[None]  # [1, T]
+        cos_sin = self.rotary(x, positions)
+        for layer in self.layers:
+            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)  # causal (sdpa)
+        return x
+
+    def eagle_state_dict(self) -> dict[str, torch.Tensor]:
+        """The EAGLE checkpoint's keys: fc.*, layers.0.* (no input_layernorm, no rotary buffers)."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+
+
+# ---- target features ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_outputs(target: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids # [B, T] -> final-norm hidden # [B, T, H], logits # [B, T, V] float32 (the frozen target)."""
+    hidden = target.model(input_ids=ids).last_hidden_state
+    return hidden, target.lm_head(hidden).float()
+
+
+def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of logits # [N, V] against softmax(target_logits) # [N, V] (mean over N)."""
+    return -(F.softmax(target_logits, -1) * F.log_softmax(logits, -1)).sum(-1).mean()
+
+
+def _ce(logits: torch.Tensor, target_logits: torch.Tensor, data: torch.Tensor, labels: str) -> torch.Tensor:
+    """logits, target_logits # [N, V]; data # [N] int64 corpus tokens."""
+    if labels == "target":
+        return _soft_ce(logits, target_logits)
+    return F.cross_entropy(logits, data)
+
+
+# ---- per-kind training steps and metrics ---------------------------------------------------------------
+
+
+def medusa_loss(heads: nn.ModuleList, hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
+                labels: str) -> torch.Tensor:
+    """hidden # [B, T, H], logits # [B, T, V] (target), ids # [B, T]. Head i at t vs position t+i+1."""
+    total = hidden.new_zeros(())
+    t = ids.shape[1]
+    for i, head in enumerate(heads):
+        span = t - i - 2  # positions t whose label x_{t+i+2} is inside the window
+        out = head(hidden[:, :span]).flatten(0, 1)  # [B*span, V]
+        loss = _ce(out, logits[:, i + 1:i + 1 + span].flatten(0, 1), ids[:, i + 2:].flatten(), labels)
+        total = total + MEDUSA_WEIGHT_DECAY**i * loss
+    return total
+
+
+@torch.no_grad()
+def medusa_metrics(heads: nn.ModuleList, target: nn.Module, windows) -> dict[str, list[float]]:
+    """Per head: top-1 / top-5 agreement with the target's greedy token, and top-1 accuracy on the corpus."""
+    k = len(heads)
+    hit1, hit5, data1, count = [0] * k, [0] * k, [0] * k, [0] * k
+    for ids in windows:
+        hidden, logits = target_outputs(target, ids)
+        greedy = logits.argmax(-1)  # [1, T]
+        t = ids.shape[1]
+        for i, head in enumerate(heads):
+            span = t - i - 2
+            top = torch.topk(head(hidden[:, :span]), EVAL_TOPK, dim=-1).indices  # [1, span, 5]
+            want = greedy[:, i + 1:i + 1 + span]
+            hit1[i] += int((top[..., 0] == want).sum())
+            hit5[i] += int((top == want[..., None]).any(-1).sum())
+            data1[i] += int((top[..., 0] == ids[:, i + 2:]).sum())
+            count[i] += span
+    return {"top1": [h / c for h, c in zip(hit1, count)], "top5": [h / c for h, c in zip(hit5, count)],
+            "top1_data": [h / c for h, c in zip(data1, count)]}
+
+
+def eagle_loss(head: EagleTrainHead, target: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
+               ids: torch.Tensor, section: EagleSection, labels: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """Position t pairs (f_t, x_{t+1}) and predicts f_{t+1}, whose lm_head gives x_{t+2}."""
+    feats = hidden[:, :-1]  # [B, T-1, H]
+    if section.feature_noise > 0:
+        feats = feats + (torch.rand_like(feats) * 2 - 1) * section.feature_noise
+    pred = head(target.model.embed_tokens(ids[:, 1:]), feats)  # [B, T-1, H]
+    reg = F.smooth_l1_loss(pred, hidden[:, 1:])
+    out = target.lm_head(pred[:, :-1])  # [B, T-2, V]: x_{t+2} exists for t <= T-3
+    ce = _ce(out.flatten(0, 1), logits[:, 1:-1].flatten(0, 1), ids[:, 2:].flatten(), labels)
+    return reg + section.ce_weight * ce, {"regression": reg.item(), "ce": ce.item()}
+
+
+@torch.no_grad()
+def eagle_metrics(head: EagleTrainHead, target: nn.Module, windows, depths: int = 4) -> dict[str, list[float]]:
+    """Per depth d: top-1 / top-5 agreement of the head's x_{t+d+1} with the target's greedy token, feeding the
+    head's own predicted features back d - 1 times (depth 1 is exact teacher forcing)."""
+    hit1, hit5, count = [0] * depths, [0] * depths, [0] * depths
+    for ids in windows:
+        hidden, logits = target_outputs(target, ids)
+        greedy = logits.argmax(-1)  # [1, T]
+        embeds = target.model.embed_tokens(ids)  # [1, T, H]
+        feats = hidden  # depth 1: the target's features at every position
+        t = ids.shape[1]
+        for d in range(depths):
+            # At depth d + 1 row j pairs feats[j] (f_{j+d}, predicted d times) with x_{j+d+1}.
+            n = t - d - 2
+            if n <= 0:
+                break
+            pred = head(embeds[:, d + 1:d + 1 + n], feats[:, :n])  # predicts f_{j+d+1}
+            top = torch.topk(target.lm_head(pred).float(), EVAL_TOPK, dim=-1).indices  # [1, n, 5]
+            want = greedy[:, d + 1:d + 1 + n]
+            hit1[d] += int((top[..., 0] == want).sum())
+            hit5[d] += int((top == want[..., None]).any(-1).sum())
+            count[d] += n
+            feats = pred
+    return {"top1": [h / c for h, c in zip(hit1, count) if c], "top5": [h / c for h, c in zip(hit5, count) if c]}
+
+
+# ---- the loop ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadsResult:
+    kind: str  # "medusa" | "eagle"
+    output: Path
+    steps: int
+    elapsed_s: float
+    metrics: dict[str, list[float]]  # held-out agreement per head / depth
+    loss: float  # last training loss
+
+
+def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str) -> str:
+    d = dataclasses.asdict(section)
+    d.pop("output")
+    for k in ("max_steps", "max_minutes", "threads"):  # extending a run's budget is allowed
+        d["train"].pop(k)
+    return hashlib.sha256(json.dumps([kind, h.labels, d, data_fp], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _run(kind: str, module: nn.Module, step_loss, metrics, opt: OptimSection, data: TokenData, work: Path,
+         fingerprint: str, quiet: bool) -> tuple[int, float, float, dict[str, list[float]]]:
+    """Shared optimisation loop: AdamW, schedule, budget, eval, resumable state. step_loss(batch) -> (loss, info)."""
+    module.train()
+    optimizer = torch.optim.AdamW(param_groups(module, opt.weight_decay), lr=opt.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(opt.seed)
+    state_file = work / f"{kind}-state.pt"
+    step, elapsed, loss_value = 0, 0.0, float("nan")
+    state = load_state(state_file, fingerprint)
+    if state is not None:
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        step, elapsed, loss_value = state["step"], state["elapsed_s"], state["loss"]
+
+    def checkpoint() -> None:
+        save_state(state_file, {"fingerprint": fingerprint, "module": module.state_dict(),
+                                "optimizer": optimizer.state_dict(), "generator": gen.get_state(), "step": step,
+                                "elapsed_s": elapsed, "loss": loss_value})
+
+    def evaluate() -> dict[str, list[float]]:
+        module.eval()
+        m = metrics(fixed_windows(data.held_out, opt.eval_batches, opt.seq_len))
+        module.train()
+        return m
+
+    log = RunLog(work / f"{kind}_log.jsonl", total=opt.max_steps, desc=kind, initial=step, quiet=quiet)
+    log.event("start" if state is None else "resume", step=step,
+              parameters=sum(p.numel() for p in module.parameters()), threads=torch.get_num_threads())
+    try:
+        while progress_fraction(opt, step, elapsed) < 1.0:
+            t0 = time.perf_counter()
+            lr = learning_rate(opt, step, elapsed)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss, info = step_loss(random_windows(data.train, opt.batch_size, opt.seq_len, gen))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), opt.grad_clip or float("inf"))
+            optimizer.step()
+            step += 1
+            loss_value = loss.item()
+            elapsed += time.perf_counter() - t0
+            log.step(loss=loss_value, lr=lr)
+            if step == 1 or step % LOG_EVERY == 0:
+                log.event("step", step=step, loss=round(loss_value, 4), lr=lr, elapsed_s=round(elapsed, 1),
+                          **{k: round(v, 4) for k, v in info.items()})
+            if step % opt.eval_every == 0:
+                log.event("eval", step=step, **_rounded(evaluate()))
+            if step % opt.checkpoint_every == 0:
+                checkpoint()
+        checkpoint()
+        final = evaluate()
+        log.event("done", step=step, elapsed_s=round(elapsed, 1), loss=round(loss_value, 4), **_rounded(final))
+    finally:
+        log.close()
+    return step, elapsed, loss_value, final
+
+
+def _rounded(m: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {k: [round(x, 4) for x in v] for k, v in m.items()}
+
+
+def load_frozen_target(path: Path):
+    from transformers import LlamaForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise TrainConfigError(f"heads.target: {path} is not a Hugging Face checkpoint directory (no config.json)")
+    target = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    target.eval().requires_grad_(False)
+    return target
+
+
+def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = False,
+                quiet: bool = False) -> list[HeadsResult]:
+    """Train the configured heads (or `only` one kind) for heads.target; returns one result per kind."""
+    h = config.heads
+    if h is None:
+        raise TrainConfigError(f"{config.source}: heads: missing; train-heads needs a heads section")
+    kinds = [k for k in ("medusa", "eagle") if getattr(h, k) is not None and only in (None, k)]
+    if not kinds:
+        raise TrainConfigError(f"{config.source}: heads.{only}: not configured")
+    work = h.work_dir
+    if fresh:
+        for k in kinds:
+            (work / f"{k}-state.pt").unlink(missing_ok=True)
+            (work / f"{k}_log.jsonl").unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    target = load_frozen_target(h.target)
+    split = split_corpus(config.corpus)
+    data = load_tokens(split, h.target, work)
+    if data.vocab_size != target.config.vocab_size:
+        raise TrainConfigError(f"heads.target: tokenizer.json has {data.vocab_size} tokens but the model's vocab_size "
+                               f"is {target.config.vocab_size}")
+    results = []
+    for kind in kinds:
+        section = getattr(h, kind)
+        opt = section.train
+        if opt.threads is not None:
+            torch.set_num_threads(opt.threads)
+        check_windows(data.train, opt.seq_len, "the training split")
+        check_windows(data.held_out, opt.seq_len, "the held-out split")
+        torch.manual_seed(opt.seed)
+        fp = _fingerprint(kind, h, section, split.fingerprint())
+        if kind == "medusa":
+            module = medusa_heads_module(target.lm_head.weight.detach(), section.num_heads, section.num_layers)
+
+            def step_loss(ids, module=module):
+                hidden, logits = target_outputs(target, ids)
+                return medusa_loss(module, hidden, logits, ids, h.labels), {}
+
+            def metrics(windows, module=module):
+                return medusa_metrics(module, target, windows)
+        else:
+            module = EagleTrainHead(eagle_layer_config(target.config))
+
+            def step_loss(ids, module=module, section=section):
+                hidden, logits = target_outputs(target, ids)
+                return eagle_loss(module, target, hidden, logits, ids, section, h.labels)
+
+            def metrics(windows, module=module):
+                return eagle_metrics(module, target, windows)
+
+        steps, elapsed, loss, final = _run(kind, module, step_loss, metrics, opt, data, work, fp, quiet)
+        if kind == "medusa":
+            save_medusa(module, section, h, target.config, work)
+        else:
+            save_eagle(module, section, h, target.config, work)
+        result = HeadsResult(kind, section.output, steps, elapsed, final, loss)
+        summary = {**dataclasses.asdict(result), "output": str(section.output), "target": str(h.target),
+                   "labels": h.labels, "metrics_meaning": _MEANING[kind]}
+        (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        results.append(result)
+    return results
+
+
+_MEANING = {
+    "medusa": "held-out agreement with the target's greedy token; entry i = head i (tree depth i + 1)",
+    "eagle": "held-out agreement with the target's greedy token; entry d = depth d + 1 (own features fed back d times)",
+}
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+
+
+def _fresh_tmp(out: Path) -> Path:
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, target_config: Any, work: Path) -> Path:
+    """FasterDecoding layout: config.json (medusa_num_heads, medusa_num_layers, ...) + medusa_lm_head.safetensors."""
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, h.save_dtype)
+    tmp = _fresh_tmp(section.output)
+    cfg = {
+        "medusa_num_heads": section.num_heads,
+        "medusa_num_layers": section.num_layers,
+        "base_model_name_or_path": h.target.name,
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "torch_dtype": h.save_dtype,
+    }
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    save_file(state, str(tmp / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
+    shutil.copy2(work / "medusa_log.jsonl", tmp / "training_log.jsonl")
+    _swap_in(tmp, section.output)
+    return section.output
+
+
+def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, target_config: Any, work: Path) -> Path:
+    """EAGLE repository layout: Llama-style config.json (one layer, "bias": true for fc) + pytorch_model.bin."""
+    dtype = getattr(torch, h.save_dtype)
+    tmp = _fresh_tmp(section.output)
+    t = target_config
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "bias": True,
+        "hidden_act": "silu",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": _rope_theta(t),
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "vocab_size": t.vocab_size,
+        "bos_token_id": t.bos_token_id,
+        "eos_token_id": t.eos_token_id,
+        "torch_dtype": h.save_dtype,
+        "base_model_name_or_path": h.target.name,
+    }
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    torch.save({k: v.to(dtype) for k, v in head.eagle_state_dict().items()}, tmp / "pytorch_model.bin")
+    shutil.copy2(work / "eagle_log.jsonl", tmp / "training_log.jsonl")
+    _swap_in(tmp, section.output)
+    return section.output
+
+
+def report_table(result: HeadsResult):
+    """A rich table of a result's held-out agreement per head / depth."""
+    from rich.table import Table
+
+    label = "head" if result.kind == "medusa" else "depth"
+    table = Table(title=f"{result.kind}: {result.steps} steps in {result.elapsed_s / 60:.1f} min -> {result.output}",
+                  title_justify="left")
+    table.add_column(label, justify="right")
+    for name in result.metrics:
+        table.add_column(name.replace("_", " "), justify="right")
+    n = len(next(iter(result.metrics.values())))
+    for i in range(n):
+        table.add_row(str(i if result.kind == "medusa" else i + 1),
+                      *(f"{result.metrics[k][i]:.3f}" for k in result.metrics if i < len(result.metrics[k])))
+    return table
+
+
+__all__ = [
+    "EagleTrainHead",
+    "HeadsResult",
+    "ResBlock",
+    "eagle_layer_config",
+    "eagle_loss",
+    "eagle_metrics",
+    "load_frozen_target",
+    "medusa_heads_module",
+    "medusa_loss",
+    "medusa_metrics",
+    "report_table",
+    "save_eagle",
+    "save_medusa",
+    "target_outputs",
+    "train_heads",
+]

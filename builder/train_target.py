@@ -1,0 +1,211 @@
+"""`python -m builder train-target --config CFG`: train a small Llama-architecture target from scratch.
+
+Steps (each resumable; re-running the command continues where it stopped):
+  1. split the corpus per file (fixed held-out set), train a byte-level BPE on the training split only;
+  2. tokenise both splits once (cached in target.work_dir);
+  3. train `transformers`' LlamaForCausalLM (the reference Llama implementation) with AdamW, warm-up + cosine,
+     until max_steps or max_minutes; held-out loss every eval_every steps; resumable state every
+     checkpoint_every steps (model, optimizer, batch RNG, step, elapsed time);
+  4. write a Hugging Face checkpoint (save_pretrained, safetensors, save_dtype) plus the tokenizer files and the
+     training log (training_log.jsonl, training_summary.json) into target.output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from builder.training.config import TargetSection, TrainConfig, TrainConfigError
+from builder.training.corpus import (
+    SPECIAL_TOKENS,
+    check_windows,
+    fixed_windows,
+    load_tokens,
+    random_windows,
+    split_corpus,
+    train_tokenizer,
+)
+from builder.training.loop import (
+    RunLog,
+    learning_rate,
+    load_state,
+    param_groups,
+    progress_fraction,
+    save_state,
+)
+
+STATE_FILE = "state.pt"
+LOG_FILE = "training_log.jsonl"
+SUMMARY_FILE = "training_summary.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+LOG_EVERY = 10  # steps between "step" records in the log
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    output: Path
+    steps: int
+    elapsed_s: float
+    train_tokens: int  # tokens seen in training
+    held_out_loss: float  # mean next-token cross-entropy (nats) on the fixed held-out windows
+    num_parameters: int
+
+
+def llama_config(t: TargetSection, vocab_size: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        rope_theta=t.rope_theta,
+        rms_norm_eps=t.rms_norm_eps,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
+
+
+def _fingerprint(t: TargetSection, corpus_fp: str) -> str:
+    """What a resumable state must agree with: the model shape, the optimisation settings and the corpus."""
+    d = dataclasses.asdict(t)
+    for k in ("output", "work_dir"):
+        d.pop(k)
+    for k in ("max_steps", "max_minutes", "threads"):  # extending a run's budget is allowed
+        d["train"].pop(k)
+    return hashlib.sha256(json.dumps([d, corpus_fp], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, tokens, count: int, seq_len: int) -> float:
+    """Mean next-token cross-entropy over `count` fixed windows of the held-out split (nats/token)."""
+    was_training = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for w in fixed_windows(tokens, count, seq_len + 1):
+        logits = model(input_ids=w[:, :-1]).logits  # [1, seq_len, V]
+        total += float(F.cross_entropy(logits.flatten(0, 1).float(), w[:, 1:].flatten(), reduction="sum"))
+        n += w.shape[1] - 1
+    model.train(was_training)
+    return total / n
+
+
+def train_target(config: TrainConfig, fresh: bool = False, quiet: bool = False) -> TargetResult:
+    if config.target is None:
+        raise TrainConfigError(f"{config.source}: target: missing; train-target needs a target section")
+    t, opt = config.target, config.target.train
+    from transformers import LlamaForCausalLM
+
+    if opt.threads is not None:
+        torch.set_num_threads(opt.threads)
+    work = t.work_dir
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+
+    split = split_corpus(config.corpus)
+    tok_dir = work / "tokenizer"
+    if not all((tok_dir / f).is_file() for f in TOKENIZER_FILES):
+        train_tokenizer(split.train, t.vocab_size, tok_dir, t.max_position_embeddings)
+    data = load_tokens(split, tok_dir, work)
+    check_windows(data.train, opt.seq_len, "the training split")
+    check_windows(data.held_out, opt.seq_len, "the held-out split")
+
+    fingerprint = _fingerprint(t, split.fingerprint())
+    torch.manual_seed(opt.seed)
+    model = LlamaForCausalLM(llama_config(t, data.vocab_size))
+    model.train()
+    optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(opt.seed)
+    step, elapsed, seen = 0, 0.0, 0
+    state = load_state(work / STATE_FILE, fingerprint)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        step, elapsed, seen = state["step"], state["elapsed_s"], state["tokens"]
+
+    def checkpoint() -> None:
+        save_state(work / STATE_FILE, {
+            "fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "generator": gen.get_state(), "step": step, "elapsed_s": elapsed, "tokens": seen,
+        })
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log = RunLog(work / LOG_FILE, total=opt.max_steps, desc="target", initial=step, quiet=quiet)
+    log.event("start" if state is None else "resume", step=step, parameters=n_params,
+              train_tokens_available=int(data.train.shape[0]), held_out_tokens=int(data.held_out.shape[0]),
+              train_files=len(split.train), held_out_files=len(split.held_out), threads=torch.get_num_threads())
+    last_eval = None
+    try:
+        while progress_fraction(opt, step, elapsed) < 1.0:
+            t0 = time.perf_counter()
+            lr = learning_rate(opt, step, elapsed)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = random_windows(data.train, opt.batch_size, opt.seq_len + 1, gen)  # [B, seq_len + 1]
+            logits = model(input_ids=batch[:, :-1]).logits  # [B, seq_len, V]
+            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip or float("inf")))
+            optimizer.step()
+            step += 1
+            seen += batch.shape[0] * (batch.shape[1] - 1)
+            elapsed += time.perf_counter() - t0
+            loss_value = loss.item()
+            log.step(loss=loss_value, lr=lr)
+            if step == 1 or step % LOG_EVERY == 0:
+                log.event("step", step=step, loss=round(loss_value, 4), lr=lr, grad_norm=round(grad_norm, 4),
+                          elapsed_s=round(elapsed, 1))
+            if step % opt.eval_every == 0:
+                last_eval = held_out_loss(model, data.held_out, opt.eval_batches, opt.seq_len)
+                log.event("eval", step=step, held_out_loss=round(last_eval, 4), tokens=seen, elapsed_s=round(elapsed, 1))
+            if step % opt.checkpoint_every == 0:
+                checkpoint()
+        checkpoint()
+        final = held_out_loss(model, data.held_out, opt.eval_batches, opt.seq_len)
+        log.event("done", step=step, held_out_loss=round(final, 4), tokens=seen, elapsed_s=round(elapsed, 1))
+    finally:
+        log.close()
+
+    _write_checkpoint(model, t, tok_dir, work)
+    result = TargetResult(t.output, step, elapsed, seen, final, n_params)
+    summary = {**dataclasses.asdict(result), "output": str(t.output), "held_out_files": len(split.held_out),
+               "train_files": len(split.train), "corpus_fingerprint": split.fingerprint(),
+               "special_tokens": list(SPECIAL_TOKENS), "torch": torch.__version__}
+    (t.output / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def _write_checkpoint(model, t: TargetSection, tok_dir: Path, work: Path) -> None:
+    """save_pretrained into a temporary sibling, then swap it into place."""
+    out = t.output
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    dtype = getattr(torch, t.save_dtype)
+    model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+    model.to(torch.float32)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(tok_dir / name, tmp / name)
+    shutil.copy2(work / LOG_FILE, tmp / LOG_FILE)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+
+
+__all__ = ["TargetResult", "held_out_loss", "llama_config", "train_target"]

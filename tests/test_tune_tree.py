@@ -1,0 +1,127 @@
+"""tune-tree: acceptance counting by depth and rank, and an end-to-end run whose written config builds and decodes
+exactly like plain greedy decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import runtime
+from builder.__main__ import main as builder_main
+from builder.build import build_engine
+from builder.config import load_config, plan_build
+from builder.train_heads import train_heads
+from builder.train_target import train_target
+from builder.training.config import parse_train_config
+from builder.tune_tree import (
+    AcceptanceCounts,
+    TuneTreeError,
+    comb_tree,
+    read_prompts,
+    tune,
+    write_choices,
+)
+from runtime.protocol import Draft
+from runtime.tree import Tree
+from tests.test_training import _heads_cfg, _target_cfg, _write_corpus
+
+
+def test_comb_tree_shape():
+    t = comb_tree(3, 2)
+    assert t.num_nodes == 7 and t.max_depth == 2
+    assert set(t.choices) == {(0,), (1,), (2,), (0, 0), (0, 1), (0, 2)}
+
+
+def test_acceptance_counts():
+    tree = comb_tree(3, 2)  # canonical order: root, (0,), (1,), (2,), (0,0), (0,1), (0,2)
+    tokens = torch.tensor([9, 10, 11, 12, 20, 21, 22])
+    c = AcceptanceCounts(3, 2)
+    c.record(Draft(tree, tokens), [9, 10, 21])  # rank 0 at depth 1, rank 1 at depth 2 (a leaf: nothing below)
+    c.record(Draft(tree, tokens), [9, 12])  # rank 2 at depth 1, a leaf
+    c.record(Draft(tree, tokens), [9])  # nothing accepted at depth 1
+    c.record(Draft(tree, tokens), [9, 10])  # depth-1 rank 0, then none of its children
+    np.testing.assert_array_equal(c.trials, [4, 2])
+    np.testing.assert_array_equal(c.hits, [[2, 0, 1], [0, 1, 0]])
+    np.testing.assert_allclose(c.table(), [[0.5, 0, 0.25], [0, 0.5, 0]])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    """A toy target and heads trained by the real tools (random heads would never be accepted)."""
+    root = tmp_path_factory.mktemp("tune")
+    corpus = _write_corpus(root / "corpus")
+    train_target(parse_train_config(_target_cfg(corpus, root, max_steps=60)), quiet=True)
+    cfg = _heads_cfg(corpus, root / "target", root)
+    train_heads(parse_train_config(cfg), quiet=True)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def alpha_1(beta):\n", "def gamma_5(")))
+    return {"root": root, "target": root / "target", "medusa": root / "medusa", "eagle": root / "eagle",
+            "prompts": prompts}
+
+
+def _config(setup, method: str) -> Path:
+    path = setup["root"] / f"{method}.yaml"
+    path.write_text(f"model: {{checkpoint: target}}\ndraft: {{method: {method}, checkpoint: {method}}}\n"
+                    f"build: {{dtype: float32, max_draft_len: 12, onnx: false, output: engines/{method}}}\n")
+    return path
+
+
+# At toy size every module call is Python overhead, so an EAGLE step (a head forward per depth) cannot beat plain
+# decoding on tokens/s; it is tuned for tau (acceptance alone) here.
+@pytest.mark.parametrize("method,objective", [("medusa", "tokens_per_s"), ("eagle", "tau")])
+def test_tune_writes_a_config_that_builds_and_is_lossless(setup, method, objective, tmp_path):
+    cfg_path = _config(setup, method)
+    prompts = read_prompts(setup["prompts"])
+    result = tune(load_config(cfg_path), prompts, max_tokens=12, width=3, depth=2, max_nodes=8,
+                  grid=(1, 2, 4, 8), timing_prompts=1, objective=objective)
+    assert len(result.acceptance) == 2 and all(len(r) == 3 for r in result.acceptance)
+    assert sum(result.trials) > 0 and result.calibration["counted_steps"] > 0
+    best = result.best
+    assert 2 <= best.num_nodes <= 8 and best.depth <= 2 and best.tokens_per_s > 0
+    if objective == "tokens_per_s":
+        assert best.tokens_per_s == max(c.tokens_per_s for c in result.candidates) > result.plain.tokens_per_s
+    else:
+        assert best.expected == pytest.approx(max(c.expected for c in result.candidates)) and best.expected > 1.2
+    assert {c.name for c in result.references} == set()  # mc_sim (depth 4) and chains > 2 do not fit depth 2
+
+    out = tmp_path / f"{method}-tuned.yaml"
+    written = write_choices(cfg_path, best.choices, out, "tuned")
+    assert written.draft.tree.choices == best.choices
+    assert out.read_text().startswith("# tune-tree: tuned")
+    plan = plan_build(written, require_output=False)
+    assert plan.tree is not None and plan.tree.choices == best.choices
+    engine = build_engine(written.with_output(tmp_path / "engine"))
+    manifest = json.loads((engine.output / "engine.json").read_text())
+    assert [tuple(p) for p in manifest["draft"]["tree"]["choices"]] == list(best.choices)
+
+    # The tuned tree decodes exactly like plain greedy decoding.
+    spec = runtime.load(setup["target"], draft=method, draft_model=setup[method], tree=json.dumps([list(p) for p in best.choices]))
+    plain = runtime.load(setup["target"])
+    for p in prompts:
+        assert spec.generate(p, max_tokens=16).token_ids == plain.generate(p, max_tokens=16).token_ids
+
+
+def test_cli_and_errors(setup, tmp_path):
+    cfg_path = _config(setup, "medusa")
+    out, report = tmp_path / "tuned.yaml", tmp_path / "report.json"
+    rc = builder_main(["tune-tree", "--config", str(cfg_path), "--prompts", str(setup["prompts"]), "--output", str(out),
+                       "--report", str(report), "--max-tokens", "10", "--width", "2", "--depth", "2",
+                       "--max-nodes", "6", "--timing-prompts", "1"])
+    assert rc == 0
+    rep = json.loads(report.read_text())
+    assert rep["method"] == "medusa" and rep["best"]["choices"] == [list(p) for p in load_config(out).draft.tree.choices]
+    Tree.from_choices([tuple(p) for p in rep["best"]["choices"]])
+
+    lookup = tmp_path / "lookup.yaml"
+    lookup.write_text(f"model: {{checkpoint: {setup['target']}}}\ndraft: {{method: lookup}}\n")
+    with pytest.raises(TuneTreeError, match="draft.method: got 'lookup', expected 'medusa' or 'eagle'"):
+        tune(load_config(lookup), ["x"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(TuneTreeError, match=r"bad.jsonl:2: expected an object with a non-empty \"prompt\""):
+        read_prompts(bad)
+    assert builder_main(["tune-tree", "--config", str(lookup), "--prompts", str(setup["prompts"])]) == 2
