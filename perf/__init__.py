@@ -1,1 +1,7 @@
-"""Benchmarks and GPU checks (run on a CUDA machine; see each module's docstring)."""
+"""Measuring what spectree exists for (see perf/README.md):
+
+    python -m perf bench    speculative decoding vs plain decoding vs transformers' generate, one run, same prompts
+    python -m perf serve    NVIDIA perf_analyzer against a served Triton repository (gRPC streaming)
+    python -m perf readme   show the newest perf/results/<date>-<machine>/ in perf/README.md
+    python -m perf kernels  the tree-attention kernel check + microbenchmark on a CUDA GPU (tree_attention_gpu.py)
+"""

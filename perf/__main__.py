@@ -1,0 +1,244 @@
+"""python -m perf {bench,serve,readme,kernels}
+
+    bench    (--config CFG | --engine DIR) [--drafters SPECS] [--draft-model KIND=DIR] [--prompts FILE]
+             [--max-tokens N] [--out DIR] ...
+             plain decoding, transformers' greedy generate and speculative decoding on the same prompts in one
+             run: tau, acceptance by depth, target forwards per token, tokens/s, time split, speedups against
+             both baselines, greedy identity; writes bench.json, bench.md and PNG plots
+    serve    --url HOST:PORT --model NAME [--concurrency 1:8] [--prompts FILE] [--max-tokens N] [--out DIR]
+             perf_analyzer (gRPC, --async --streaming) against a served repository: requests/s, TTFT,
+             inter-token latency, output tokens/s per concurrency; writes serve.json, serve.md and a plot
+    report   DIR: regenerate the Markdown and PNGs of a results directory from its bench.json / serve.json
+    readme   rewrite perf/README.md's latest-results section from the newest perf/results/<date>-<machine>/
+    kernels  the tree-attention kernel check and microbenchmark on a CUDA GPU (perf/tree_attention_gpu.py)
+
+Exit status: 0 on success; 1 when greedy outputs differ (bench) or perf_analyzer fails (serve); 2 on bad input;
+3 when perf_analyzer is missing or cannot run here (the message says what to install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from perf.bench import BenchConfig, parse_specs
+from perf.serve import ServeConfig, parse_concurrency
+from runtime.errors import SpectreeError
+
+
+def _default(cls: type, name: str) -> Any:
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _draft_model(text: str) -> tuple[str, Path]:
+    kind, sep, path = text.partition("=")
+    if not sep or not kind or not path:
+        raise argparse.ArgumentTypeError(f"--draft-model must look like KIND=DIR (medusa=heads/), got {text!r}")
+    return kind.strip(), Path(path)
+
+
+def _specs(text: str):
+    try:
+        return parse_specs(text)
+    except SpectreeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return parse_concurrency(text)
+    except SpectreeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m perf", description="spectree benchmarks",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="speculative decoding against plain decoding and transformers")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", type=Path, help="builder YAML (model.checkpoint, draft, build.dtype)")
+    src.add_argument("--engine", type=Path, help="engine directory (python -m builder build)")
+    b.add_argument("--drafters", type=_specs, default=_default(BenchConfig, "drafters"),
+                   help="comma-separated KIND[:TREE][+KEY=VALUE...], e.g. lookup,medusa:mc_sim_7b_63,"
+                        "medusa:chain-3,eagle,eagle:dynamic+total_tokens=30 (default: the configured drafter)")
+    b.add_argument("--draft-model", type=_draft_model, action="append", default=[], metavar="KIND=DIR",
+                   help="head weights for medusa / eagle specs beyond the configured drafter's (repeatable)")
+    b.add_argument("--prompts", type=Path, action="append", default=[], metavar="FILE",
+                   help="prompt file, JSON Lines (repeatable; default perf/prompts/code.jsonl and prose.jsonl)")
+    b.add_argument("--prompts-per-set", type=int, default=_default(BenchConfig, "prompts_per_set"))
+    b.add_argument("--max-tokens", type=int, default=_default(BenchConfig, "max_tokens"),
+                   help="tokens generated per prompt, exactly (EOS ignored)")
+    b.add_argument("--warmup", type=int, default=_default(BenchConfig, "warmup"),
+                   help="untimed generations per variant first")
+    b.add_argument("--repeats", type=int, default=_default(BenchConfig, "repeats"),
+                   help="timed runs per (variant, prompt); the median counts")
+    b.add_argument("--threads", type=int, default=_default(BenchConfig, "threads"),
+                   help="torch intra-op threads (default: every usable core)")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(BenchConfig, "dtype"))
+    b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
+    b.add_argument("--out", default=_default(BenchConfig, "out"),
+                   help="output directory; {date} and {machine} are filled in (default %(default)s)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("serve", help="perf_analyzer against a served model")
+    s.add_argument("--url", required=True, help="gRPC endpoint HOST:PORT")
+    s.add_argument("--model", required=True, help="model name (ensemble, spec_decode, ...)")
+    s.add_argument("--concurrency", type=_levels, default=_default(ServeConfig, "concurrency"),
+                   help="START:END[:STEP] or a list 1,2,4,8 (default 1:8)")
+    s.add_argument("--prompts", type=Path, action="append", default=[], metavar="FILE")
+    s.add_argument("--prompts-per-set", type=int, default=_default(ServeConfig, "prompts_per_set"))
+    s.add_argument("--max-tokens", type=int, default=_default(ServeConfig, "max_tokens"))
+    s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send sampling_parameters {\"ignore_eos\": true}")
+    s.add_argument("--requests", type=int, default=_default(ServeConfig, "requests"),
+                   help="requests measured per concurrency level (at least 2 x the level)")
+    s.add_argument("--warmup", type=int, default=_default(ServeConfig, "warmup"))
+    s.add_argument("--tokenizer", type=Path, default=_default(ServeConfig, "tokenizer"),
+                   help="tokenizer directory, to count tokens of models that return no output_ids")
+    s.add_argument("--perf-analyzer", default=_default(ServeConfig, "perf_analyzer"), help="perf_analyzer binary")
+    s.add_argument("--timeout-s", type=float, default=_default(ServeConfig, "timeout_s"))
+    s.add_argument("--out", default=_default(ServeConfig, "out"))
+
+    g = sub.add_parser("report", help="regenerate the Markdown and PNGs of a results directory from its JSON")
+    g.add_argument("results_dir", type=Path, help="a directory holding bench.json and/or serve.json")
+
+    r = sub.add_parser("readme", help="update perf/README.md from the newest results directory")
+    r.add_argument("--readme", type=Path, default=Path(__file__).resolve().parent / "README.md")
+    r.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
+
+    sub.add_parser("kernels", help="GPU kernel check + microbenchmark (arguments go to perf.tree_attention_gpu)",
+                   add_help=False)
+    return p
+
+
+@contextlib.contextmanager
+def _progress(total: int) -> Iterator[Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("loading", total=total)
+        yield lambda text: progress.update(task, advance=1, description=text)
+
+
+def write_bench(report: dict[str, Any], out: Path) -> str:
+    """bench.md and the PNGs of a bench report into out (bench.json is the record they come from)."""
+    from perf import plots
+    from perf.report import bench_markdown
+
+    images = plots.bench_plots(report, out)
+    md = bench_markdown(report, [p.name for p in images])
+    (out / "bench.md").write_text(md, encoding="utf-8")
+    return md
+
+
+def write_serve(report: dict[str, Any], out: Path) -> str:
+    from perf import plots
+    from perf.report import serve_markdown
+
+    image = plots.serve_plot(report, out / "serve_latency.png")
+    md = serve_markdown(report, [image.name])
+    (out / "serve.md").write_text(md, encoding="utf-8")
+    return md
+
+
+def _report(ns: argparse.Namespace) -> int:
+    import json
+
+    done = []
+    for name, write in (("bench", write_bench), ("serve", write_serve)):
+        path = ns.results_dir / f"{name}.json"
+        if path.is_file():
+            write(json.loads(path.read_text(encoding="utf-8")), ns.results_dir)
+            done.append(name)
+    if not done:
+        sys.stderr.write(f"error: {ns.results_dir} holds neither bench.json nor serve.json\n")
+        return 2
+    sys.stdout.write(f"regenerated {', '.join(f'{n}.md' for n in done)} and plots in {ns.results_dir}\n")
+    return 0
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from perf.bench import run_bench
+    from perf.machine import expand_out
+    from perf.report import write_json
+
+    config = BenchConfig(config=ns.config, engine=ns.engine, drafters=tuple(ns.drafters),
+                         draft_models=tuple(ns.draft_model), prompts=tuple(ns.prompts),
+                         prompts_per_set=ns.prompts_per_set, max_tokens=ns.max_tokens, warmup=ns.warmup,
+                         repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, hf=ns.hf, out=ns.out)
+    report = run_bench(config, None if ns.quiet else _progress)
+    out = expand_out(config.out, report["machine"])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(report, out / "bench.json")
+    sys.stdout.write(write_bench(report, out))
+    sys.stdout.write(f"\nwrote {out}/bench.json, bench.md and plots\n")
+    if not report["greedy_identical"]:
+        sys.stderr.write(f"error: greedy outputs differ from plain decoding in {len(report['mismatches'])} run(s); "
+                         f"see {out}/bench.md\n")
+        return 1
+    return 0
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from perf.machine import expand_out
+    from perf.report import write_json
+    from perf.serve import run_serve
+
+    config = ServeConfig(url=ns.url, model=ns.model, concurrency=tuple(ns.concurrency), prompts=tuple(ns.prompts),
+                         prompts_per_set=ns.prompts_per_set, max_tokens=ns.max_tokens, ignore_eos=ns.ignore_eos,
+                         requests=ns.requests, warmup=ns.warmup, tokenizer=ns.tokenizer,
+                         perf_analyzer=ns.perf_analyzer, timeout_s=ns.timeout_s, out=ns.out)
+    out = expand_out(config.out)
+    report = run_serve(config, out, on_level=lambda text: sys.stderr.write(f"perf_analyzer: {text}\n"))
+    write_json(report, out / "serve.json")
+    sys.stdout.write(write_serve(report, out))
+    sys.stdout.write(f"\nwrote {out}/serve.json, serve.md, serve_latency.png, perf_analyzer/ (raw CSV + profile "
+                     "exports)\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["kernels"]:
+        from perf import tree_attention_gpu
+
+        return tree_attention_gpu.main(args[1:])
+    ns = parser().parse_args(args)
+    from perf.analyzer import PerfAnalyzerMissing
+    from perf.serve import PerfAnalyzerFailed, ProfileExportError
+
+    try:
+        if ns.command == "bench":
+            return _bench(ns)
+        if ns.command == "serve":
+            return _serve(ns)
+        if ns.command == "report":
+            return _report(ns)
+        from perf.readme import update_readme
+
+        latest = update_readme(ns.readme, ns.results)
+        sys.stdout.write(f"updated {ns.readme} from {latest}\n")
+        return 0
+    except PerfAnalyzerMissing as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 3
+    except (PerfAnalyzerFailed, ProfileExportError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    except (SpectreeError, OSError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

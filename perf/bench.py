@@ -1,0 +1,671 @@
+"""`python -m perf bench`: plain decoding, transformers' greedy generate and speculative decoding, side by side.
+
+One run loads the target ONCE and measures, on the same prompts with the same max_tokens (EOS ignored, so every
+run generates exactly max_tokens tokens):
+    plain    our runtime with the "none" drafter (root-only trees: autoregressive decoding through the same loop)
+    hf       transformers' `generate` (greedy) on the same weights       (perf/hf_baseline.py)
+    <spec>   speculative decoding with each drafter / tree asked for   (`--drafters`, grammar in DrafterSpec)
+Every variant's greedy output must equal plain's token for token (the project's losslessness promise); the report
+says where it does not and the command then exits 1.
+
+Timing: torch's intra-op threads are set once (`threads`) and recorded; each variant first runs `warmup`
+untimed generations; the variants then take turns on each prompt (the order rotates from prompt to prompt, so a
+slow drift of the machine does not favour one of them); a (variant, prompt) time is the median of `repeats`
+runs, wall clock around the call that turns prompt ids into output ids. tokens/s = generated tokens / time;
+speedups are ratios of tokens/s over all prompts (equal token counts, so also ratios of total time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf import stats
+from perf.machine import machine_info, now_iso, usable_cores
+from perf.prompt_sets import Prompt, load_prompts
+from runtime.errors import ConfigError, SpectreeError
+
+DRAFTER_KINDS = ("none", "lookup", "medusa", "eagle")
+KIND_ALIASES = {"plain": "none"}
+WEIGHTED_KINDS = ("medusa", "eagle")
+BASELINES = ("plain", "hf")
+_LABEL = re.compile(r"[A-Za-z0-9_.-]+")
+REPORT_FORMAT = "spectree-bench"
+REPORT_VERSION = 1
+
+
+class BenchConfigError(ConfigError):
+    """A benchmark setting is invalid (the message names the setting, the value and what was expected)."""
+
+
+# ---- drafter specs ----------------------------------------------------------------------------------------
+
+
+def _option_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One speculative variant, written [NAME=]KIND[:TREE][+KEY=VALUE...]:
+
+        NAME       optional label for reports (default: the spec as written), e.g. "medusa-tuned=medusa:[[0],...]"
+
+        KIND       lookup | medusa | eagle   (none / plain: the runtime's plain decoding, already a baseline)
+        TREE       a static tree: preset (mc_sim_7b_63, chain-K) or JSON choice paths ([[0],[0,0],[1]]);
+                   "dynamic" for EAGLE-2's dynamic tree. Omitted: the configured drafter's tree when KIND is the
+                   configured drafter, else the drafter's default.
+        KEY=VALUE  drafter options (lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches;
+                   eagle dynamic: total_tokens, depth, top_k) and max_draft_len (most draft nodes per step, which
+                   cuts a static tree to a prefix of its canonical order).
+    e.g. "medusa:mc_sim_7b_63", "medusa:chain-3", "eagle", "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4".
+    """
+
+    kind: str
+    tree: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+    text: str = ""  # as written, label excluded; "" for the configured drafter
+    label: str | None = None  # NAME= prefix
+
+    def __post_init__(self) -> None:
+        if self.label is not None and (not _LABEL.fullmatch(self.label) or self.label in BASELINES):
+            raise BenchConfigError(f"drafter spec label {self.label!r}: expected letters, digits, '_', '-' or '.', "
+                                   f"and not a baseline's name ({', '.join(BASELINES)})")
+        if self.kind not in DRAFTER_KINDS:
+            raise BenchConfigError(f"drafter spec {self.text or self.kind!r}: kind {self.kind!r} is not one of "
+                                   f"{', '.join(k for k in DRAFTER_KINDS if k != 'none')}")
+        if self.kind == "none" and (self.tree is not None or self.options):
+            raise BenchConfigError(f"drafter spec {self.text!r}: plain decoding takes no tree or options")
+        if self.kind == "lookup" and self.tree is not None:
+            raise BenchConfigError(f"drafter spec {self.text!r}: lookup builds its trees from matches; "
+                                   "give options (+max_ngram=...) instead of a tree")
+        if self.kind == "medusa" and self.tree == "dynamic":
+            raise BenchConfigError(f"drafter spec {self.text!r}: the dynamic tree is EAGLE-2's; Medusa needs a "
+                                   "static tree (a preset or choice paths)")
+        if self.tree is not None and self.tree != "dynamic":
+            from runtime.tree import Tree
+
+            try:
+                Tree.parse(self.tree)
+            except SpectreeError as exc:
+                raise BenchConfigError(f"drafter spec {self.text!r}: tree: {exc}") from exc
+        keys = [k for k, _ in self.options]
+        if len(set(keys)) != len(keys):
+            raise BenchConfigError(f"drafter spec {self.text!r}: an option is given twice ({keys})")
+        mdl = dict(self.options).get("max_draft_len")
+        if mdl is not None and (isinstance(mdl, bool) or not isinstance(mdl, int) or mdl < 1):
+            raise BenchConfigError(f"drafter spec {self.text!r}: max_draft_len: got {mdl!r}, expected an integer >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> DrafterSpec:
+        raw = text.strip()
+        if not raw:
+            raise BenchConfigError("drafter spec: got an empty string, expected [NAME=]KIND[:TREE][+KEY=VALUE...]")
+        label = None
+        named = re.match(r"([^=:+\[]+)=", raw)  # NAME= before the kind (option keys come after a '+')
+        if named:
+            label, raw = named.group(1).strip(), raw[named.end():].strip()
+        head, *opts = raw.split("+")
+        kind, sep, tree = head.partition(":")
+        kind = KIND_ALIASES.get(kind.strip(), kind.strip())
+        if kind == "hf":
+            raise BenchConfigError(f"drafter spec {raw!r}: hf is a baseline (transformers' generate), measured in "
+                                   "every run; list only speculative drafters")
+        if sep and not tree.strip():
+            raise BenchConfigError(f"drafter spec {raw!r}: empty tree after ':'")
+        options = []
+        for item in opts:
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise BenchConfigError(f"drafter spec {raw!r}: option {item!r} must look like KEY=VALUE")
+            options.append((key.strip(), _option_value(value.strip())))
+        return cls(kind=kind, tree=tree.strip() if sep else None, options=tuple(options), text=raw, label=label)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.text or f"{self.kind} (configured)"
+
+
+def split_specs(text: str) -> list[str]:
+    """Split a comma-separated spec list; commas inside [...] (JSON choice paths) do not separate."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise BenchConfigError(f"--drafters {text!r}: unbalanced ']' at character {i}")
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise BenchConfigError(f"--drafters {text!r}: unbalanced '['")
+    items.append(text[start:])
+    return [s for s in (item.strip() for item in items) if s]
+
+
+def parse_specs(text: str) -> tuple[DrafterSpec, ...]:
+    specs = tuple(DrafterSpec.parse(s) for s in split_specs(text))
+    names = [s.name for s in specs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise BenchConfigError(f"--drafters: {dupes} listed more than once")
+    if any(s.kind == "none" for s in specs):
+        raise BenchConfigError("--drafters: plain (none) is a baseline, measured in every run; list only "
+                               "speculative drafters")
+    return specs
+
+
+# ---- configuration -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything `python -m perf bench` takes (its flags' defaults come from here)."""
+
+    config: Path | None = None  # builder YAML (python -m builder); exactly one of config / engine
+    engine: Path | None = None  # engine directory (python -m builder build)
+    drafters: tuple[DrafterSpec, ...] = ()  # empty: the configured drafter (if it is not "none")
+    draft_models: tuple[tuple[str, Path], ...] = ()  # (medusa | eagle, head directory) beyond the configured one
+    prompts: tuple[Path, ...] = ()  # prompt files (JSON Lines); empty: perf/prompts/{code,prose}.jsonl
+    prompts_per_set: int | None = None  # at most this many prompts from each file
+    max_tokens: int = 64  # tokens generated per prompt, exactly (EOS ignored)
+    warmup: int = 1  # untimed generations per variant before measuring
+    repeats: int = 1  # timed generations per (variant, prompt); the median counts
+    threads: int | None = None  # torch intra-op threads; None: every usable core
+    dtype: str | None = None  # float32 | bfloat16 | float16; None: the config's / engine's
+    hf: bool = True  # measure the transformers baseline
+    out: str = "out/perf/{date}-{machine}"  # output directory; {date} and {machine} are filled in
+
+    def __post_init__(self) -> None:
+        if (self.config is None) == (self.engine is None):
+            raise BenchConfigError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
+                                   f"got config={self.config!r}, engine={self.engine!r}")
+        for name, minimum in (("max_tokens", 1), ("warmup", 0), ("repeats", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+        for name in ("threads", "prompts_per_set"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= 1 (or unset)")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise BenchConfigError(f"dtype: got {self.dtype!r}, expected float32, bfloat16 or float16")
+        kinds = [k for k, _ in self.draft_models]
+        for kind in kinds:
+            if kind not in WEIGHTED_KINDS:
+                raise BenchConfigError(f"draft_models: got kind {kind!r}, expected medusa or eagle (KIND=DIR)")
+        if len(set(kinds)) != len(kinds):
+            raise BenchConfigError(f"draft_models: a kind is given twice ({kinds})")
+        if not self.out:
+            raise BenchConfigError("out: expected an output directory, got an empty string")
+
+    def resolved_threads(self) -> int:
+        return self.threads if self.threads is not None else usable_cores()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["config"] = None if self.config is None else str(self.config)
+        d["engine"] = None if self.engine is None else str(self.engine)
+        d["drafters"] = [s.name for s in self.drafters]
+        d["draft_models"] = {k: str(v) for k, v in self.draft_models}
+        d["prompts"] = [str(p) for p in self.prompts]
+        d["threads"] = self.resolved_threads()
+        return d
+
+
+# ---- the target and its variants ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfiguredDrafter:
+    """The drafter a builder config or an engine was made for: the defaults of specs of the same kind."""
+
+    method: str
+    path: Path | None  # head weights (medusa / eagle)
+    tree: str | None  # static tree as JSON choice paths; None: dynamic / lookup / none / drafter default
+    options: tuple[tuple[str, Any], ...] = ()  # EAGLE-2 dynamic-tree or lookup options
+
+
+@dataclass(frozen=True)
+class Target:
+    """The loaded target, shared by every variant (weights are read-only during decoding)."""
+
+    kind: str  # "checkpoint" | "engine"
+    path: Path
+    model: Any  # runtime.model.TargetModel
+    tokenizer: Any  # runtime.tokenizer.Tokenizer
+    drafter: ConfiguredDrafter
+    max_draft_len: int  # the config's / engine's limit of draft nodes per step
+    engine: Any = None  # runtime.engine.Engine for engine directories
+
+    def describe(self) -> dict[str, Any]:
+        c = self.model.config
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "architecture": c.architecture,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "dtype": c.dtype,
+            "num_hidden_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "configured_drafter": self.drafter.method,
+            "max_draft_len": self.max_draft_len,
+        }
+
+
+def load_target(config: BenchConfig) -> Target:
+    """Read the builder config or open the engine, and load the target model and tokenizer once."""
+    if config.config is not None:
+        from builder.config import load_config
+        from runtime.model import TargetModel
+        from runtime.tokenizer import Tokenizer
+
+        build = load_config(config.config)
+        d = build.draft
+        tree, options = None, ()
+        if d.tree is not None and d.tree.static is not None:
+            tree = d.tree.static.to_json()
+        elif d.tree is not None and d.tree.dynamic is not None:
+            options = tuple(dataclasses.asdict(d.tree.dynamic).items())
+        if d.lookup is not None:
+            options = tuple(dataclasses.asdict(d.lookup).items())
+        drafter = ConfiguredDrafter(d.method, d.checkpoint, tree, options)
+        path = build.model.checkpoint
+        model = TargetModel.from_pretrained(path, dtype=config.dtype or build.build.dtype)
+        if not (path / "tokenizer.json").is_file():
+            raise BenchConfigError(f"{config.config}: model.checkpoint {path} has no tokenizer.json; the benchmark "
+                                   "encodes text prompts")
+        return Target("checkpoint", path, model, Tokenizer.from_dir(path), drafter, build.build.max_draft_len)
+
+    from runtime.engine import open_engine
+
+    engine = open_engine(config.engine)
+    spec = engine.draft
+    path = None
+    if spec.path is not None:
+        engine.paths_under(spec.path)  # every head file checked against engine.json before it is read
+        path = engine.root / spec.path
+    tree = None if spec.choices is None else json.dumps([list(c) for c in spec.choices])
+    drafter = ConfiguredDrafter(spec.method, path, tree, tuple(spec.options.items()))
+    model = engine.load_target(dtype=config.dtype)
+    tokenizer = engine.tokenizer()
+    if tokenizer is None:
+        raise BenchConfigError(f"engine {engine.root} has no tokenizer.json; the benchmark encodes text prompts")
+    return Target("engine", Path(engine.root), model, tokenizer, drafter, engine.limits.max_draft_len, engine)
+
+
+@dataclass(frozen=True)
+class ResolvedDrafter:
+    """A spec with its defaults filled in: the arguments of `runtime.drafters.load_drafter`."""
+
+    name: str
+    kind: str
+    path: Path | None
+    tree: str | None  # static tree (preset or JSON) or None
+    options: tuple[tuple[str, Any], ...]
+    max_draft_len: int
+
+
+def resolve(spec: DrafterSpec, target: Target, draft_models: Mapping[str, Path]) -> ResolvedDrafter:
+    """Fill a spec's omitted parts from the configured drafter (same kind) and --draft-model; see DrafterSpec."""
+    conf = target.drafter
+    same = conf.method == spec.kind
+    options = dict(spec.options)
+    max_draft_len = options.pop("max_draft_len", target.max_draft_len)
+    if max_draft_len > target.max_draft_len:
+        raise BenchConfigError(f"drafter spec {spec.name!r}: max_draft_len {max_draft_len} is above the "
+                               f"{target.kind}'s limit of {target.max_draft_len} draft nodes per step")
+    path = None
+    if spec.kind in WEIGHTED_KINDS:
+        path = draft_models.get(spec.kind) or (conf.path if same else None)
+        if path is None:
+            raise BenchConfigError(
+                f"drafter spec {spec.name!r} needs {spec.kind} head weights: pass --draft-model {spec.kind}=DIR "
+                f"(the {target.kind} was configured for drafter {conf.method!r})")
+    tree = None if spec.tree == "dynamic" else spec.tree
+    if same and not options:
+        if spec.tree is None:
+            tree, options = conf.tree, dict(conf.options)
+        elif spec.tree == "dynamic" and conf.tree is None:
+            options = dict(conf.options)
+    if spec.kind == "eagle" and spec.tree is not None and spec.tree != "dynamic" and options:
+        raise BenchConfigError(f"drafter spec {spec.name!r}: options {sorted(options)} apply to the dynamic tree "
+                               "only, not to a static one")
+    return ResolvedDrafter(spec.name, spec.kind, path, tree, tuple(options.items()), max_draft_len)
+
+
+def describe_drafter(drafter: Any) -> dict[str, Any]:
+    """The tree a drafter drafts, for the report: static (nodes, depth) or how it is built per step."""
+    tree = getattr(drafter, "tree", None)
+    if tree is not None:
+        return {"tree": "static", "tree_nodes": tree.num_nodes, "tree_depth": tree.max_depth,
+                "choices": [list(c) for c in tree.choices]}
+    dynamic = getattr(drafter, "dynamic", None)
+    if dynamic is not None:
+        return {"tree": "dynamic", "tree_nodes": dynamic.total_tokens, "tree_depth": dynamic.depth + 1,
+                "options": dataclasses.asdict(dynamic)}
+    options = getattr(drafter, "options", None)
+    if drafter.name == "lookup" and options is not None:
+        return {"tree": "lookup", "tree_nodes": options.num_draft_tokens + 1, "tree_depth": options.depth_limit,
+                "options": dataclasses.asdict(options)}
+    return {"tree": "root-only", "tree_nodes": 1, "tree_depth": 0}
+
+
+def build_decoder(target: Target, resolved: ResolvedDrafter | None) -> tuple[Any, dict[str, Any]]:
+    """A SpecDecoder on the shared target (None: the plain "none" drafter) and a description of its tree."""
+    from runtime.decode import SpecDecoder
+    from runtime.drafters import load_drafter
+
+    if resolved is None:
+        drafter = load_drafter("none", target.model)
+        return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=1), describe_drafter(drafter)
+    try:
+        drafter = load_drafter(resolved.kind, target.model, path=resolved.path, tree=resolved.tree,
+                               **dict(resolved.options))
+    except SpectreeError as exc:
+        raise BenchConfigError(f"drafter spec {resolved.name!r}: {exc}") from exc
+    info = describe_drafter(drafter)
+    info["tree_nodes"] = min(info["tree_nodes"], resolved.max_draft_len + 1)
+    info["max_draft_len"] = resolved.max_draft_len
+    return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=resolved.max_draft_len + 1), info
+
+
+# ---- measurements ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed generation."""
+
+    variant: str
+    prompt: str  # Prompt.key
+    repeat: int
+    prompt_tokens: int
+    token_ids: tuple[int, ...]
+    wall_s: float
+    target_forwards: int
+    steps: int | None = None  # runtime variants only
+    drafted_tokens: int | None = None
+    accepted_per_step: tuple[int, ...] = ()
+    time_prefill: float | None = None
+    time_draft: float | None = None
+    time_verify: float | None = None
+    time_other: float | None = None
+
+    def to_dict(self, with_ids: bool = False) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["accepted_per_step"] = list(self.accepted_per_step)
+        d["generated_tokens"] = len(self.token_ids)
+        if with_ids:
+            d["token_ids"] = list(self.token_ids)
+        else:
+            del d["token_ids"]
+        return d
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "baseline" | "speculative"
+    drafter: str  # none | lookup | medusa | eagle | transformers
+    info: dict[str, Any]  # tree description, load settings
+    generate: Callable[[list[int], int], Run]  # (prompt ids, max_tokens) -> Run (variant/prompt/repeat unset)
+
+
+def runtime_variant(name: str, kind: str, decoder: Any, info: dict[str, Any]) -> Variant:
+    def generate(ids: list[int], max_tokens: int) -> Run:
+        t0 = time.perf_counter()
+        result = decoder.generate(ids, max_tokens=max_tokens, ignore_eos=True)
+        wall = time.perf_counter() - t0
+        s = result.stats
+        return Run(variant=name, prompt="", repeat=0, prompt_tokens=len(ids), token_ids=tuple(result.token_ids),
+                   wall_s=wall, target_forwards=s.target_forwards, steps=s.steps, drafted_tokens=s.drafted_tokens,
+                   accepted_per_step=tuple(s.accepted_per_step), time_prefill=s.time_prefill,
+                   time_draft=s.time_draft, time_verify=s.time_verify, time_other=s.time_other)
+
+    return Variant(name, kind, decoder.drafter.name, info, generate)
+
+
+def hf_variant(baseline: Any) -> Variant:
+    def generate(ids: list[int], max_tokens: int) -> Run:
+        r = baseline.generate(ids, max_tokens)
+        return Run(variant="hf", prompt="", repeat=0, prompt_tokens=len(ids), token_ids=r.token_ids, wall_s=r.wall_s,
+                   target_forwards=r.target_forwards)
+
+    info = {"tree": "none", "attn_implementation": baseline.attn_implementation,
+            "transformers_class": type(baseline.model).__name__}
+    return Variant("hf", "baseline", "transformers", info, generate)
+
+
+def make_variants(config: BenchConfig, target: Target) -> list[Variant]:
+    """plain, hf (unless disabled), then one variant per drafter spec (default: the configured drafter)."""
+    variants = [runtime_variant("plain", "baseline", build_decoder(target, None)[0], {"tree": "root-only"})]
+    if config.hf:
+        from perf.hf_baseline import HFBaseline
+
+        dtype = target.model.config.torch_dtype
+        baseline = (HFBaseline.from_engine(target.engine, dtype) if target.kind == "engine"
+                    else HFBaseline.from_checkpoint(target.path, dtype))
+        variants.append(hf_variant(baseline))
+    specs = config.drafters
+    if not specs:
+        if target.drafter.method == "none":
+            raise BenchConfigError(f"the {target.kind}'s drafter is 'none', so there is nothing speculative to "
+                                   "measure; pass --drafters (e.g. lookup,medusa:chain-3)")
+        specs = (DrafterSpec(kind=target.drafter.method),)
+    models = dict(config.draft_models)
+    for spec in specs:
+        resolved = resolve(spec, target, models)
+        decoder, info = build_decoder(target, resolved)
+        info["path"] = None if resolved.path is None else str(resolved.path)
+        # the config's / engine's own drafter, tree and options: what the "demo configuration" means
+        info["configured"] = spec.kind == target.drafter.method and spec.tree is None and not spec.options
+        variants.append(runtime_variant(spec.name, "speculative", decoder, info))
+    return variants
+
+
+ProgressFn = Callable[[str], None]
+
+
+def measure(variants: Sequence[Variant], prompts: Sequence[Prompt], encode: Callable[[str], list[int]],
+            config: BenchConfig, progress: ProgressFn | None = None) -> list[Run]:
+    """Warm up every variant, then time every (variant, prompt, repeat); the variant order rotates per prompt."""
+    encoded = [encode(p.text) for p in prompts]
+    for v in variants:
+        for _ in range(config.warmup):
+            v.generate(encoded[0], config.max_tokens)
+            if progress:
+                progress(f"warm-up {v.name}")
+    runs: list[Run] = []
+    n = len(variants)
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        order = [variants[(i + j) % n] for j in range(n)]
+        for repeat in range(config.repeats):
+            for v in order:
+                run = v.generate(ids, config.max_tokens)
+                runs.append(dataclasses.replace(run, variant=v.name, prompt=prompt.key, repeat=repeat))
+                if progress:
+                    progress(f"{v.name} on {prompt.key}")
+    return runs
+
+
+# ---- summaries ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    variant: str
+    prompt: str
+    repeat: int
+    index: int  # first differing position of the generated ids
+    expected: tuple[int, ...]  # plain's ids around it
+    got: tuple[int, ...]
+
+
+def check_identity(runs: Sequence[Run], reference: str = "plain") -> list[Mismatch]:
+    """Every run's ids must equal the reference variant's (first repeat) on the same prompt."""
+    ref = {r.prompt: r.token_ids for r in runs if r.variant == reference and r.repeat == 0}
+    out = []
+    for r in runs:
+        if r.prompt not in ref:
+            raise ValueError(f"no {reference!r} run for prompt {r.prompt!r} to compare {r.variant!r} with")
+        i = stats.first_difference(ref[r.prompt], r.token_ids)
+        if i is not None:
+            out.append(Mismatch(r.variant, r.prompt, r.repeat, i, ref[r.prompt][max(0, i - 2):i + 3],
+                                r.token_ids[max(0, i - 2):i + 3]))
+    return out
+
+
+def _per_prompt_wall(runs: Sequence[Run]) -> dict[str, float]:
+    by_prompt: dict[str, list[float]] = {}
+    for r in runs:
+        by_prompt.setdefault(r.prompt, []).append(r.wall_s)
+    return {p: stats.median(w) for p, w in by_prompt.items()}
+
+
+def _tokens_per_s(runs: Sequence[Run], prompts: Sequence[str] | None = None) -> float | None:
+    chosen = [r for r in runs if prompts is None or r.prompt in prompts]
+    if not chosen:
+        return None
+    walls = _per_prompt_wall(chosen)
+    tokens = {r.prompt: len(r.token_ids) for r in chosen}
+    return sum(tokens.values()) / sum(walls.values())
+
+
+def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequence[Prompt],
+              mismatches: Sequence[Mismatch]) -> list[dict[str, Any]]:
+    """Per variant: tau, acceptance by depth, forwards per token, tokens/s (overall and per prompt set), time
+    split, speedups against both baselines, and whether its greedy output matched plain's everywhere."""
+    sets: dict[str, list[str]] = {}
+    for p in prompts:
+        sets.setdefault(p.set, []).append(p.key)
+    by_variant = {v.name: [r for r in runs if r.variant == v.name] for v in variants}
+    tps = {name: _tokens_per_s(rs) for name, rs in by_variant.items()}
+    tps_set = {name: {s: _tokens_per_s(rs, keys) for s, keys in sets.items()} for name, rs in by_variant.items()}
+    bad = {m.variant for m in mismatches}
+    out = []
+    for v in variants:
+        rs = by_variant[v.name]
+        first = [r for r in rs if r.repeat == 0]
+        generated = sum(len(r.token_ids) for r in first)
+        forwards = sum(r.target_forwards for r in first)
+        d: dict[str, Any] = {
+            "name": v.name, "kind": v.kind, "drafter": v.drafter, **v.info,
+            "prompts": len(first), "generated_tokens": generated,
+            "time_s": sum(_per_prompt_wall(rs).values()),
+            "tokens_per_s": tps[v.name],
+            "target_forwards_per_token": forwards / generated if generated else None,
+            "speedup_vs_plain": stats.ratio(tps[v.name], tps.get("plain")),
+            "speedup_vs_hf": stats.ratio(tps[v.name], tps.get("hf")),
+            "per_set": {s: {"tokens_per_s": tps_set[v.name][s],
+                            "speedup_vs_plain": stats.ratio(tps_set[v.name][s], tps_set.get("plain", {}).get(s)),
+                            "speedup_vs_hf": stats.ratio(tps_set[v.name][s], tps_set.get("hf", {}).get(s))}
+                        for s in sets},
+            "greedy_identical": v.name not in bad,
+        }
+        if first and first[0].steps is not None:
+            accepted = [k for r in first for k in r.accepted_per_step]
+            steps = sum(r.steps for r in first)
+            d.update({
+                "steps": steps,
+                "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
+                "mean_accepted": stats.mean(accepted) if accepted else None,
+                "mean_tree_nodes": 1 + sum(r.drafted_tokens for r in first) / steps if steps else None,
+                "accepted_histogram": stats.accepted_histogram(accepted),
+                "acceptance_by_depth": stats.reach_by_depth(accepted, d.get("tree_depth") or None),
+                "conditional_acceptance_by_depth": stats.conditional_by_depth(accepted, d.get("tree_depth") or None),
+                # seconds over all prompts, averaged over repeats
+                "time_split_s": {name: sum(getattr(r, f"time_{name}") for r in rs) / (len(rs) // len(first))
+                                 for name in ("prefill", "draft", "verify", "other")},
+            })
+            total = sum(d["time_split_s"].values())
+            d["time_split"] = {k: t / total for k, t in d["time_split_s"].items()} if total else None
+        out.append(d)
+    return out
+
+
+def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """Load, measure and summarise; returns the report (JSON-ready). Sets torch's threads for the duration."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(config.resolved_threads())
+    try:
+        prompts = load_prompts(config.prompts or None, config.prompts_per_set)
+        target = load_target(config)
+        variants = make_variants(config, target)
+        total = len(variants) * (config.warmup + len(prompts) * config.repeats)
+
+        def encode(text: str) -> list[int]:
+            return target.tokenizer.encode(text)
+
+        too_long = [p.key for p in prompts
+                    if len(encode(p.text)) + config.max_tokens > target.model.config.max_context]
+        if too_long:
+            raise BenchConfigError(f"prompts {too_long[:3]} plus max_tokens {config.max_tokens} exceed the model's "
+                                   f"context of {target.model.config.max_context} tokens")
+        started = time.perf_counter()
+        if progress_factory is not None:
+            with progress_factory(total) as advance:
+                runs = measure(variants, prompts, encode, config, advance)
+        else:
+            runs = measure(variants, prompts, encode, config)
+        elapsed = time.perf_counter() - started
+        mismatches = check_identity(runs)
+        summaries = summarize(variants, runs, prompts, mismatches)
+        machine = machine_info()
+    finally:
+        torch.set_num_threads(previous)
+    plain_ids = {r.prompt: list(r.token_ids) for r in runs if r.variant == "plain" and r.repeat == 0}
+    return {
+        "format": REPORT_FORMAT,
+        "format_version": REPORT_VERSION,
+        "created": now_iso(),
+        "machine": machine,
+        "settings": config.to_dict(),
+        "target": target.describe(),
+        "measure_seconds": elapsed,
+        "prompts": [{"key": p.key, "set": p.set, "id": p.id, "source": p.source,
+                     "prompt_tokens": len(encode(p.text)), "output_ids": plain_ids[p.key]} for p in prompts],
+        "greedy_identical": not mismatches,
+        "mismatches": [dataclasses.asdict(m) for m in mismatches],
+        "variants": summaries,
+        "runs": [r.to_dict() for r in runs],
+    }
+
+
+__all__ = [
+    "BASELINES",
+    "BenchConfig",
+    "BenchConfigError",
+    "ConfiguredDrafter",
+    "DrafterSpec",
+    "Mismatch",
+    "ResolvedDrafter",
+    "Run",
+    "Target",
+    "Variant",
+    "build_decoder",
+    "check_identity",
+    "describe_drafter",
+    "load_target",
+    "make_variants",
+    "measure",
+    "parse_specs",
+    "resolve",
+    "run_bench",
+    "split_specs",
+    "summarize",
+]

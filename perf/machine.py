@@ -1,0 +1,119 @@
+"""What a measurement ran on: CPU model, cores, memory, library versions, torch threads; a short machine slug.
+
+Every report (bench and serve) embeds `machine_info()`, so a number is never separated from the machine it was
+measured on. Nothing here changes any state (torch threads are set by the caller and only read here).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo ("model name"), else platform.processor(), else "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask), which is what torch's thread pool can use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def gpu_name() -> str | None:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def machine_info() -> dict[str, Any]:
+    """JSON-ready description of this machine and software, with torch's current thread settings."""
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "memory_gib": memory_gib(),
+        "gpu": gpu_name(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "transformers": package_version("transformers"),
+        "tritonclient": package_version("tritonclient"),
+        "spectree": package_version("spectree"),
+    }
+
+
+def machine_slug(info: dict[str, Any] | None = None) -> str:
+    """A short, file-name-safe name of the machine kind, e.g. "cpu-amd-epyc-2c" or "gpu-nvidia-h200"."""
+    info = info or machine_info()
+    if info.get("gpu"):
+        name, prefix = info["gpu"], "gpu"
+    else:
+        name, prefix = f"{info['cpu_model']} {info['usable_cores']}c", "cpu"
+    name = re.sub(r"\((r|tm)\)|\bprocessor\b|\bcpu\b|@.*?(?=\s\d+c$|$)", " ", name.lower())
+    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return f"{prefix}-{slug[:40].strip('-')}"
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def expand_out(template: str | Path, info: dict[str, Any] | None = None) -> Path:
+    """An output directory template with {date} (YYYY-MM-DD) and {machine} (machine_slug) filled in."""
+    text = str(template)
+    if "{machine}" in text:
+        text = text.replace("{machine}", machine_slug(info))
+    return Path(text.replace("{date}", today()))
+
+
+__all__ = [
+    "cpu_model",
+    "expand_out",
+    "gpu_name",
+    "machine_info",
+    "machine_slug",
+    "memory_gib",
+    "now_iso",
+    "package_version",
+    "today",
+    "usable_cores",
+]

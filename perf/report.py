@@ -1,0 +1,146 @@
+"""Markdown and JSON for bench and serve reports (the JSON is the record; the Markdown is generated from it).
+
+    bench.json / bench.md     `python -m perf bench`
+    serve.json / serve.md     `python -m perf serve`
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _num(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    return "—" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def machine_line(m: dict[str, Any], threads: int | None = None) -> str:
+    """One line: CPU, cores (and torch threads when given), memory, GPU, library versions, OS."""
+    thr = f" (torch threads {threads})" if threads is not None else ""
+    mem = f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
+    return (f"{m['cpu_model']}, {m['usable_cores']} usable cores{thr}{mem}{gpu}; torch {m['torch']}, "
+            f"transformers {m.get('transformers') or '—'}, Python {m['python']}, {m['os']}")
+
+
+def _tree_cell(v: dict[str, Any]) -> str:
+    tree = v.get("tree", "—")
+    if v["kind"] == "baseline":
+        return "—" if tree == "none" else tree
+    mean = v.get("mean_tree_nodes")
+    limit = v.get("tree_nodes")
+    bound = "≤" if tree in ("dynamic", "lookup") else ""
+    return f"{tree} {bound}{limit} (mean {_num(mean, '.1f')})"
+
+
+def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
+    s, t, m = report["settings"], report["target"], report["machine"]
+    sets: dict[str, int] = {}
+    for p in report["prompts"]:
+        sets[p["set"]] = sets.get(p["set"], 0) + 1
+    lines = [
+        f"# spectree bench — {report['created'][:10]}",
+        "",
+        (f"- **Target**: {t['architecture']}, {t['num_hidden_layers']} layers, hidden {t['hidden_size']}, vocab "
+        f"{t['vocab_size']}, {t['parameters'] / 1e6:.2f}M parameters, {t['dtype']} ({t['kind']} `{t['path']}`)"),
+        f"- **Machine**: {machine_line(m, s['threads'])}",
+        (f"- **Run**: {len(report['prompts'])} prompts ({', '.join(f'{k} {n}' for k, n in sets.items())}), "
+        f"{s['max_tokens']} tokens each (EOS ignored), greedy; warm-up {s['warmup']} per variant, "
+        f"median of {s['repeats']} timed run(s); variants take turns on each prompt "
+        f"({report['measure_seconds']:.0f} s measuring)"),
+    ]
+    if report["greedy_identical"]:
+        lines.append("- **Greedy outputs identical** to plain decoding for every variant and prompt: **yes**")
+    else:
+        lines.append(f"- **Greedy outputs identical**: **NO** — {len(report['mismatches'])} run(s) differ:")
+        for mm in report["mismatches"][:10]:
+            lines.append(f"  - `{mm['variant']}` on `{mm['prompt']}` (repeat {mm['repeat']}): first difference at "
+                         f"token {mm['index']}: expected {mm['expected']}, got {mm['got']}")
+    lines += [
+        "",
+        ("| variant | tree (nodes per step) | tau | target fwd / token | tokens/s | vs plain | vs hf | prefill | draft "
+        "| verify | other | identical |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for v in report["variants"]:
+        split = v.get("time_split") or {}
+        lines.append(
+            f"| {v['name']}{' (configured)' if v.get('configured') else ''} | {_tree_cell(v)} | {_num(v.get('tau'))} | {_num(v['target_forwards_per_token'], '.3f')} "
+            f"| {_num(v['tokens_per_s'], '.1f')} | {_num(v['speedup_vs_plain'], '.2f', 'x')} "
+            f"| {_num(v['speedup_vs_hf'], '.2f', 'x')} | {_pct(split.get('prefill'))} | {_pct(split.get('draft'))} "
+            f"| {_pct(split.get('verify'))} | {_pct(split.get('other'))} | {'yes' if v['greedy_identical'] else '**NO**'} |"
+        )
+    spec = [v for v in report["variants"] if v.get("acceptance_by_depth")]
+    if spec:
+        depth = max(len(v["acceptance_by_depth"]) for v in spec)
+        lines += ["", "Acceptance by depth: P(accepted length >= d), over all verification steps.", "",
+                  "| variant | " + " | ".join(f"d={d}" for d in range(1, depth + 1)) + " |",
+                  "|---|" + "---:|" * depth]
+        for v in spec:
+            reach = v["acceptance_by_depth"] + [None] * (depth - len(v["acceptance_by_depth"]))
+            lines.append(f"| {v['name']} | " + " | ".join(_num(r, ".2f") for r in reach) + " |")
+    if len(sets) > 1:
+        lines += ["", "Per prompt set: tokens/s (speedup vs plain, vs hf).", "",
+                  "| variant | " + " | ".join(sets) + " |", "|---|" + "---:|" * len(sets)]
+        for v in report["variants"]:
+            cells = []
+            for name in sets:
+                ps = v["per_set"][name]
+                cells.append(f"{_num(ps['tokens_per_s'], '.1f')} ({_num(ps['speedup_vs_plain'], '.2f', 'x')}, "
+                             f"{_num(ps['speedup_vs_hf'], '.2f', 'x')})")
+            lines.append(f"| {v['name']} | " + " | ".join(cells) + " |")
+    lines += ["", ("tau: tokens emitted per verification step (accepted + bonus). target fwd / token: target forward "
+              "passes per generated token, prefill included. Time split: share of the runtime's own time (prefill, "
+              "drafting, target forward + acceptance, cache compaction and bookkeeping).")]
+    for img in images or []:
+        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
+    return "\n".join(lines) + "\n"
+
+
+def serve_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
+    s, m = report["settings"], report["machine"]
+    lines = [
+        f"# spectree serve (perf_analyzer) — {report['created'][:10]}",
+        "",
+        (f"- **Endpoint**: model `{report['model']}` at `{report['url']}` over gRPC, `--async --streaming`; "
+        f"{report['num_prompts']} prompts, max_tokens {s['max_tokens']} (ignore_eos), greedy"),
+        f"- **perf_analyzer**: `{report['perf_analyzer']['binary']}` ({report['perf_analyzer']['version']})",
+        f"- **Client machine**: {machine_line(m)}",
+        f"- **Output tokens** counted from {report['token_source']}",
+        "",
+        ("| concurrency | requests | requests/s | output tokens/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
+        "| request latency p50 / p99 (ms) | tokens / request | tau (server) |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["concurrency"]:
+        ttft, itl, lat = r["ttft_ms"], r["itl_ms"], r["request_latency_ms"]
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {_num(r['requests_per_s'], '.2f')} "
+            f"| {_num(r['output_tokens_per_s'], '.1f')} | {ttft['p50']:.1f} / {ttft['p90']:.1f} / {ttft['p99']:.1f} "
+            f"| {itl['p50']:.2f} / {itl['p90']:.2f} / {itl['p99']:.2f} | {lat['p50']:.1f} / {lat['p99']:.1f} "
+            f"| {r['mean_output_tokens']:.1f} | {_num(r.get('server_tau'))} |"
+        )
+    if report.get("short_outputs_at"):
+        lines += ["", (f"**Warning**: at concurrency {report['short_outputs_at']} some requests returned fewer than "
+                  f"max_tokens tokens although ignore_eos was sent.")]
+    lines += ["", ("TTFT: request sent -> first streamed response. ITL: (last response - first response) / (output "
+              "tokens - 1) per request. requests/s and output tokens/s: all requests / tokens of a concurrency level "
+              "over the span from its first request to its last response (perf_analyzer's own windowed figure is "
+              "in serve.json as pa_requests_per_s). tau (server): tokens per verification step the server reported "
+              "on its final responses.")]
+    for img in images or []:
+        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(report: dict[str, Any], path: Path) -> Path:
+    path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+__all__ = ["bench_markdown", "machine_line", "serve_markdown", "write_json"]

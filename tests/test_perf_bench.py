@@ -1,0 +1,367 @@
+"""`python -m perf bench`: the real CLI on tiny checkpoints (numbers not asserted; structure, greedy identity and
+the baselines' honesty are), plus the pieces it is made of (spec grammar, prompt files, statistics, README)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import runtime
+from perf import stats
+from perf.__main__ import main
+from perf.bench import (
+    BenchConfig,
+    BenchConfigError,
+    DrafterSpec,
+    Run,
+    Variant,
+    check_identity,
+    parse_specs,
+    split_specs,
+    summarize,
+)
+from perf.hf_baseline import HFBaseline
+from perf.machine import expand_out, machine_slug
+from perf.prompt_sets import DEFAULT_SETS, Prompt, PromptFileError, load_prompt_file, load_prompts
+from perf.readme import END, START, ReadmeError, update_readme
+from tests.heads import write_eagle_head, write_medusa_head
+from tests.tiny import make_checkpoint, vocab_size
+
+PNG = b"\x89PNG\r\n\x1a\n"
+DRAFTERS = "lookup,medusa:chain-2,small=medusa:[[0],[0,0],[1]],eagle"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("perf_bench")
+    ckpt = make_checkpoint(root / "target", "llama2")
+    write_medusa_head(root / "medusa", 64, vocab_size(), num_heads=3)
+    write_eagle_head(root / "eagle", ckpt)
+    cfg = root / "bench.yaml"
+    cfg.write_text("model: {checkpoint: target}\n"
+                   "draft: {method: medusa, checkpoint: medusa, tree: {preset: chain-3}}\n"
+                   "build: {dtype: float32, max_draft_len: 40, output: engine, onnx: false, tensorrt: false}\n")
+    return root, cfg
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny):
+    root, cfg = tiny
+    out = root / "results" / "2000-01-01-test"
+    code = main(["bench", "--config", str(cfg), "--drafters", DRAFTERS, "--draft-model", f"eagle={root / 'eagle'}",
+                 "--prompts-per-set", "2", "--max-tokens", "7", "--threads", "1", "--out", str(out), "--quiet"])
+    return code, out
+
+
+def test_bench_cli_writes_json_markdown_and_plots(bench_run):
+    code, out = bench_run
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    names = [v["name"] for v in report["variants"]]
+    assert names == ["plain", "hf", "lookup", "medusa:chain-2", "small", "eagle"]
+    assert report["greedy_identical"] is True and report["mismatches"] == []
+    assert report["settings"]["threads"] == 1 and report["machine"]["torch"] == torch.__version__
+    assert {"cpu_model", "usable_cores", "torch_threads", "python", "transformers"} <= set(report["machine"])
+    assert [p["set"] for p in report["prompts"]] == ["code", "code", "prose", "prose"]
+    assert all(len(p["output_ids"]) == 7 for p in report["prompts"])
+    # every (variant, prompt) was timed once, after the warm-up
+    assert len(report["runs"]) == len(names) * 4 and all(r["generated_tokens"] == 7 for r in report["runs"])
+    by = {v["name"]: v for v in report["variants"]}
+    for v in report["variants"]:
+        assert v["generated_tokens"] == 4 * 7 and v["tokens_per_s"] > 0 and v["greedy_identical"]
+        assert set(v["per_set"]) == {"code", "prose"}
+    assert by["plain"]["speedup_vs_plain"] == 1.0 and by["hf"]["speedup_vs_hf"] == 1.0
+    assert by["plain"]["tau"] == 1.0 and by["plain"]["target_forwards_per_token"] == 1.0
+    assert by["hf"]["target_forwards_per_token"] == 1.0  # counted by a forward hook, not assumed
+    assert by["hf"].get("tau") is None and by["hf"]["attn_implementation"]
+    for name in ("lookup", "medusa:chain-2", "small", "eagle"):
+        v = by[name]
+        assert v["kind"] == "speculative" and v["tau"] >= 1.0 and v["speedup_vs_hf"] > 0
+        assert v["target_forwards_per_token"] <= 1.0
+        assert sum(v["accepted_histogram"]) == v["steps"]
+        assert len(v["acceptance_by_depth"]) == v["tree_depth"]
+        assert all(0.0 <= p <= 1.0 for p in v["acceptance_by_depth"])
+        assert v["acceptance_by_depth"] == sorted(v["acceptance_by_depth"], reverse=True)
+        assert abs(sum(v["time_split"].values()) - 1.0) < 1e-9
+        # per prompt: the prefill emits one token, then each verification step emits tau on average
+        assert v["tau"] * v["steps"] + v["prompts"] == pytest.approx(v["generated_tokens"])
+    assert (by["medusa:chain-2"]["tree_nodes"], by["medusa:chain-2"]["tree_depth"]) == (3, 2)
+    assert (by["small"]["tree_nodes"], by["eagle"]["tree"]) == (4, "dynamic")
+    md = (out / "bench.md").read_text()
+    assert "Greedy outputs identical** to plain decoding for every variant and prompt: **yes**" in md
+    for name in names:
+        assert f"| {name} |" in md
+    for png in ("speedup_by_tree_size.png", "acceptance_by_depth.png", "time_split.png"):
+        data = (out / png).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+        assert f"]({png})" in md
+
+
+def test_hf_baseline_is_greedy_and_ignores_eos(tmp_path):
+    """A checkpoint whose argmax is often EOS: transformers must keep generating, like the runtime's ignore_eos."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = make_checkpoint(tmp_path / "eosy", "llama2", seed=3)
+    state = load_file(str(ckpt / "model.safetensors"))
+    state["lm_head.weight"][1] += 5.0 * state["model.norm.weight"]
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    ids = [0, 50, 60, 70]
+    ours = runtime.load(ckpt).generate(ids, max_tokens=12, ignore_eos=True)
+    assert 1 in ours.token_ids[:-1]  # EOS is generated and generation carries on
+    hf = HFBaseline.from_checkpoint(ckpt, torch.float32).generate(ids, 12)
+    assert hf.token_ids == ours.token_ids and hf.target_forwards == 12
+
+
+def test_bench_from_engine_directory(tiny, tmp_path):
+    """--engine: targets and heads come from the engine; the hf baseline gets the engine's own weights."""
+    from builder.build import build_engine
+    from builder.config import load_config
+
+    _, cfg = tiny
+    engine = build_engine(load_config(cfg).with_output(tmp_path / "engine")).output
+    out = tmp_path / "bench"
+    code = main(["bench", "--engine", str(engine), "--drafters", "medusa,medusa:chain-1+max_draft_len=1",
+                 "--prompts-per-set", "1", "--max-tokens", "5", "--warmup", "0", "--threads", "1",
+                 "--out", str(out), "--quiet"])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["target"]["kind"] == "engine" and report["greedy_identical"]
+    by = {v["name"]: v for v in report["variants"]}
+    assert by["medusa"]["tree_nodes"] == 4 and by["medusa"]["path"].endswith("draft")  # the engine's chain-3 heads
+    assert by["medusa:chain-1+max_draft_len=1"]["tree_nodes"] == 2
+    assert by["medusa"]["configured"] and not by["medusa:chain-1+max_draft_len=1"]["configured"]
+    assert "| medusa (configured) |" in (out / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--drafters", "medusa:dynamic"], "dynamic tree is EAGLE-2's"),
+    (["--drafters", "hf"], "hf is a baseline"),
+    (["--drafters", "plain"], "plain (none) is a baseline"),
+    (["--drafters", "lookup,lookup"], "more than once"),
+    (["--drafters", "eagle"], "--draft-model eagle=DIR"),
+    (["--drafters", "medusa+max_draft_len=99"], "above the checkpoint's limit of 40"),
+    (["--drafters", "medusa:chain-5"], "exceeds the 3 Medusa heads"),
+    (["--max-tokens", "0"], "max_tokens: got 0"),
+    (["--draft-model", "lookup=/x"], "expected medusa or eagle"),
+    (["--prompts", "/nonexistent/p.jsonl"], "prompt file /nonexistent/p.jsonl does not exist"),
+])
+def test_bench_bad_input_exits_2_naming_the_problem(tiny, tmp_path, capsys, args, message):
+    _, cfg = tiny
+    code = run_main(["bench", "--config", str(cfg), "--out", str(tmp_path), "--quiet", "--max-tokens", "2", *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def run_main(args: list[str]) -> int:
+    """The CLI's exit status, whether main returns it or argparse exits with it."""
+    try:
+        return main(args)
+    except SystemExit as exc:
+        return exc.code
+
+
+def test_config_and_engine_are_exclusive():
+    with pytest.raises(BenchConfigError, match="exactly one of --config"):
+        BenchConfig()
+    with pytest.raises(BenchConfigError, match="exactly one of --config"):
+        BenchConfig(config=Path("a.yaml"), engine=Path("e"))
+
+
+# ---- drafter specs ------------------------------------------------------------------------------------------
+
+
+def test_spec_grammar():
+    s = DrafterSpec.parse("eagle:dynamic+total_tokens=30+depth=4")
+    assert (s.kind, s.tree, s.options, s.name) == ("eagle", "dynamic", (("total_tokens", 30), ("depth", 4)),
+                                                   "eagle:dynamic+total_tokens=30+depth=4")
+    assert DrafterSpec.parse("medusa:[[0],[0,0],[1]]").tree == "[[0],[0,0],[1]]"
+    assert DrafterSpec.parse("lookup+max_ngram=4").options == (("max_ngram", 4),)
+    named = DrafterSpec.parse("tuned=medusa:[[0],[1],[0,0]]+max_draft_len=2")
+    assert (named.name, named.kind, named.tree, named.options) == ("tuned", "medusa", "[[0],[1],[0,0]]",
+                                                                   (("max_draft_len", 2),))
+    assert split_specs("lookup, medusa:[[0],[1],[0,0]] ,eagle:chain-2") == ["lookup", "medusa:[[0],[1],[0,0]]",
+                                                                           "eagle:chain-2"]
+    assert [s.kind for s in parse_specs("medusa:mc_sim_7b_63,eagle,lookup")] == ["medusa", "eagle", "lookup"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "empty string"),
+    ("beam", "kind 'beam' is not one of"),
+    ("medusa:", "empty tree"),
+    ("medusa:nonsense", "unknown tree preset 'nonsense'"),
+    ("medusa:[[0,0]]", "tree"),
+    ("lookup:chain-2", "lookup builds its trees"),
+    ("lookup+max_ngram", "KEY=VALUE"),
+    ("lookup+a=1+a=2", "given twice"),
+    ("medusa+max_draft_len=0", "max_draft_len: got 0"),
+    ("hf=medusa", "not a baseline's name"),
+    ("a b=medusa", "label 'a b'"),
+])
+def test_spec_errors_name_the_spec(text, message):
+    with pytest.raises(BenchConfigError) as info:
+        DrafterSpec.parse(text)
+    assert message in str(info.value)
+
+
+def test_unbalanced_brackets():
+    with pytest.raises(BenchConfigError, match="unbalanced"):
+        split_specs("medusa:[[0],[1]")
+
+
+# ---- identity check and summaries (pure functions on hand-made runs) ----------------------------------------
+
+
+def _run(variant, prompt, ids, wall=1.0, accepted=(), steps=None):
+    return Run(variant=variant, prompt=prompt, repeat=0, prompt_tokens=3, token_ids=tuple(ids), wall_s=wall,
+               target_forwards=len(ids) if steps is None else steps + 1, steps=steps,
+               drafted_tokens=None if steps is None else 3 * steps, accepted_per_step=tuple(accepted),
+               time_prefill=None if steps is None else 0.1, time_draft=None if steps is None else 0.2,
+               time_verify=None if steps is None else 0.6, time_other=None if steps is None else 0.1)
+
+
+def test_identity_check_finds_the_first_difference():
+    runs = [_run("plain", "code/a", [5, 6, 7, 8]), _run("spec", "code/a", [5, 6, 9, 8]),
+            _run("short", "code/a", [5, 6, 7])]
+    mm = check_identity(runs)
+    assert [(m.variant, m.index) for m in mm] == [("spec", 2), ("short", 3)]
+    assert mm[0].expected == (5, 6, 7, 8) and mm[0].got == (5, 6, 9, 8)
+
+
+def test_summary_speedups_acceptance_and_flags():
+    prompts = [Prompt("code", "a", "x"), Prompt("prose", "b", "y")]
+
+    def variant(name, kind="speculative"):
+        return Variant(name, kind, "medusa", {"tree": "static", "tree_nodes": 4, "tree_depth": 3}, generate=None)
+
+    runs = [
+        _run("plain", "code/a", [1] * 8, wall=2.0, accepted=[0] * 7, steps=7),
+        _run("plain", "prose/b", [1] * 8, wall=2.0, accepted=[0] * 7, steps=7),
+        _run("hf", "code/a", [1] * 8, wall=1.0), _run("hf", "prose/b", [1] * 8, wall=1.0),
+        _run("spec", "code/a", [1] * 8, wall=0.5, accepted=[3, 3, 0], steps=3),
+        _run("spec", "prose/b", [1] * 8, wall=1.5, accepted=[2, 0, 1, 1], steps=4),
+    ]
+    variants = [variant("plain", "baseline"), Variant("hf", "baseline", "transformers", {}, None), variant("spec")]
+    assert check_identity(runs) == []
+    out = {v["name"]: v for v in summarize(variants, runs, prompts, [])}
+    spec = out["spec"]
+    assert spec["speedup_vs_plain"] == pytest.approx(2.0) and spec["speedup_vs_hf"] == pytest.approx(1.0)
+    assert spec["per_set"]["code"]["speedup_vs_plain"] == pytest.approx(4.0)
+    assert spec["per_set"]["prose"]["speedup_vs_hf"] == pytest.approx(1 / 1.5)
+    assert spec["tau"] == pytest.approx((10 + 7) / 7) and spec["steps"] == 7
+    assert spec["accepted_histogram"] == [2, 2, 1, 2]
+    assert spec["acceptance_by_depth"] == pytest.approx([5 / 7, 3 / 7, 2 / 7])
+    assert spec["mean_tree_nodes"] == pytest.approx(4.0)
+    assert out["hf"]["target_forwards_per_token"] == 1.0 and "tau" not in out["hf"]
+    bad = summarize(variants, runs, prompts, check_identity(runs[:4] + [_run("spec", "code/a", [2] * 8),
+                                                                        runs[5]]))
+    assert [v["greedy_identical"] for v in bad] == [True, True, False]
+
+
+# ---- statistics ------------------------------------------------------------------------------------------------
+
+
+def test_acceptance_statistics():
+    acc = [0, 1, 3, 3, 2, 0]
+    assert stats.accepted_histogram(acc) == [2, 1, 1, 2]
+    assert stats.reach_by_depth(acc) == pytest.approx([4 / 6, 3 / 6, 2 / 6])
+    assert stats.reach_by_depth(acc, 5)[3:] == [0.0, 0.0]
+    assert stats.conditional_by_depth(acc) == pytest.approx([4 / 6, 3 / 4, 2 / 3])
+    assert stats.conditional_by_depth([0, 0], 2) == [0.0, None]
+    with pytest.raises(ValueError):
+        stats.accepted_histogram([1, -1])
+
+
+def test_percentile_and_median_match_numpy():
+    rng = np.random.default_rng(0)
+    values = rng.exponential(size=37).tolist()
+    for q in (0, 10, 50, 90, 99, 100):
+        assert stats.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert stats.median(values) == pytest.approx(statistics.median(values))
+    assert stats.first_difference([1, 2], [1, 2]) is None and stats.first_difference([1, 2], [1]) == 1
+
+
+# ---- prompt sets ---------------------------------------------------------------------------------------------
+
+
+def test_shipped_prompt_sets():
+    prompts = load_prompts()
+    assert {p.set for p in prompts} == set(DEFAULT_SETS)
+    assert len({p.key for p in prompts}) == len(prompts)
+    for name in DEFAULT_SETS:
+        chosen = [p for p in prompts if p.set == name]
+        assert len(chosen) >= 6 and all(p.text.strip() and p.source for p in chosen)
+    assert len(load_prompts(limit=2)) == 2 * len(DEFAULT_SETS)
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"id": "a", "prompt": "x"}\nnot json\n', ":2: not a JSON object"),
+    ('["a"]\n', ":1: got a JSON list"),
+    ('{"id": "a", "prompt": ""}\n', ":1: prompt: got ''"),
+    ('{"id": "", "prompt": "x"}\n', ":1: id: got ''"),
+    ('{"id": "a", "prompt": "x", "extra": 1}\n', "unknown key(s) ['extra']"),
+    ('{"id": "a", "prompt": "x"}\n\n{"id": "a", "prompt": "y"}\n', ":3: id 'a' repeats the id on line 1"),
+    ("\n\n", "holds no prompts"),
+])
+def test_prompt_file_errors_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "set.jsonl"
+    path.write_text(content)
+    with pytest.raises(PromptFileError) as info:
+        load_prompt_file(path)
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_two_prompt_files_with_one_name(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "set.jsonl").write_text('{"id": "x", "prompt": "y"}\n')
+    with pytest.raises(PromptFileError, match="same set name 'set'"):
+        load_prompts([tmp_path / "a" / "set.jsonl", tmp_path / "b" / "set.jsonl"])
+
+
+# ---- machine info and the README -------------------------------------------------------------------------------
+
+
+def test_machine_slug_and_out_template():
+    info = {"gpu": None, "cpu_model": "Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz", "usable_cores": 16}
+    assert machine_slug(info) == "cpu-intel-xeon-platinum-8480-16c"
+    assert machine_slug({"gpu": "NVIDIA H200", "cpu_model": "x", "usable_cores": 1}) == "gpu-nvidia-h200"
+    out = expand_out("r/{date}-{machine}", info)
+    assert out.name.endswith("-cpu-intel-xeon-platinum-8480-16c") and out.name[:4].isdigit()
+
+
+def test_readme_shows_the_latest_results(bench_run, tmp_path):
+    _, out = bench_run
+    readme = out.parent.parent / "README.md"
+    readme.write_text(f"# perf\n\nintro\n\n{START}\nold table\n{END}\n\nafter\n")
+    assert update_readme(readme, out.parent) == out
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# perf\n\nintro") and text.endswith("after\n")
+    assert "| medusa:chain-2 |" in text and "](results/2000-01-01-test/speedup_by_tree_size.png)" in text
+    (tmp_path / "README.md").write_text("no markers\n")
+    with pytest.raises(ReadmeError, match="expected the markers"):
+        update_readme(tmp_path / "README.md", out.parent)
+    with pytest.raises(ReadmeError, match="no results directory"):
+        update_readme(readme, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel check runs for real")
+def test_kernels_subcommand_runs_the_gpu_check(capsys):
+    assert main(["kernels", "--skip-bench"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_report_regenerates_markdown_and_plots_from_json(bench_run, tmp_path):
+    _, out = bench_run
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "bench.json").write_bytes((out / "bench.json").read_bytes())
+    assert main(["report", str(copy)]) == 0
+    assert (copy / "bench.md").read_text() == (out / "bench.md").read_text()
+    assert all((copy / png).read_bytes().startswith(PNG) for png in ("speedup_by_tree_size.png",
+                                                                       "acceptance_by_depth.png", "time_split.png"))
+    assert main(["report", str(tmp_path / "empty")]) == 2
