@@ -3,7 +3,8 @@
 Registered with torch.library when this module is imported (the standard custom-op pattern):
 - CUDA runs the Triton kernel (plugins/tree_attention/kernel.py, imported on first CUDA call) for fp16, bf16
   and fp32, and the torch reference for other floating dtypes (fp64 checks);
-- every other device runs the torch reference;
+- the CPU runs torch's fused SDPA under the unpacked mask (plugins/tree_attention/cpu.py) for fp16, bf16 and
+  fp32, and the reference for fp64; every other device runs the torch reference;
 - the fake implementation gives torch.export / torch.compile the output's shape and dtype, so the op survives
   export and the ONNX exporter turns it into the plugin node (plugins/tree_attention/onnx_export.py).
 Shapes are documented in plugins/tree_attention/__init__.py.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from plugins.tree_attention.cpu import tree_attention_sdpa
 from plugins.tree_attention.reference import tree_attention_reference
 from plugins.tree_attention.spec import KERNEL_DTYPES, TreeAttentionDtypeError, TreeAttentionShapeError, check_inputs
 
@@ -26,6 +28,8 @@ def tree_attention(
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, N, D]
     check_inputs(q, k, v, tree_mask)
+    if q.device.type == "cpu" and q.dtype in KERNEL_DTYPES:
+        return tree_attention_sdpa(q, k, v, tree_mask, scale)
     return tree_attention_reference(q, k, v, tree_mask, scale)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import plugins.tree_attention.op  # noqa: F401  (registers the op)
-from plugins.tree_attention import pack_mask, tree_attention_reference
+from plugins.tree_attention import pack_mask, tree_attention_reference, unpack_mask
 from plugins.tree_attention.spec import TreeAttentionDtypeError, TreeAttentionShapeError
 from tests.plugins.trees import random_tree_masks
 
@@ -23,18 +23,49 @@ class TreeBlock(torch.nn.Module):
         return torch.ops.spectree.tree_attention(q, k, v, tree_mask, 0.125) * 2.0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_cpu_dispatch_runs_the_reference(dtype):
-    q, k, v, mask = inputs(dtype=dtype)
+# Tolerances of the CPU path (fused SDPA in the input dtype) against the fp32 reference rounded to that dtype.
+CPU_TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def test_cpu_dispatch_runs_the_reference_for_fp64():
+    q, k, v, mask = inputs(dtype=torch.float64)
     out = torch.ops.spectree.tree_attention(q, k, v, mask, 0.3)
-    assert out.dtype == dtype
+    assert out.dtype == torch.float64
     assert torch.equal(out, tree_attention_reference(q, k, v, mask, 0.3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(), dict(prefix=0), dict(n=1), dict(n=37, prefix=50), dict(q_heads=8, kv_heads=1), dict(q_heads=3, kv_heads=3)],
+)
+def test_cpu_dispatch_matches_the_reference(dtype, shape):
+    q, k, v, mask = inputs(dtype=dtype, **shape)
+    out = torch.ops.spectree.tree_attention(q, k, v, mask, 0.3)
+    ref = tree_attention_reference(q, k, v, mask, 0.3)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=CPU_TOL[dtype], rtol=CPU_TOL[dtype])
+
+
+def test_cpu_dispatch_respects_the_tree_mask():
+    """Flipping one visible tree bit off changes exactly that row (the mask is really applied)."""
+    q, k, v, mask = inputs(n=6, prefix=4)
+    tree = unpack_mask(mask, 6)
+    row = int(torch.nonzero(tree[0].sum(-1) > 1)[0])  # a row that sees another tree token besides itself
+    col = int(torch.nonzero(tree[0, row])[0])
+    cut = tree.clone()
+    cut[0, row, col] = False
+    a = torch.ops.spectree.tree_attention(q, k, v, mask, 0.3)
+    b = torch.ops.spectree.tree_attention(q, k, v, pack_mask(cut), 0.3)
+    changed = (a - b).abs().amax(dim=(1, 3))  # [B, N]
+    assert changed[0, row] > 1e-3 and changed[0].clone().index_fill_(0, torch.tensor([row]), 0).max() == 0
+    assert changed[1].max() == 0
 
 
 def test_op_has_cuda_and_fake_kernels():
     name = "spectree::tree_attention"
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")  # the Triton kernel
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")  # the reference
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")  # CPU: SDPA / reference
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta")  # the fake implementation
 
 
