@@ -167,23 +167,29 @@ class BuildConfig:
 # ---- YAML -> dataclasses ------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path) -> BuildConfig:
-    """Read and type-check a YAML build config; relative paths resolve from its directory."""
+def read_yaml(path: str | Path, error: type[BuildConfigError] = BuildConfigError) -> tuple[Any, Path]:
+    """The YAML document in `path` and the directory relative paths in it resolve from; failures raise `error`."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
-        raise BuildConfigError(f"config file {path} does not exist")
+        raise error(f"config file {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise BuildConfigError(f"cannot read {path}: {exc}") from exc
-    return parse_config(data, base_dir=path.resolve().parent, source=str(path))
+        raise error(f"cannot read {path}: {exc}") from exc
+    return data, path.resolve().parent
+
+
+def load_config(path: str | Path) -> BuildConfig:
+    """Read and type-check a YAML build config; relative paths resolve from its directory."""
+    data, base_dir = read_yaml(path)
+    return parse_config(data, base_dir=base_dir, source=str(path))
 
 
 def parse_config(data: Any, base_dir: str | Path = ".", source: str = "config") -> BuildConfig:
     """A parsed YAML document (dict) -> BuildConfig, every key and type checked."""
-    config = _from_mapping(BuildConfig, data, "", Path(base_dir).resolve(), source)
+    config = from_mapping(BuildConfig, data, "", Path(base_dir).resolve(), source)
     return dataclasses.replace(config, source=source)
 
 
@@ -201,7 +207,9 @@ def _fail(source: str, key: str, value: Any, expected: str) -> BuildConfigError:
     return BuildConfigError(f"{source}: {key or '<top level>'}: got {value!r}, expected {expected}")
 
 
-def _from_mapping(cls: type, data: Any, path: str, base_dir: Path, source: str) -> Any:
+def from_mapping(cls: type, data: Any, path: str, base_dir: Path, source: str) -> Any:
+    """A YAML mapping -> the frozen dataclass `cls` (nested dataclasses, Literal / Path / tuple fields), rejecting
+    unknown keys and wrong types with the key path; `path` is the key path of `data` in its document."""
     fields = [f for f in dataclasses.fields(cls) if _in_yaml(f)]
     names = [f.name for f in fields]
     if not isinstance(data, Mapping):
@@ -265,7 +273,7 @@ def _convert(tp: Any, value: Any, key: str, base_dir: Path, source: str) -> Any:
         item = args[0]
         return tuple(_convert(item, v, _key(key, i), base_dir, source) for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
-        return _from_mapping(tp, value, key, base_dir, source)
+        return from_mapping(tp, value, key, base_dir, source)
     if tp is Path:
         if not isinstance(value, str) or not value:
             raise _fail(source, key, value, "a path (string)")

@@ -199,30 +199,27 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of pid (from /proc)."""
+def _procs_where(stat_field: int, value: int) -> list[int]:
+    """Pids whose /proc/PID/stat field (counted after the command name: 1 = ppid, 2 = pgrp) equals value."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[stat_field]) == value:
             out.append(int(stat.parent.name))
     return out
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of pid (from /proc)."""
+    return _procs_where(1, pid)
 
 
 def group_members(pgid: int) -> list[int]:
     """Processes in process group pgid (from /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            out.append(int(stat.parent.name))
-    return out
+    return _procs_where(2, pgid)
 
 
 def shm_regions(pids: Sequence[int]) -> list[str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from builder.config import BuildConfigError, _from_mapping
+from builder.config import BuildConfigError, from_mapping, read_yaml
 
 SaveDtype = Literal["float32", "bfloat16"]
 
@@ -175,21 +175,13 @@ class TrainConfig:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """Read and type-check a training YAML; relative paths resolve from its directory."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise TrainConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise TrainConfigError(f"cannot read {path}: {exc}") from exc
-    return parse_train_config(data, base_dir=path.resolve().parent, source=str(path))
+    data, base_dir = read_yaml(path, TrainConfigError)
+    return parse_train_config(data, base_dir=base_dir, source=str(path))
 
 
 def parse_train_config(data: Any, base_dir: str | Path = ".", source: str = "config") -> TrainConfig:
     try:
-        config = _from_mapping(TrainConfig, data, "", Path(base_dir).resolve(), source)
+        config = from_mapping(TrainConfig, data, "", Path(base_dir).resolve(), source)
     except TrainConfigError:
         raise
     except BuildConfigError as exc:
