@@ -22,6 +22,9 @@ def tree_attention_sdpa(
 ) -> torch.Tensor:  # [B, Hq, N, D]
     b, hq, n, _ = q.shape
     hkv, s = k.shape[1], k.shape[2]
+    if n == 1 and bool(torch.all(tree_mask[:, 0, 0] & 1)):
+        # One token that sees itself sees everything (plain decoding): no mask, SDPA's fastest path.
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv)
     tree = unpack_mask(tree_mask, n)  # [B, N, N]
     visible = torch.cat([tree.new_ones(b, n, s - n), tree], dim=-1)  # [B, N, L + N]: prefix always visible
     return F.scaled_dot_product_attention(

@@ -102,3 +102,15 @@ def test_bad_input_errors_surface_through_the_op():
         torch.ops.spectree.tree_attention(q, k, v, mask[:, :, :0], 1.0)
     with pytest.raises(TreeAttentionDtypeError, match="tree_mask must be int32"):
         torch.ops.spectree.tree_attention(q, k, v, mask.bool(), 1.0)
+
+
+def test_cpu_single_token_fast_path_still_honours_a_cleared_self_bit():
+    """N = 1 with its own bit set takes the unmasked path; with the bit cleared it must see only the prefix."""
+    q, k, v, _ = inputs(n=1, prefix=6)
+    on = pack_mask(torch.ones(2, 1, 1, dtype=torch.bool))
+    off = pack_mask(torch.tensor([[[True]], [[False]]]))
+    for mask in (on, off):
+        out = torch.ops.spectree.tree_attention(q, k, v, mask, 0.3)
+        torch.testing.assert_close(out, tree_attention_reference(q, k, v, mask, 0.3), atol=2e-6, rtol=2e-6)
+    assert not torch.allclose(torch.ops.spectree.tree_attention(q, k, v, on, 0.3)[1],
+                              torch.ops.spectree.tree_attention(q, k, v, off, 0.3)[1])
