@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,30 +42,19 @@ from builder.training.config import (
     EagleSection,
     HeadsSection,
     MedusaSection,
-    OptimSection,
     TrainConfig,
     TrainConfigError,
 )
 from builder.training.corpus import (
-    TokenData,
     check_windows,
     fixed_windows,
     load_tokens,
-    random_windows,
     split_corpus,
 )
-from builder.training.loop import (
-    RunLog,
-    learning_rate,
-    load_state,
-    param_groups,
-    progress_fraction,
-    save_state,
-)
+from builder.training.loop import optimise
 
 MEDUSA_WEIGHT_DECAY = 0.8  # Medusa-1 weights head i's loss by 0.8^i
 EVAL_TOPK = 5
-LOG_EVERY = 10
 
 
 # ---- modules (public state-dict names) -------------------------------------------------------------------
@@ -271,69 +259,6 @@ def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str) -> str:
     return hashlib.sha256(json.dumps([kind, h.labels, d, data_fp], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _run(kind: str, module: nn.Module, step_loss, metrics, opt: OptimSection, data: TokenData, work: Path,
-         fingerprint: str, quiet: bool) -> tuple[int, float, float, dict[str, list[float]]]:
-    """Shared optimisation loop: AdamW, schedule, budget, eval, resumable state. step_loss(batch) -> (loss, info)."""
-    module.train()
-    optimizer = torch.optim.AdamW(param_groups(module, opt.weight_decay), lr=opt.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(opt.seed)
-    state_file = work / f"{kind}-state.pt"
-    step, elapsed, loss_value = 0, 0.0, float("nan")
-    state = load_state(state_file, fingerprint)
-    if state is not None:
-        module.load_state_dict(state["module"])
-        optimizer.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
-        step, elapsed, loss_value = state["step"], state["elapsed_s"], state["loss"]
-
-    def checkpoint() -> None:
-        save_state(state_file, {"fingerprint": fingerprint, "module": module.state_dict(),
-                                "optimizer": optimizer.state_dict(), "generator": gen.get_state(), "step": step,
-                                "elapsed_s": elapsed, "loss": loss_value})
-
-    def evaluate() -> dict[str, list[float]]:
-        module.eval()
-        m = metrics(fixed_windows(data.held_out, opt.eval_batches, opt.seq_len))
-        module.train()
-        return m
-
-    log = RunLog(work / f"{kind}_log.jsonl", total=opt.max_steps, desc=kind, initial=step, quiet=quiet)
-    log.event("start" if state is None else "resume", step=step,
-              parameters=sum(p.numel() for p in module.parameters()), threads=torch.get_num_threads())
-    try:
-        while progress_fraction(opt, step, elapsed) < 1.0:
-            t0 = time.perf_counter()
-            lr = learning_rate(opt, step, elapsed)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss, info = step_loss(random_windows(data.train, opt.batch_size, opt.seq_len, gen))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(module.parameters(), opt.grad_clip or float("inf"))
-            optimizer.step()
-            step += 1
-            loss_value = loss.item()
-            elapsed += time.perf_counter() - t0
-            log.step(loss=loss_value, lr=lr)
-            if step == 1 or step % LOG_EVERY == 0:
-                log.event("step", step=step, loss=round(loss_value, 4), lr=lr, elapsed_s=round(elapsed, 1),
-                          **{k: round(v, 4) for k, v in info.items()})
-            if step % opt.eval_every == 0:
-                log.event("eval", step=step, **_rounded(evaluate()))
-            if step % opt.checkpoint_every == 0:
-                checkpoint()
-        checkpoint()
-        final = evaluate()
-        log.event("done", step=step, elapsed_s=round(elapsed, 1), loss=round(loss_value, 4), **_rounded(final))
-    finally:
-        log.close()
-    return step, elapsed, loss_value, final
-
-
-def _rounded(m: dict[str, list[float]]) -> dict[str, list[float]]:
-    return {k: [round(x, 4) for x in v] for k, v in m.items()}
-
-
 def load_frozen_target(path: Path):
     from transformers import LlamaForCausalLM
 
@@ -394,7 +319,11 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
             def metrics(windows, module=module):
                 return eagle_metrics(module, target, windows)
 
-        steps, elapsed, loss, final = _run(kind, module, step_loss, metrics, opt, data, work, fp, quiet)
+        def evaluate(step: int, metrics=metrics, opt=opt) -> dict[str, list[float]]:
+            return metrics(fixed_windows(data.held_out, opt.eval_batches, opt.seq_len))
+
+        steps, elapsed, loss, final = optimise(module, step_loss, evaluate, opt, data.train, opt.seq_len,
+                                               work / f"{kind}-state.pt", fp, work / f"{kind}_log.jsonl", kind, quiet)
         if kind == "medusa":
             save_medusa(module, section, h, target.config, work)
         else:

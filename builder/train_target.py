@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,24 +28,15 @@ from builder.training.corpus import (
     check_windows,
     fixed_windows,
     load_tokens,
-    random_windows,
     split_corpus,
     train_tokenizer,
 )
-from builder.training.loop import (
-    RunLog,
-    learning_rate,
-    load_state,
-    param_groups,
-    progress_fraction,
-    save_state,
-)
+from builder.training.loop import optimise
 
 STATE_FILE = "state.pt"
 LOG_FILE = "training_log.jsonl"
 SUMMARY_FILE = "training_summary.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-LOG_EVERY = 10  # steps between "step" records in the log
 
 
 @dataclass(frozen=True)
@@ -127,63 +117,24 @@ def train_target(config: TrainConfig, fresh: bool = False, quiet: bool = False) 
     fingerprint = _fingerprint(t, split.fingerprint())
     torch.manual_seed(opt.seed)
     model = LlamaForCausalLM(llama_config(t, data.vocab_size))
-    model.train()
-    optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr, betas=(0.9, 0.95), eps=1e-8)
-    gen = torch.Generator().manual_seed(opt.seed)
-    step, elapsed, seen = 0, 0.0, 0
-    state = load_state(work / STATE_FILE, fingerprint)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
-        step, elapsed, seen = state["step"], state["elapsed_s"], state["tokens"]
+    tokens_per_step = opt.batch_size * opt.seq_len  # every window predicts seq_len tokens
 
-    def checkpoint() -> None:
-        save_state(work / STATE_FILE, {
-            "fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "generator": gen.get_state(), "step": step, "elapsed_s": elapsed, "tokens": seen,
-        })
+    def step_loss(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = model(input_ids=batch[:, :-1]).logits  # batch [B, seq_len + 1] -> logits [B, seq_len, V]
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()), {}
 
+    def evaluate(step: int) -> dict[str, float]:
+        return {"held_out_loss": held_out_loss(model, data.held_out, opt.eval_batches, opt.seq_len),
+                "tokens": step * tokens_per_step}
+
+    start = {"train_tokens_available": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0]),
+             "train_files": len(split.train), "held_out_files": len(split.held_out)}
+    step, elapsed, _, final = optimise(model, step_loss, evaluate, opt, data.train, opt.seq_len + 1,
+                                       work / STATE_FILE, fingerprint, work / LOG_FILE, "target", quiet, start)
     n_params = sum(p.numel() for p in model.parameters())
-    log = RunLog(work / LOG_FILE, total=opt.max_steps, desc="target", initial=step, quiet=quiet)
-    log.event("start" if state is None else "resume", step=step, parameters=n_params,
-              train_tokens_available=int(data.train.shape[0]), held_out_tokens=int(data.held_out.shape[0]),
-              train_files=len(split.train), held_out_files=len(split.held_out), threads=torch.get_num_threads())
-    last_eval = None
-    try:
-        while progress_fraction(opt, step, elapsed) < 1.0:
-            t0 = time.perf_counter()
-            lr = learning_rate(opt, step, elapsed)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = random_windows(data.train, opt.batch_size, opt.seq_len + 1, gen)  # [B, seq_len + 1]
-            logits = model(input_ids=batch[:, :-1]).logits  # [B, seq_len, V]
-            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip or float("inf")))
-            optimizer.step()
-            step += 1
-            seen += batch.shape[0] * (batch.shape[1] - 1)
-            elapsed += time.perf_counter() - t0
-            loss_value = loss.item()
-            log.step(loss=loss_value, lr=lr)
-            if step == 1 or step % LOG_EVERY == 0:
-                log.event("step", step=step, loss=round(loss_value, 4), lr=lr, grad_norm=round(grad_norm, 4),
-                          elapsed_s=round(elapsed, 1))
-            if step % opt.eval_every == 0:
-                last_eval = held_out_loss(model, data.held_out, opt.eval_batches, opt.seq_len)
-                log.event("eval", step=step, held_out_loss=round(last_eval, 4), tokens=seen, elapsed_s=round(elapsed, 1))
-            if step % opt.checkpoint_every == 0:
-                checkpoint()
-        checkpoint()
-        final = held_out_loss(model, data.held_out, opt.eval_batches, opt.seq_len)
-        log.event("done", step=step, held_out_loss=round(final, 4), tokens=seen, elapsed_s=round(elapsed, 1))
-    finally:
-        log.close()
 
     _write_checkpoint(model, t, tok_dir, work)
-    result = TargetResult(t.output, step, elapsed, seen, final, n_params)
+    result = TargetResult(t.output, step, elapsed, step * tokens_per_step, final["held_out_loss"], n_params)
     summary = {**dataclasses.asdict(result), "output": str(t.output), "held_out_files": len(split.held_out),
                "train_files": len(split.train), "corpus_fingerprint": split.fingerprint(),
                "special_tokens": list(SPECIAL_TOKENS), "torch": torch.__version__}

@@ -8,11 +8,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from builder.training.config import OptimSection
+from builder.training.corpus import random_windows
 from runtime.errors import SpectreeError
 
 
@@ -108,4 +109,95 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-__all__ = ["ResumeError", "RunLog", "learning_rate", "load_state", "param_groups", "progress_fraction", "save_state"]
+LOG_EVERY = 10  # steps between "step" records in the log
+
+
+def rounded(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics (floats or lists of floats) rounded for the log."""
+    return {k: [round(x, 4) for x in v] if isinstance(v, (list, tuple)) else round(v, 4) if isinstance(v, float)
+            else v for k, v in metrics.items()}
+
+
+def optimise(
+    module: torch.nn.Module,
+    step_loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    evaluate: Callable[[int], dict[str, Any]],
+    opt: OptimSection,
+    train_tokens: Any,
+    window_len: int,
+    state_file: Path,
+    fingerprint: str,
+    log_file: Path,
+    desc: str,
+    quiet: bool = False,
+    start_fields: dict[str, Any] | None = None,
+) -> tuple[int, float, float, dict[str, Any]]:
+    """The one optimisation loop: AdamW, schedule and budget, periodic eval, resumable state.
+
+    step_loss(windows  # [batch_size, window_len] int64 from train_tokens) -> (loss, extra step-log fields);
+    evaluate(step) -> metrics logged with each eval and returned at the end (module in eval mode meanwhile).
+    Returns (steps, elapsed seconds, last loss, final metrics). The JSON-lines log goes to log_file (progress bar
+    labelled desc); start_fields are added to its start/resume record.
+    """
+    module.train()
+    optimizer = torch.optim.AdamW(param_groups(module, opt.weight_decay), lr=opt.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(opt.seed)
+    step, elapsed, loss_value = 0, 0.0, float("nan")
+    state = load_state(state_file, fingerprint)
+    if state is not None:
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        step, elapsed, loss_value = state["step"], state["elapsed_s"], state["loss"]
+
+    def checkpoint() -> None:
+        save_state(state_file, {"fingerprint": fingerprint, "module": module.state_dict(),
+                                "optimizer": optimizer.state_dict(), "generator": gen.get_state(), "step": step,
+                                "elapsed_s": elapsed, "loss": loss_value})
+
+    def evaluated() -> dict[str, Any]:
+        module.eval()
+        with torch.no_grad():
+            m = evaluate(step)
+        module.train()
+        return m
+
+    log = RunLog(log_file, total=opt.max_steps, desc=desc, initial=step, quiet=quiet)
+    log.event("start" if state is None else "resume", step=step,
+              parameters=sum(p.numel() for p in module.parameters()), threads=torch.get_num_threads(),
+              **(start_fields or {}))
+    try:
+        while progress_fraction(opt, step, elapsed) < 1.0:
+            t0 = time.perf_counter()
+            lr = learning_rate(opt, step, elapsed)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss, info = step_loss(random_windows(train_tokens, opt.batch_size, window_len, gen))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), opt.grad_clip or float("inf")))
+            optimizer.step()
+            step += 1
+            loss_value = loss.item()
+            elapsed += time.perf_counter() - t0
+            log.step(loss=loss_value, lr=lr)
+            if step == 1 or step % LOG_EVERY == 0:
+                log.event("step", step=step, loss=round(loss_value, 4), lr=lr, grad_norm=round(grad_norm, 4),
+                          elapsed_s=round(elapsed, 1), **{k: round(v, 4) for k, v in info.items()})
+            if step % opt.eval_every == 0:
+                log.event("eval", step=step, elapsed_s=round(elapsed, 1), **rounded(evaluated()))
+            if step % opt.checkpoint_every == 0:
+                checkpoint()
+        checkpoint()
+        final = evaluated()
+        log.event("done", step=step, elapsed_s=round(elapsed, 1), loss=round(loss_value, 4), **rounded(final))
+    finally:
+        log.close()
+    return step, elapsed, loss_value, final
+
+
+
+__all__ = [
+    "LOG_EVERY", "ResumeError", "RunLog", "learning_rate", "load_state", "optimise", "param_groups",
+    "progress_fraction", "rounded", "save_state",
+]
