@@ -65,7 +65,8 @@ def _cmd_train_target(args) -> int:
     result = train_target(load_train_config(args.config), fresh=args.fresh, quiet=args.quiet)
     _console().print(f"[green]target written[/green] to {result.output}: {result.num_parameters:,} parameters, "
                      f"{result.steps} steps, {result.train_tokens:,} tokens in {result.elapsed_s / 60:.1f} min, "
-                     f"held-out loss {result.held_out_loss:.3f}")
+                     f"held-out loss {result.held_out_loss_full:.3f} nats/token "
+                     f"({result.held_out_windows_full} windows over the whole held-out split)")
     return 0
 
 

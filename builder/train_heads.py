@@ -52,6 +52,7 @@ from builder.training.corpus import (
     split_corpus,
 )
 from builder.training.loop import optimise
+from runtime.files import shown_path
 
 MEDUSA_WEIGHT_DECAY = 0.8  # Medusa-1 weights head i's loss by 0.8^i
 EVAL_TOPK = 5
@@ -251,12 +252,28 @@ class HeadsResult:
     loss: float  # last training loss
 
 
-def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str) -> str:
+def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str, target_fp: str) -> str:
+    """What a resumable head state must agree with: head shape and optimisation settings, corpus, and the exact
+    target weights (heads trained for one target must not resume against a retrained one)."""
     d = dataclasses.asdict(section)
     d.pop("output")
     for k in ("max_steps", "max_minutes", "threads"):  # extending a run's budget is allowed
         d["train"].pop(k)
-    return hashlib.sha256(json.dumps([kind, h.labels, d, data_fp], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    payload = json.dumps([kind, h.labels, d, data_fp, target_fp], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def target_digest(path: Path) -> str:
+    """sha256 over the target checkpoint's config, tokenizer and weight files (names and bytes)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.is_file() and (
+        p.suffix in (".safetensors", ".bin") or p.name in ("config.json", "tokenizer.json", "model.safetensors.index.json")))
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def load_frozen_target(path: Path):
@@ -285,6 +302,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
             (work / f"{k}_log.jsonl").unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     target = load_frozen_target(h.target)
+    target_fp = target_digest(h.target)
     split = split_corpus(config.corpus)
     data = load_tokens(split, h.target, work)
     if data.vocab_size != target.config.vocab_size:
@@ -299,7 +317,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
         check_windows(data.train, opt.seq_len, "the training split")
         check_windows(data.held_out, opt.seq_len, "the held-out split")
         torch.manual_seed(opt.seed)
-        fp = _fingerprint(kind, h, section, split.fingerprint())
+        fp = _fingerprint(kind, h, section, split.fingerprint(), target_fp)
         if kind == "medusa":
             module = medusa_heads_module(target.lm_head.weight.detach(), section.num_heads, section.num_layers)
 
@@ -329,7 +347,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
         else:
             save_eagle(module, section, h, target.config, work)
         result = HeadsResult(kind, section.output, steps, elapsed, final, loss)
-        summary = {**dataclasses.asdict(result), "output": str(section.output), "target": str(h.target),
+        summary = {**dataclasses.asdict(result), "output": shown_path(section.output), "target": shown_path(h.target),
                    "labels": h.labels, "metrics_meaning": _MEANING[kind]}
         (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)

@@ -32,6 +32,7 @@ from perf import stats
 from perf.machine import machine_info, now_iso, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
 from runtime.errors import ConfigError, SpectreeError
+from runtime.files import shown_path
 
 DRAFTER_KINDS = ("none", "lookup", "medusa", "eagle")
 KIND_ALIASES = {"plain": "none"}
@@ -255,7 +256,7 @@ class Target:
         c = self.model.config
         return {
             "kind": self.kind,
-            "path": str(self.path),
+            "path": shown_path(self.path),
             "architecture": c.architecture,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "dtype": c.dtype,
@@ -471,7 +472,7 @@ def make_variants(config: BenchConfig, target: Target) -> list[Variant]:
     for spec in specs:
         resolved = resolve(spec, target, models)
         decoder, info = build_decoder(target, resolved)
-        info["path"] = None if resolved.path is None else str(resolved.path)
+        info["path"] = None if resolved.path is None else shown_path(resolved.path)
         # the config's / engine's own drafter, tree and options: what the "demo configuration" means
         info["configured"] = spec.kind == target.drafter.method and spec.tree is None and not spec.options
         variants.append(runtime_variant(spec.name, "speculative", decoder, info))

@@ -2,8 +2,10 @@
 
     {"id": "code-fib", "source": "spectree project", "prompt": "def fibonacci(n):\\n ..."}
 
-`id` (unique within a file) and `prompt` (non-empty text) are required; `source` says where the text comes from
-(written by the project, or a public-domain work). Blank lines are skipped. The set's name is the file's stem.
+`prompt` (non-empty text) is required; `id` (unique within a file) defaults to "line-N" (its line number), so
+plain `{"prompt": ...}` files (what `builder tune-tree` reads, e.g. demo/prompts/*.jsonl) work too; `source` says
+where the text comes from (written by the project, or a public-domain work). Blank lines are skipped. The set's
+name is the file's stem.
 
     perf/prompts/code.jsonl    Python code completion (the demo model is trained on Python source)
     perf/prompts/prose.jsonl   English prose: public-domain novel openings and project-written paragraphs
@@ -68,7 +70,7 @@ def load_prompt_file(path: str | Path) -> tuple[Prompt, ...]:
         unknown = sorted(set(record) - {"id", "prompt", "source"})
         if unknown:
             raise PromptFileError(f"{where}: unknown key(s) {unknown}; expected id, prompt and optionally source")
-        pid, text, source = record.get("id"), record.get("prompt"), record.get("source", "")
+        pid, text, source = record.get("id", f"line-{lineno}"), record.get("prompt"), record.get("source", "")
         if not isinstance(pid, str) or not pid or "/" in pid:
             raise PromptFileError(f"{where}: id: got {pid!r}, expected a non-empty string without '/'")
         if not isinstance(text, str) or not text.strip():

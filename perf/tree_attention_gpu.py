@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from plugins.tree_attention import pack_mask, tree_attention_reference
 from plugins.tree_attention.launch import plan_launch
+from plugins.tree_attention.mask import ancestor_mask, random_parents
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (batch, q_heads, kv_heads, N, L, D, splits)
@@ -48,20 +49,9 @@ BENCH_PREFIX = (512, 4096, 16384)
 BENCH_TREE = (1, 16, 64)
 
 
-def random_tree(n: int, generator: torch.Generator) -> torch.Tensor:  # [n, n] bool, ancestor-or-self
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 def make_inputs(batch, q_heads, kv_heads, n, prefix, d, dtype, seed, cache_len=None):
     g = torch.Generator().manual_seed(seed)
-    tree = torch.stack([random_tree(n, g) for _ in range(batch)])
+    tree = torch.stack([ancestor_mask(random_parents(n, g)) for _ in range(batch)])
     q = torch.randn(batch, q_heads, n, d, generator=g).to("cuda", dtype)
     total = prefix + n
     cache_len = cache_len or total

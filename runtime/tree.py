@@ -95,6 +95,8 @@ class Tree:
     _index: dict[Path, int] = field(init=False, repr=False, compare=False)
     _leaves: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _mask: torch.Tensor = field(init=False, repr=False, compare=False)  # [num_nodes, num_nodes] bool
+    # Packed on first use and kept: a static tree is verified every decode step.
+    _packed: torch.Tensor | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.choices, tuple):
@@ -272,7 +274,9 @@ class Tree:
     @property
     def packed_mask(self) -> torch.Tensor:
         """[num_nodes, ceil(num_nodes / 32)] int32, TensorRT-LLM attention-plugin bit layout."""
-        return pack_mask(self._mask)
+        if self._packed is None:
+            object.__setattr__(self, "_packed", pack_mask(self._mask))
+        return self._packed.clone()
 
     @property
     def retrieve_paths(self) -> torch.Tensor:

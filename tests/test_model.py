@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from plugins.tree_attention.mask import pack_mask
+from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.config import ModelConfig
 from runtime.checkpoint import load_checkpoint
 from runtime.errors import CacheError, RequestError
@@ -45,8 +45,7 @@ def random_tokens(n: int, vocab: int, seed: int, batch: int = 1) -> torch.Tensor
 
 def random_tree(n: int, seed: int) -> list[int]:
     """parents of a random n-node tree in topological order (root 0 has parent -1)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    return random_parents(n, torch.Generator().manual_seed(seed))
 
 
 def tree_paths(parents: list[int]) -> list[list[int]]:
@@ -55,15 +54,6 @@ def tree_paths(parents: list[int]) -> list[list[int]]:
     for i, p in enumerate(parents):
         paths.append([i] if p < 0 else paths[p] + [i])
     return paths
-
-
-def tree_mask_bool(parents: list[int]) -> torch.Tensor:
-    """Ancestor-or-self mask # [n, n] bool."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, path in enumerate(tree_paths(parents)):
-        mask[i, path] = True
-    return mask
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +163,7 @@ def test_tree_step_matches_per_branch_oracle(ckpts, variant, num_nodes):
     trees = [random_tree(num_nodes, seed=10 + b) for b in range(batch)]  # a different tree per row
     node_tokens = random_tokens(num_nodes, v, seed=7, batch=batch)
     depths = torch.tensor([[len(p) - 1 for p in tree_paths(t)] for t in trees])
-    masks = torch.stack([tree_mask_bool(t) for t in trees])
+    masks = torch.stack([ancestor_mask(t) for t in trees])
 
     cache = model.new_cache(prefix_len + num_nodes, batch=batch)
     model.prefill(prefix, cache)
@@ -206,7 +196,7 @@ def test_commit_path_then_continue_equals_full_sequence(ckpts, variant):
 
     cache = model.new_cache(40)
     model.prefill(prefix, cache)
-    model(node_tokens, 15 + depths, cache, pack_mask(tree_mask_bool(parents)[None]))
+    model(node_tokens, 15 + depths, cache, pack_mask(ancestor_mask(parents)[None]))
     cache.commit(len(parents), torch.tensor(keep_path))
     assert cache.length == 15 + len(keep_path)
 

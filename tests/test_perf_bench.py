@@ -298,6 +298,17 @@ def test_shipped_prompt_sets():
     assert len(load_prompts(limit=2)) == 2 * len(DEFAULT_SETS)
 
 
+def test_prompt_ids_default_to_line_numbers(tmp_path):
+    """Plain {"prompt": ...} files (tune-tree's format, demo/prompts/) load; ids come from line numbers."""
+    path = tmp_path / "held.jsonl"
+    path.write_text('{"prompt": "def a():"}\n\n{"prompt": "def b():"}\n{"id": "line-9", "prompt": "x"}\n')
+    assert [(p.set, p.id, p.text) for p in load_prompt_file(path)] == [
+        ("held", "line-1", "def a():"), ("held", "line-3", "def b():"), ("held", "line-9", "x")]
+    path.write_text('{"prompt": "a"}\n{"id": "line-1", "prompt": "b"}\n')
+    with pytest.raises(PromptFileError, match="id 'line-1' repeats the id on line 1"):
+        load_prompt_file(path)
+
+
 @pytest.mark.parametrize("content,message", [
     ('{"id": "a", "prompt": "x"}\nnot json\n', ":2: not a JSON object"),
     ('["a"]\n', ":1: got a JSON list"),

@@ -117,6 +117,8 @@ def test_target_trains_resumes_and_loads_in_the_runtime(corpus, tmp_path):
     torch.testing.assert_close(ours, ref(input_ids=x).logits, atol=1e-4, rtol=1e-4)
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["steps"] == 30 and (out / "training_log.jsonl").is_file()
+    assert Path(summary["output"]).resolve() == out.resolve()  # outside the working directory: absolute
+    assert summary["held_out_windows_full"] >= 1 and abs(summary["held_out_loss_full"] - result.held_out_loss) < 1.0
 
     # Resume: a larger step budget continues from the saved state instead of starting over.
     cfg2 = parse_train_config(_target_cfg(corpus, tmp_path, max_steps=40))
@@ -127,6 +129,18 @@ def test_target_trains_resumes_and_loads_in_the_runtime(corpus, tmp_path):
     bad["target"]["hidden_size"] = 64
     with pytest.raises(ResumeError, match="different configuration"):
         train_target(parse_train_config(bad), quiet=True)
+
+
+def test_shown_path_is_relative_inside_the_working_directory(tmp_path, monkeypatch):
+    """Committed summaries and reports record repository paths relatively, not one machine's absolute layout."""
+    from runtime.files import shown_path
+
+    (tmp_path / "demo" / "target").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert shown_path(tmp_path / "demo" / "target") == str(Path("demo") / "target")
+    assert shown_path("demo/target") == str(Path("demo") / "target")
+    outside = tmp_path.parent / "elsewhere"
+    assert shown_path(outside) == str(outside)
 
 
 def test_bad_training_configs_name_the_key(corpus, tmp_path):
@@ -221,6 +235,32 @@ def test_heads_bf16_and_data_labels(corpus, tiny_target, tmp_path):
     with pytest.raises(TrainConfigError, match="heads: neither medusa nor eagle"):
         parse_train_config({**cfg, "heads": {k: v for k, v in cfg["heads"].items() if k not in ("medusa", "eagle")}})
 
+
+
+def test_head_state_does_not_resume_against_a_retrained_target(corpus, tiny_target, tmp_path):
+    """A head run's saved state belongs to one target's weights: after the target changes, resuming must refuse
+    (pass --fresh) rather than continue heads fitted to the old target's features."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    cfg = _heads_cfg(corpus, target, tmp_path)
+    cfg["heads"]["medusa"]["train"] = _train(max_steps=3)
+    train_heads(parse_train_config(cfg), only="medusa", quiet=True)
+    cfg["heads"]["medusa"]["train"] = _train(max_steps=5)
+    assert train_heads(parse_train_config(cfg), only="medusa", quiet=True)[0].steps == 5  # same target: resumes
+
+    weights = target / "model.safetensors"
+    state = load_file(weights)
+    name = next(k for k in state if k.endswith("mlp.down_proj.weight"))
+    state[name] = state[name] * 1.01
+    save_file(state, weights, metadata={"format": "pt"})
+    cfg["heads"]["medusa"]["train"] = _train(max_steps=8)
+    with pytest.raises(ResumeError, match="different configuration"):
+        train_heads(parse_train_config(cfg), only="medusa", quiet=True)
+    assert train_heads(parse_train_config(cfg), only="medusa", fresh=True, quiet=True)[0].steps == 8
 
 def test_cli_train_target_and_heads(corpus, tmp_path):
     import yaml

@@ -41,3 +41,21 @@ def unpack_mask(packed: torch.Tensor, m: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32)
     bits = torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(-1), shifts), 1)  # [..., N, W, 32]
     return bits.reshape(*packed.shape[:-1], -1)[..., :m].to(torch.bool)
+
+
+def random_parents(n: int, generator: torch.Generator) -> list[int]:
+    """Parents of a random rooted tree of n nodes in topological order: node 0 is the root (-1), parent[i] < i.
+    For kernel checks and benchmarks (tests, perf), which need arbitrary trees, not drafted ones."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:  # [n, n] bool
+    """Ancestor-or-self mask of a tree given by its parent list: mask[i, j] = j is i or an ancestor of i."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask

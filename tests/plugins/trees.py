@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from plugins.tree_attention.mask import ancestor_mask, random_parents
 
-def random_parents(n: int, generator: torch.Generator) -> list[int]:
-    """Parents of a random rooted tree in topological order: node 0 is the root (-1), parent[i] < i."""
-    return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:  # [n, n] bool
-    """mask[i, j] = j is i or an ancestor of i."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+__all__ = ["ancestor_mask", "path_to_root", "random_parents", "random_tree_masks"]
 
 
 def path_to_root(parents: list[int], i: int) -> list[int]:
