@@ -45,6 +45,40 @@ TUNED_NOTE = "# tune-tree: "
 DEFAULT_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 
+@dataclass(frozen=True)
+class TuneSettings:
+    """How tune-tree measures and chooses; the CLI reads its defaults from here.
+
+    max_tokens      tokens generated per calibration prompt
+    width, depth    the measurement comb: children per chain node (ranks measured) and levels (Medusa: at most
+                    its number of heads)
+    max_nodes       largest tree considered, root included (also capped by build.max_draft_len + 1)
+    grid            tree sizes the DP is solved for at every depth (max_nodes is always added)
+    timing_prompts  calibration prompts each timed tree decodes (step costs average over all their steps)
+    references      preset trees timed and reported beside the DP's (when they fit depth and max_nodes)
+    objective       "tokens_per_s": the best rate with this machine's measured costs (Sequoia's hardware-aware
+                    choice); "tau": the most expected tokens per step within max_nodes (for a machine where a tree
+                    step costs about the same as a plain one, e.g. a GPU at batch 1), the smaller tree on ties
+    """
+
+    max_tokens: int = 64
+    width: int = 10
+    depth: int = 6
+    max_nodes: int = 64
+    grid: tuple[int, ...] = DEFAULT_GRID
+    timing_prompts: int = 3
+    references: tuple[str, ...] = ("mc_sim_7b_63", "chain-3", "chain-5")
+    objective: str = "tokens_per_s"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise TuneTreeError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for name, lo in (("width", 1), ("depth", 1), ("max_nodes", 2), ("max_tokens", 2), ("timing_prompts", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise TuneTreeError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
 class TuneTreeError(BuildConfigError):
     """tune-tree cannot run on this config or these prompts."""
 
@@ -220,26 +254,11 @@ class TuneResult:
 
 
 def tune(
-    config: BuildConfig,
-    prompts: Sequence[str],
-    max_tokens: int = 64,
-    width: int = 10,
-    depth: int = 6,
-    max_nodes: int = 64,
-    grid: Sequence[int] = DEFAULT_GRID,
-    timing_prompts: int = 3,
-    references: Sequence[str] = ("mc_sim_7b_63", "chain-3", "chain-5"),
-    objective: str = "tokens_per_s",
-    progress=None,
+    config: BuildConfig, prompts: Sequence[str], settings: TuneSettings = TuneSettings(), progress=None
 ) -> TuneResult:
-    """Measure, search and choose (see the module docstring). progress(str) receives stage messages.
-
-    objective  "tokens_per_s": the best rate with this machine's measured costs (Sequoia's hardware-aware choice);
-               "tau": the most expected tokens per step within max_nodes (for a machine where a tree step costs
-               about the same as a plain one, e.g. a GPU at batch 1), the smaller tree on ties.
-    """
-    if objective not in OBJECTIVES:
-        raise TuneTreeError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    """Measure, search and choose (see the module docstring). progress(str) receives stage messages."""
+    max_tokens, width, depth, max_nodes = settings.max_tokens, settings.width, settings.depth, settings.max_nodes
+    grid, references, objective = settings.grid, settings.references, settings.objective
     say = progress or (lambda msg: None)
     d = config.draft
     if d.method not in ("medusa", "eagle"):
@@ -247,10 +266,6 @@ def tune(
                             "(tune-tree chooses static trees for draft heads)")
     if not prompts:
         raise TuneTreeError("no calibration prompts")
-    for name, v, lo in (("width", width, 1), ("depth", depth, 1), ("max_nodes", max_nodes, 2),
-                        ("max_tokens", max_tokens, 2), ("timing_prompts", timing_prompts, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise TuneTreeError(f"{name} must be an integer >= {lo}, got {v!r}")
     model = TargetModel.from_pretrained(config.model.checkpoint, dtype=config.build.dtype)
     tokenizer = Tokenizer.from_dir(config.model.checkpoint)
     base = load_drafter(d.method, model, path=d.checkpoint, tree=Tree.chain(1))
@@ -295,7 +310,7 @@ def tune(
 
     # 3. step costs through the real decode loop for a spread of trees (each depth: smallest, middle, largest
     # candidate; the references; plain decoding), then least squares per part: cost = a + b * depth + c * nodes.
-    timing_prompts = list(prompts[:timing_prompts])
+    timing_prompts = list(prompts[:settings.timing_prompts])
     by_depth: dict[int, list[tuple[str, Tree, float]]] = {}
     for c in found_trees:
         by_depth.setdefault(c[1].max_depth, []).append(c)
@@ -426,14 +441,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="write the tuned config here (default: next to --config as NAME-tuned.yaml)")
     p.add_argument("--in-place", action="store_true", help="rewrite --config itself")
     p.add_argument("--report", help="also write the measurements and candidates as JSON here")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per calibration prompt")
-    p.add_argument("--width", type=int, default=10, help="children per node of the measurement comb (ranks measured)")
-    p.add_argument("--depth", type=int, default=6, help="depth of the measurement comb (Medusa: at most its heads)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered, root included")
-    p.add_argument("--timing-prompts", type=int, default=3,
+    d = TuneSettings()
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per calibration prompt")
+    p.add_argument("--width", type=int, default=d.width, help="children per node of the measurement comb (ranks measured)")
+    p.add_argument("--depth", type=int, default=d.depth, help="depth of the measurement comb (Medusa: at most its heads)")
+    p.add_argument("--max-nodes", type=int, default=d.max_nodes, help="largest tree considered, root included")
+    p.add_argument("--timing-prompts", type=int, default=d.timing_prompts,
                    help="calibration prompts each timed tree decodes (step costs are averaged over all their steps)")
     p.add_argument("--threads", type=int, help="torch threads while measuring")
-    p.add_argument("--objective", choices=OBJECTIVES, default="tokens_per_s",
+    p.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
                    help="tokens_per_s: fastest here (default); tau: most tokens per step within --max-nodes")
 
 
@@ -470,9 +486,9 @@ def run_cli(args: argparse.Namespace, console) -> int:
         prompts = held_out_prompts(split_corpus(load_train_config(args.heldout).corpus), "calibration")
     if args.save_prompts:
         Path(args.save_prompts).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
-    result = tune(config, prompts, max_tokens=args.max_tokens, width=args.width, depth=args.depth,
-                  max_nodes=args.max_nodes, timing_prompts=args.timing_prompts, objective=args.objective,
-                  progress=lambda m: console.log(m))
+    settings = TuneSettings(max_tokens=args.max_tokens, width=args.width, depth=args.depth, max_nodes=args.max_nodes,
+                            timing_prompts=args.timing_prompts, objective=args.objective)
+    result = tune(config, prompts, settings, progress=lambda m: console.log(m))
     console.print(f"acceptance P[depth][rank] (rows depth 1..{len(result.acceptance)}, first 4 ranks): "
                   + "; ".join(" ".join(f"{x:.2f}" for x in row[:4]) for row in result.acceptance))
     console.print(_table(result))
@@ -494,6 +510,7 @@ __all__ = [
     "RecordingDrafter",
     "StepTiming",
     "TuneResult",
+    "TuneSettings",
     "TuneTreeError",
     "add_arguments",
     "comb_tree",

@@ -19,6 +19,7 @@ from builder.train_target import train_target
 from builder.training.config import parse_train_config
 from builder.tune_tree import (
     AcceptanceCounts,
+    TuneSettings,
     TuneTreeError,
     comb_tree,
     read_prompts,
@@ -76,8 +77,9 @@ def _config(setup, method: str) -> Path:
 def test_tune_writes_a_config_that_builds_and_is_lossless(setup, method, objective, tmp_path):
     cfg_path = _config(setup, method)
     prompts = read_prompts(setup["prompts"])
-    result = tune(load_config(cfg_path), prompts, max_tokens=12, width=3, depth=2, max_nodes=8,
-                  grid=(1, 2, 4, 8), timing_prompts=1, objective=objective)
+    settings = TuneSettings(max_tokens=12, width=3, depth=2, max_nodes=8, grid=(1, 2, 4, 8), timing_prompts=1,
+                            objective=objective)
+    result = tune(load_config(cfg_path), prompts, settings)
     assert len(result.acceptance) == 2 and all(len(r) == 3 for r in result.acceptance)
     assert sum(result.trials) > 0 and result.calibration["counted_steps"] > 0
     best = result.best
@@ -125,3 +127,7 @@ def test_cli_and_errors(setup, tmp_path):
     with pytest.raises(TuneTreeError, match=r"bad.jsonl:2: expected an object with a non-empty \"prompt\""):
         read_prompts(bad)
     assert builder_main(["tune-tree", "--config", str(lookup), "--prompts", str(setup["prompts"])]) == 2
+    with pytest.raises(TuneTreeError, match="width must be an integer >= 1, got 0"):
+        TuneSettings(width=0)
+    with pytest.raises(TuneTreeError, match="objective must be one of tokens_per_s, tau, got 'speed'"):
+        TuneSettings(objective="speed")
