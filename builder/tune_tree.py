@@ -59,6 +59,9 @@ class TuneSettings:
     objective       "tokens_per_s": the best rate with this machine's measured costs (Sequoia's hardware-aware
                     choice); "tau": the most expected tokens per step within max_nodes (for a machine where a tree
                     step costs about the same as a plain one, e.g. a GPU at batch 1), the smaller tree on ties
+    require_speedup with tokens_per_s: fail when no tree is predicted to beat plain decoding here (the honest
+                    answer for this machine); False writes the fastest tree anyway (a demo, or a config meant for
+                    another machine), its predicted speedup recorded in the config's note
     """
 
     max_tokens: int = 64
@@ -69,6 +72,7 @@ class TuneSettings:
     timing_prompts: int = 3
     references: tuple[str, ...] = ("mc_sim_7b_63", "chain-3", "chain-5")
     objective: str = "tokens_per_s"
+    require_speedup: bool = True
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -348,12 +352,12 @@ def tune(
     if best.expected <= 1.0:
         raise TuneTreeError(f"the heads in {d.checkpoint} never matched the target on the calibration prompts "
                             f"(acceptance by depth {[round(float(r.sum()), 3) for r in P]}): were they trained for it?")
-    if objective == "tokens_per_s" and best.tokens_per_s <= plain.tokens_per_s:
+    if objective == "tokens_per_s" and settings.require_speedup and best.tokens_per_s <= plain.tokens_per_s:
         raise TuneTreeError(
             f"no draft tree beats plain decoding on this machine: the best, {best.name} (predicted tau "
             f"{best.expected:.2f}), gives {best.tokens_per_s:.1f} tok/s vs {plain.tokens_per_s:.1f} plain (draft "
             f"{1e3 * best.t_draft:.2f} ms + target {1e3 * best.t_target:.2f} ms per step vs {1e3 * plain.t_target:.2f} "
-            f"ms); use objective 'tau' to choose for acceptance alone")
+            f"ms); use objective 'tau' to choose for acceptance alone, or --even-if-slower")
     calibration = {"prompts": len(prompts), "max_tokens": max_tokens, "comb_width": width, "comb_depth": depth,
                    "steps": steps, "counted_steps": counts.steps, "comb_tau": emitted / max(steps, 1),
                    "time_total_s": t_total, "timing_prompts": len(timing_prompts),
@@ -451,6 +455,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads while measuring")
     p.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
                    help="tokens_per_s: fastest here (default); tau: most tokens per step within --max-nodes")
+    p.add_argument("--even-if-slower", action="store_true", default=not d.require_speedup,
+                   help="with tokens_per_s: write the fastest tree even when plain decoding is predicted faster here")
 
 
 def _table(result: TuneResult):
@@ -487,7 +493,8 @@ def run_cli(args: argparse.Namespace, console) -> int:
     if args.save_prompts:
         Path(args.save_prompts).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
     settings = TuneSettings(max_tokens=args.max_tokens, width=args.width, depth=args.depth, max_nodes=args.max_nodes,
-                            timing_prompts=args.timing_prompts, objective=args.objective)
+                            timing_prompts=args.timing_prompts, objective=args.objective,
+                            require_speedup=not args.even_if_slower)
     result = tune(config, prompts, settings, progress=lambda m: console.log(m))
     console.print(f"acceptance P[depth][rank] (rows depth 1..{len(result.acceptance)}, first 4 ranks): "
                   + "; ".join(" ".join(f"{x:.2f}" for x in row[:4]) for row in result.acceptance))

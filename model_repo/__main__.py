@@ -29,7 +29,7 @@ _HELP = {
     "instances": "spec_decode instances (each loads the model)",
     "max_concurrent_requests": "generations at once per instance; more are refused with UNAVAILABLE",
     "max_tokens_limit": "largest max_tokens a request may ask for (default: the engine's context length)",
-    "torch_threads": "torch intra-op threads per instance (0: torch's default)",
+    "torch_threads": "torch intra-op threads per instance (0: torch's default, one per core)",
     "draft": "override the engine's drafter: medusa | eagle | lookup | none",
     "draft_model": "override the drafter weights directory",
     "tree": "override the static tree: preset name or JSON list of choice paths",

@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import io
 import json
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -270,7 +271,11 @@ def run_serve(config: ServeConfig, out: Path, on_level: Callable[[str], None] | 
     prompts = load_prompts(config.prompts or None, config.prompts_per_set)
     out.mkdir(parents=True, exist_ok=True)
     raw = out / "perf_analyzer"
-    raw.mkdir(exist_ok=True)
+    if raw.is_dir():
+        # A re-run into the same results directory replaces the previous raw files (perf_analyzer refuses to
+        # write a --profile-export-file that already exists).
+        shutil.rmtree(raw)
+    raw.mkdir()
     data = raw / "input_data.json"
     data.write_text(json.dumps(input_data(prompts, config.max_tokens, config.ignore_eos), indent=1) + "\n",
                     encoding="utf-8")

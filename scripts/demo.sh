@@ -38,5 +38,8 @@ echo
 kill -TERM $SERVER; wait $SERVER || true
 trap - EXIT
 
-echo "== 5. benchmark (same prompts: plain, transformers generate, speculative)"
-$PY -m perf bench --config configs/demo.yaml --prompts-per-set 3 --max-tokens 64 --out "$OUT/bench"
+echo "== 5. benchmark (same prompts: plain, transformers generate, and each drafter of the demo)"
+# The configured Medusa tree, the EAGLE head with its own tuned tree (configs/demo-eagle.yaml), prompt lookup.
+EAGLE_TREE=$($PY -c 'import json, yaml; print(json.dumps(yaml.safe_load(open("configs/demo-eagle.yaml"))["draft"]["tree"]["choices"], separators=(",", ":")))')
+$PY -m perf bench --config configs/demo.yaml --draft-model eagle=demo/eagle --prompts-per-set 3 --max-tokens 64 \
+    --drafters "medusa,eagle-tuned=eagle:$EAGLE_TREE,lookup" --out "$OUT/bench"

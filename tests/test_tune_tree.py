@@ -112,7 +112,7 @@ def test_cli_and_errors(setup, tmp_path):
     out, report = tmp_path / "tuned.yaml", tmp_path / "report.json"
     rc = builder_main(["tune-tree", "--config", str(cfg_path), "--prompts", str(setup["prompts"]), "--output", str(out),
                        "--report", str(report), "--max-tokens", "10", "--width", "2", "--depth", "2",
-                       "--max-nodes", "6", "--timing-prompts", "1"])
+                       "--max-nodes", "6", "--timing-prompts", "1", "--even-if-slower"])
     assert rc == 0
     rep = json.loads(report.read_text())
     assert rep["method"] == "medusa" and rep["best"]["choices"] == [list(p) for p in load_config(out).draft.tree.choices]
