@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import SpectreeError
+from runtime.files import shown_path
 
 TRITONCLIENT_PIN = "tritonclient[grpc,http]==2.51.0"
 PYTRITON_PIN = "nvidia-pytriton==0.7.0"
@@ -49,8 +50,8 @@ class PerfAnalyzer:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # the subprocess environment
 
     def describe(self) -> dict[str, object]:
-        return {"binary": str(self.binary), "version": self.version,
-                "lib_dir": None if self.lib_dir is None else str(self.lib_dir), "linked": list(self.linked)}
+        return {"binary": shown_path(self.binary), "version": self.version,
+                "lib_dir": None if self.lib_dir is None else shown_path(self.lib_dir), "linked": list(self.linked)}
 
 
 def find_binary(explicit: str | Path | None = None) -> Path:
