@@ -43,17 +43,9 @@ pair finished the story in half the time.
 @functools.lru_cache(maxsize=None)
 def tokenizer_json() -> str:
     """A deterministic byte-level BPE tokenizer (tokenizer.json text), trained once per process."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from builder.training.corpus import byte_level_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    tok, trainer = byte_level_bpe(TOKENIZER_VOCAB, SPECIAL_TOKENS)
     lines = CORPUS.splitlines(keepends=True)
     tok.train_from_iterator(lines * 3, trainer=trainer)
     return tok.to_str()

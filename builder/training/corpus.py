@@ -90,21 +90,28 @@ def read_text(f: CorpusFile) -> str:
     return f.path.read_bytes().decode("utf-8", errors="replace")
 
 
-def train_tokenizer(files: Sequence[CorpusFile], vocab_size: int, out_dir: Path, max_length: int) -> Path:
-    """Byte-level BPE (GPT-2 pre-tokenisation, no unknown tokens) on `files`; writes tokenizer.json and
-    tokenizer_config.json (bos <s> = 0, eos </s> = 1). Deterministic for a given file list."""
+def byte_level_bpe(vocab_size: int, special_tokens: Sequence[str]):
+    """An untrained byte-level BPE tokenizer (GPT-2 pre-tokenisation and decoder, no unknown tokens) and its
+    trainer; `special_tokens` get the first ids, in order. Returns (tokenizers.Tokenizer, BpeTrainer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    return tok, trainer
+
+
+def train_tokenizer(files: Sequence[CorpusFile], vocab_size: int, out_dir: Path, max_length: int) -> Path:
+    """Byte-level BPE (GPT-2 pre-tokenisation, no unknown tokens) on `files`; writes tokenizer.json and
+    tokenizer_config.json (bos <s> = 0, eos </s> = 1). Deterministic for a given file list."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, trainer = byte_level_bpe(vocab_size, SPECIAL_TOKENS)
     tok.train_from_iterator((read_text(f) for f in files), trainer=trainer, length=len(files))
     tok.save(str(out_dir / "tokenizer.json"))
     cfg = {
@@ -217,6 +224,7 @@ __all__ = [
     "CorpusFile",
     "CorpusSplit",
     "TokenData",
+    "byte_level_bpe",
     "check_windows",
     "corpus_root",
     "fixed_windows",

@@ -50,12 +50,13 @@ def random_parents(n: int, generator: torch.Generator) -> list[int]:
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:  # [n, n] bool
-    """Ancestor-or-self mask of a tree given by its parent list: mask[i, j] = j is i or an ancestor of i."""
+    """Ancestor-or-self mask of a tree given by its parent list in topological order (parents[i] < i, -1 for a
+    node whose parent is outside the list): mask[i, j] = j is i or an ancestor of i."""
     n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            if p >= i:
+                raise ValueError(f"parents must be in topological order (parents[i] < i), got parents[{i}] = {p}")
+            mask[i] |= mask[p]  # the parent's row is complete already
     return mask

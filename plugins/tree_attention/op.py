@@ -26,28 +26,28 @@ _LIB = torch.library.Library("spectree", "DEF")  # keeps the registrations alive
 _LIB.define("tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, float scale) -> Tensor")
 
 
-def _tree_attention_cpu(
+def _tree_attention_any(
     q: torch.Tensor,  # [B, Hq, N, D]
     k: torch.Tensor,  # [B, Hkv, L + N, D]
     v: torch.Tensor,  # [B, Hkv, L + N, D]
     tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32 packed
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, N, D]
-    check_inputs(q, k, v, tree_mask)
-    if q.dtype in KERNEL_DTYPES:
-        return tree_attention_sdpa(q, k, v, tree_mask, scale)
+    """The checked torch reference: every device, and dtypes outside KERNEL_DTYPES (fp64 checks) on CPU / CUDA."""
+    check_inputs(q, k, v, tree_mask)  # the reference alone would also take a bool mask
     return tree_attention_reference(q, k, v, tree_mask, scale)
 
 
-def _tree_attention_any(q, k, v, tree_mask, scale):
+def _tree_attention_cpu(q, k, v, tree_mask, scale):
+    if q.dtype not in KERNEL_DTYPES:
+        return _tree_attention_any(q, k, v, tree_mask, scale)
     check_inputs(q, k, v, tree_mask)
-    return tree_attention_reference(q, k, v, tree_mask, scale)
+    return tree_attention_sdpa(q, k, v, tree_mask, scale)
 
 
 def _tree_attention_cuda(q, k, v, tree_mask, scale):
     if q.dtype not in KERNEL_DTYPES:
-        check_inputs(q, k, v, tree_mask)  # the reference alone would also take a bool mask
-        return tree_attention_reference(q, k, v, tree_mask, scale)
+        return _tree_attention_any(q, k, v, tree_mask, scale)
     from plugins.tree_attention.kernel import tree_attention_triton
 
     return tree_attention_triton(q, k, v, tree_mask, scale)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plugins.tree_attention.mask import pack_mask
+from plugins.tree_attention.mask import ancestor_mask, pack_mask
 from runtime.config import ModelConfig
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
@@ -468,7 +468,7 @@ class EagleSession:
             all_tokens = torch.cat(pool_tokens)
             positions = torch.tensor([base - 1 + d for d in blk_depth], device=device)
             idx = torch.tensor(blk_pool, device=device)
-            out = self._forward(all_tokens[idx], torch.cat(blk_in), positions, _ancestor_mask(blk_parent))[-k:]
+            out = self._forward(all_tokens[idx], torch.cat(blk_in), positions, ancestor_mask(blk_parent))[-k:]
             exp = expand_frontier(torch.cat(pool_scores)[frontier], self._logprobs(out), opts.top_k)
             new_parent = frontier[exp.parent]  # [k * top_k] pool indices
             pool_parent.append(new_parent)
@@ -482,14 +482,3 @@ class EagleSession:
             torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores), opts.total_tokens, root_token=root
         )
         return Draft(tree, node_tokens.cpu(), Proposal.DETERMINISTIC)
-
-
-def _ancestor_mask(parent_rows: list[int]) -> torch.Tensor:
-    """Ancestor-or-self mask of a block whose rows list their parent's row (-1: outside the block), parents
-    first. # [m, m] bool"""
-    m = len(parent_rows)
-    mask = torch.eye(m, dtype=torch.bool)
-    for r, p in enumerate(parent_rows):
-        if p >= 0:
-            mask[r] |= mask[p]
-    return mask
