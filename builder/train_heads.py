@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,6 +53,7 @@ from builder.training.corpus import (
     split_corpus,
 )
 from builder.training.loop import optimise
+from runtime.drafters.draft_vocab import DraftVocab, top_frequent
 from runtime.files import shown_path
 
 MEDUSA_WEIGHT_DECAY = 0.8  # Medusa-1 weights head i's loss by 0.8^i
@@ -179,14 +181,31 @@ def medusa_loss(heads: nn.ModuleList, hidden: torch.Tensor, logits: torch.Tensor
     return total
 
 
+@dataclass(frozen=True)
+class EvalBatch:
+    """One held-out window as the metrics see it. Ids the heads output live in the draft vocabulary (the target's
+    when it is not reduced); a target token outside a reduced draft vocabulary is -1 (never matched)."""
+
+    ids: torch.Tensor  # [1, T] int64 target ids (the head's inputs)
+    hidden: torch.Tensor  # [1, T, H] the target's final-norm hidden states
+    greedy: torch.Tensor  # [1, T] int64 the target's greedy next token at each position, as a draft id
+    data: torch.Tensor  # [1, T] int64 ids as draft ids
+
+
+def eval_batches(target: nn.Module, windows) -> Any:
+    """EvalBatches of id windows run through a transformers target (whole vocabulary)."""
+    for ids in windows:
+        hidden, logits = target_outputs(target, ids)
+        yield EvalBatch(ids, hidden, logits.argmax(-1), ids)
+
+
 @torch.no_grad()
-def medusa_metrics(heads: nn.ModuleList, target: nn.Module, windows) -> dict[str, list[float]]:
+def medusa_metrics(heads: nn.ModuleList, batches) -> dict[str, list[float]]:
     """Per head: top-1 / top-5 agreement with the target's greedy token, and top-1 accuracy on the corpus."""
     k = len(heads)
     hit1, hit5, data1, count = [0] * k, [0] * k, [0] * k, [0] * k
-    for ids in windows:
-        hidden, logits = target_outputs(target, ids)
-        greedy = logits.argmax(-1)  # [1, T]
+    for b in batches:
+        ids, hidden, greedy = b.data, b.hidden, b.greedy
         t = ids.shape[1]
         for i, head in enumerate(heads):
             span = t - i - 2
@@ -214,13 +233,13 @@ def eagle_loss(head: EagleTrainHead, target: nn.Module, hidden: torch.Tensor, lo
 
 
 @torch.no_grad()
-def eagle_metrics(head: EagleTrainHead, target: nn.Module, windows, depths: int = 4) -> dict[str, list[float]]:
+def eagle_metrics(head: EagleTrainHead, target: nn.Module, batches, depths: int = 4) -> dict[str, list[float]]:
     """Per depth d: top-1 / top-5 agreement of the head's x_{t+d+1} with the target's greedy token, feeding the
-    head's own predicted features back d - 1 times (depth 1 is exact teacher forcing)."""
+    head's own predicted features back d - 1 times (depth 1 is exact teacher forcing). `target` supplies the
+    embedding and the (draft-vocabulary) output layer."""
     hit1, hit5, count = [0] * depths, [0] * depths, [0] * depths
-    for ids in windows:
-        hidden, logits = target_outputs(target, ids)
-        greedy = logits.argmax(-1)  # [1, T]
+    for b in batches:
+        ids, hidden, greedy = b.ids, b.hidden, b.greedy
         embeds = target.model.embed_tokens(ids)  # [1, T, H]
         feats = hidden  # depth 1: the target's features at every position
         t = ids.shape[1]
@@ -301,6 +320,11 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
             (work / f"{k}-state.pt").unlink(missing_ok=True)
             (work / f"{k}_log.jsonl").unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    if config.corpus.source == "chat":
+        return _train_chat_heads(config, kinds, quiet)
+    if h.draft_vocab_size is not None:
+        raise TrainConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected none "
+                               f"unless corpus.source is 'chat' (the vocabulary is counted on the target's answers)")
     target = load_frozen_target(h.target)
     target_fp = target_digest(h.target)
     split = split_corpus(config.corpus)
@@ -326,7 +350,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
                 return medusa_loss(module, hidden, logits, ids, h.labels), {}
 
             def metrics(windows, module=module):
-                return medusa_metrics(module, target, windows)
+                return medusa_metrics(module, eval_batches(target, windows))
         else:
             module = EagleTrainHead(eagle_layer_config(target.config))
 
@@ -335,7 +359,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
                 return eagle_loss(module, target, hidden, logits, ids, section, h.labels)
 
             def metrics(windows, module=module):
-                return eagle_metrics(module, target, windows)
+                return eagle_metrics(module, target, eval_batches(target, windows))
 
         def evaluate(step: int, metrics=metrics, opt=opt) -> dict[str, list[float]]:
             return metrics(fixed_windows(data.held_out, opt.eval_batches, opt.seq_len))
@@ -349,6 +373,151 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
         result = HeadsResult(kind, section.output, steps, elapsed, final, loss)
         summary = {**dataclasses.asdict(result), "output": shown_path(section.output), "target": shown_path(h.target),
                    "labels": h.labels, "metrics_meaning": _MEANING[kind]}
+        (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        results.append(result)
+    return results
+
+
+# ---- self-distillation on the target's own chat answers (cached features, optional reduced vocabulary) ------
+
+
+class FrozenTargetView(nn.Module):
+    """What the head losses read from the frozen target when its features are cached: `model.embed_tokens` and
+    an `lm_head` over the draft vocabulary (the target's lm_head rows of those tokens)."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.lm_head = nn.Linear(lm_weight.shape[1], lm_weight.shape[0], bias=False)
+        self.lm_head.weight = nn.Parameter(lm_weight, requires_grad=False)
+
+
+@dataclass(frozen=True)
+class ChatData:
+    tokens: torch.Tensor  # [T] int64
+    hidden: torch.Tensor  # [T, H] bfloat16
+    train: np.ndarray  # positions of the training conversations, concatenated
+    held_out: np.ndarray  # positions of the held-out conversations
+    vocab: DraftVocab | None
+    to_draft: torch.Tensor  # [V] int64: target id -> draft id, -1 outside the draft vocabulary
+    coverage: float  # share of held-out answer tokens inside the draft vocabulary
+
+
+def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool) -> ChatData:
+    """Answers (generated once, resumable), cached features, the split by prompt id, the draft vocabulary."""
+    from builder.training.corpus import is_held_out
+    from builder.training.distill import GenerateSettings, conversations, features, generate
+    from runtime.prompts import load_prompt_file
+
+    c, h = config.corpus, config.heads
+    data_dir = h.work_dir / "distill"
+    prompts = load_prompt_file(c.prompts)
+    generate(h.target, [(p.id, p.text) for p in prompts], data_dir,
+             GenerateSettings(max_new_tokens=c.max_new_tokens, batch_size=c.generate_batch), quiet=quiet)
+    cached = features(h.target, data_dir, quiet=quiet)
+    convs = conversations(data_dir)
+    train_pos, held_pos, counts = [], [], torch.zeros(target_vocab, dtype=torch.int64)
+    held_answer = []
+    for conv, start in zip(convs, cached.starts.tolist()):
+        n = len(conv["prompt_ids"]) + len(conv["response_ids"])
+        positions = np.arange(start, start + n, dtype=np.int64)
+        if is_held_out(conv["id"], c.held_out):
+            held_pos.append(positions)
+            held_answer.extend(conv["response_ids"])
+        else:
+            train_pos.append(positions)
+            counts += torch.bincount(torch.tensor(conv["response_ids"], dtype=torch.int64), minlength=target_vocab)
+    if not train_pos or not held_pos:
+        raise TrainConfigError(f"{config.source}: corpus.held_out {c.held_out} leaves no "
+                               f"{'training' if not train_pos else 'held-out'} conversations among {len(convs)}")
+    vocab = None
+    to_draft = torch.arange(target_vocab)
+    if h.draft_vocab_size is not None:
+        if h.draft_vocab_size > target_vocab:
+            raise TrainConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected at "
+                                   f"most the target's vocabulary size {target_vocab}")
+        vocab = DraftVocab(top_frequent(counts, h.draft_vocab_size, always=eos_ids), target_vocab)
+        to_draft = torch.full((target_vocab,), -1, dtype=torch.int64)
+        to_draft[vocab.target_ids] = torch.arange(vocab.size)
+    held = torch.tensor(held_answer, dtype=torch.int64)
+    coverage = float((to_draft[held] >= 0).float().mean()) if held.numel() else 1.0
+    return ChatData(torch.from_numpy(cached.tokens.astype(np.int64)), cached.hidden, np.concatenate(train_pos),
+                    np.concatenate(held_pos), vocab, to_draft, coverage)
+
+
+def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> list[HeadsResult]:
+    from runtime.checkpoint import load_checkpoint
+
+    h = config.heads
+    work = h.work_dir
+    from transformers import AutoConfig
+
+    ours, tensors = load_checkpoint(h.target, dtype=torch.float32)
+    target_config = AutoConfig.from_pretrained(str(h.target))  # what the transformers-built heads are shaped from
+    embed = tensors["model.embed_tokens.weight"]
+    lm_full = tensors.get("lm_head.weight", embed)  # [V, H]
+    data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet)
+    lm_draft = lm_full if data.vocab is None else lm_full[data.vocab.target_ids].contiguous()  # [K, H]
+    view = FrozenTargetView(embed, lm_draft)
+    target_fp = target_digest(h.target)
+    data_fp = hashlib.sha256(json.dumps([str(config.corpus.prompts), data.tokens.shape[0], h.draft_vocab_size,
+                                         config.corpus.held_out]).encode()).hexdigest()[:16]
+
+    def gather(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions # [B, T] -> ids # [B, T] int64, hidden # [B, T, H] float32."""
+        return data.tokens[pos], data.hidden[pos].float()
+
+    def held_batches(opt) -> Any:
+        for pos in fixed_windows(data.held_out, opt.eval_batches, opt.seq_len):
+            ids, hidden = gather(pos)
+            greedy = data.to_draft[F.linear(hidden, lm_full).argmax(-1)]  # the target's greedy token, as a draft id
+            yield EvalBatch(ids, hidden, greedy, data.to_draft[ids])
+
+    results = []
+    for kind in kinds:
+        section = getattr(h, kind)
+        opt = section.train
+        if opt.threads is not None:
+            torch.set_num_threads(opt.threads)
+        check_windows(data.train, opt.seq_len, "the training conversations")
+        check_windows(data.held_out, opt.seq_len, "the held-out conversations")
+        torch.manual_seed(opt.seed)
+        fp = _fingerprint(kind, h, section, data_fp, target_fp)
+        if kind == "medusa":
+            module = medusa_heads_module(lm_draft, section.num_heads, section.num_layers)
+
+            def step_loss(pos, module=module):
+                ids, hidden = gather(pos)
+                return medusa_loss(module, hidden, view.lm_head(hidden), ids, "target"), {}
+
+            def metrics(module=module, opt=opt):
+                return medusa_metrics(module, held_batches(opt))
+        else:
+            module = EagleTrainHead(eagle_layer_config(target_config))
+
+            def step_loss(pos, module=module, section=section):
+                ids, hidden = gather(pos)
+                return eagle_loss(module, view, hidden, view.lm_head(hidden), ids, section, "target")
+
+            def metrics(module=module, opt=opt):
+                return eagle_metrics(module, view, held_batches(opt))
+
+        steps, elapsed, loss, final = optimise(module, step_loss, lambda step, metrics=metrics: metrics(), opt,
+                                               data.train, opt.seq_len, work / f"{kind}-state.pt", fp,
+                                               work / f"{kind}_log.jsonl", kind, quiet,
+                                               start_fields={"draft_vocab_size": h.draft_vocab_size,
+                                                             "draft_vocab_coverage": round(data.coverage, 4),
+                                                             "train_positions": int(data.train.shape[0])})
+        if kind == "medusa":
+            save_medusa(module, section, h, target_config, work, data.vocab)
+        else:
+            save_eagle(module, section, h, target_config, work, data.vocab)
+        result = HeadsResult(kind, section.output, steps, elapsed, final, loss)
+        summary = {**dataclasses.asdict(result), "output": shown_path(section.output), "target": shown_path(h.target),
+                   "labels": "target (its own greedy chat answers)", "metrics_meaning": _MEANING[kind],
+                   "draft_vocab_size": h.draft_vocab_size, "draft_vocab_coverage": data.coverage,
+                   "train_tokens": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0])}
         (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)
     return results
@@ -374,7 +543,8 @@ def _fresh_tmp(out: Path) -> Path:
     return tmp
 
 
-def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, target_config: Any, work: Path) -> Path:
+def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, target_config: Any, work: Path,
+                vocab: DraftVocab | None = None) -> Path:
     """FasterDecoding layout: config.json (medusa_num_heads, medusa_num_layers, ...) + medusa_lm_head.safetensors."""
     from safetensors.torch import save_file
 
@@ -388,15 +558,20 @@ def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, t
         "vocab_size": target_config.vocab_size,
         "torch_dtype": h.save_dtype,
     }
+    if vocab is not None:
+        cfg["draft_vocab_size"] = vocab.size
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    if vocab is not None:
+        state.update(vocab.state())
     save_file(state, str(tmp / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
     shutil.copy2(work / "medusa_log.jsonl", tmp / "training_log.jsonl")
     _swap_in(tmp, section.output)
     return section.output
 
 
-def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, target_config: Any, work: Path) -> Path:
+def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, target_config: Any, work: Path,
+               vocab: DraftVocab | None = None) -> Path:
     """EAGLE repository layout: Llama-style config.json (one layer, "bias": true for fc) + pytorch_model.bin."""
     dtype = getattr(torch, h.save_dtype)
     tmp = _fresh_tmp(section.output)
@@ -422,8 +597,12 @@ def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, tar
         "torch_dtype": h.save_dtype,
         "base_model_name_or_path": h.target.name,
     }
+    state = {k: v.to(dtype) for k, v in head.eagle_state_dict().items()}
+    if vocab is not None:
+        cfg["draft_vocab_size"] = vocab.size
+        state.update(vocab.state())
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    torch.save({k: v.to(dtype) for k, v in head.eagle_state_dict().items()}, tmp / "pytorch_model.bin")
+    torch.save(state, tmp / "pytorch_model.bin")
     shutil.copy2(work / "eagle_log.jsonl", tmp / "training_log.jsonl")
     _swap_in(tmp, section.output)
     return section.output

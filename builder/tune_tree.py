@@ -35,6 +35,7 @@ from runtime.decode import SpecDecoder
 from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.model import TargetModel
+from runtime.prompts import load_prompt_file
 from runtime.protocol import Draft
 from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
@@ -412,24 +413,9 @@ def _rebase_paths(data: dict, src: Path, dst: Path) -> None:
             data[section][key] = os.path.relpath((src / value).resolve(), dst)
 
 
-def read_prompts(path: Path) -> list[str]:
-    """JSON lines with a "prompt" string each (blank lines skipped)."""
-    if not path.is_file():
-        raise TuneTreeError(f"prompts file {path} does not exist")
-    prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TuneTreeError(f"{path}:{n}: not JSON ({exc})") from exc
-        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
-            raise TuneTreeError(f"{path}:{n}: expected an object with a non-empty \"prompt\" string, got {line[:80]!r}")
-        prompts.append(rec["prompt"])
-    if not prompts:
-        raise TuneTreeError(f"prompts file {path} has no prompts")
-    return prompts
+def read_prompts(path: Path) -> list[str | list[dict[str, str]]]:
+    """A prompt file (`runtime.prompts` format) as decoder inputs: raw text, or one user message for chat prompts."""
+    return [p.as_input() for p in load_prompt_file(path)]
 
 
 # ---- CLI --------------------------------------------------------------------------------------------------

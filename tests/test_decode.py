@@ -326,6 +326,70 @@ def test_sampled_distribution_test_catches_lossy_acceptance(ckpts, monkeypatch):
     assert stat > chi2_threshold(df), (stat, df)
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
+                         ids=["T1.0", "T0.7"])
+def test_sampled_distribution_with_reduced_draft_vocabulary(ckpts, tmp_path, kw):
+    """A head that drafts from a reduced vocabulary (EAGLE-3 / FR-Spec d2t) leaves the output distribution exact.
+    The vocabulary holds the target's 1st and 3rd choices after the prompt but not its 2nd and 4th, so both
+    accepted in-vocabulary drafts and out-of-vocabulary target tokens (residual / bonus draws) occur."""
+    from runtime.drafters.draft_vocab import DraftVocab
+    from tests.heads import write_eagle_head
+
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    prompt = PROMPTS[1]
+    logits, _ = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
+    ranked = logits[0, -1].argsort(descending=True).tolist()
+    keep = sorted(set(ranked[::2][:20]) - set(ranked[1:4:2]))  # 1st, 3rd, 5th, ...: never the 2nd or 4th
+    vocab = DraftVocab(torch.tensor(keep), model.config.vocab_size)
+    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3, state_hook=lambda st: {**st, **vocab.state()})
+    tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    drafter = load_drafter("eagle", model, head, tree=tree)
+    assert drafter.head.vocab.target_ids.tolist() == keep
+    dec = SpecDecoder(model, None, drafter, tree.num_nodes)
+    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
+    trials = 1500
+    counts = sample_counts(dec, prompt, kw, 3, trials)
+    stat, df = chi2_stat(counts, exact, trials)
+    assert stat < chi2_threshold(df), (stat, df)
+    # The draft really is confined to the vocabulary, and tokens outside it are still emitted (from the target).
+    out = dec.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True, seed=0, **kw))
+    assert out.stats.drafted_tokens > 0
+    assert any(set(seq) - set(keep) for seq in counts)
+
+
+def test_reduced_vocabulary_distribution_test_catches_a_restricted_target(ckpts, tmp_path, monkeypatch):
+    """Negative control: verifying against the target's distribution renormalised over the draft vocabulary (the
+    tempting shortcut that makes every residual draw an in-vocabulary token) must fail the same statistic."""
+    import runtime.decode as decode_mod
+    import runtime.verify as verify_mod
+    from runtime.drafters.draft_vocab import DraftVocab
+    from tests.heads import write_eagle_head
+
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    prompt = PROMPTS[1]
+    logits, _ = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
+    ranked = logits[0, -1].argsort(descending=True).tolist()
+    keep = sorted(set(ranked[::2][:20]) - set(ranked[1:4:2]))
+    mask = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    mask[keep] = True
+
+    def restricted(logits, params):
+        p = target_probs(logits, params) * mask
+        return p / p.sum() if float(p.sum()) > 0 else target_probs(logits, params)
+
+    monkeypatch.setattr(verify_mod, "target_probs", restricted)
+    monkeypatch.setattr(decode_mod, "target_probs", restricted)
+    vocab = DraftVocab(torch.tensor(keep), model.config.vocab_size)
+    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3, state_hook=lambda st: {**st, **vocab.state()})
+    tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    dec = SpecDecoder(model, None, load_drafter("eagle", model, head, tree=tree), tree.num_nodes)
+    kw = dict(temperature=1.0, top_k=4)
+    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
+    counts = sample_counts(dec, prompt, kw, 3, 1500)
+    stat, df = chi2_stat(counts, exact, 1500)
+    assert stat > chi2_threshold(df), (stat, df)
+
+
 def test_seeded_sampling_is_reproducible_and_drafter_independent_in_law(ckpts):
     dec = decoder(ckpts["qwen2"], "lookup")
     a = dec.generate(PROMPTS[0], max_tokens=16, temperature=0.9, seed=7)

@@ -29,6 +29,7 @@ from builder.tune_tree import (
 from runtime.protocol import Draft
 from runtime.tree import Tree
 from tests.test_training import _heads_cfg, _target_cfg, _write_corpus
+from runtime.prompts import PromptFileError
 
 
 def test_comb_tree_shape():
@@ -124,7 +125,7 @@ def test_cli_and_errors(setup, tmp_path):
         tune(load_config(lookup), ["x"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
-    with pytest.raises(TuneTreeError, match=r"bad.jsonl:2: expected an object with a non-empty \"prompt\""):
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:2: unknown key\(s\) \['text'\]"):
         read_prompts(bad)
     assert builder_main(["tune-tree", "--config", str(lookup), "--prompts", str(setup["prompts"])]) == 2
     with pytest.raises(TuneTreeError, match="width must be an integer >= 1, got 0"):

@@ -1,8 +1,10 @@
 """The training configuration: one YAML file -> frozen dataclasses (checked like the build config).
 
     corpus:                      # the text the target and its heads learn from
-      source: stdlib             # stdlib (this Python's own Lib/, test folders excluded) | files
+      source: stdlib             # stdlib (this Python's own Lib/, test folders excluded) | files | chat
       path: null                 # root directory when source is files
+      prompts: null              # chat: JSON Lines prompts the frozen target answers (self-distillation data;
+                                 # builder.training.distill), held_out by prompt id
       pattern: "**/*.py"
       held_out: 0.05             # fraction of FILES kept apart, chosen by sha256 of the relative path
     target:                      # python -m builder train-target
@@ -48,8 +50,11 @@ def _check_min(section: str, obj: Any, minimums: dict[str, float], allow_none: t
 
 @dataclass(frozen=True)
 class CorpusSection:
-    source: Literal["stdlib", "files"] = "stdlib"
+    source: Literal["stdlib", "files", "chat"] = "stdlib"
     path: Path | None = None  # root directory (source: files)
+    prompts: Path | None = None  # chat prompts (source: chat), answered by the frozen target
+    max_new_tokens: int = 256  # chat: answer length cap
+    generate_batch: int = 32  # chat: prompts answered per batched generate call
     pattern: str = "**/*.py"  # glob under the root
     # Path components that drop a file (test folders, installed third-party packages, caches).
     exclude_dirs: tuple[str, ...] = ("test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__")
@@ -59,8 +64,12 @@ class CorpusSection:
     def __post_init__(self) -> None:
         if self.source == "files" and self.path is None:
             raise TrainConfigError("corpus.path: missing; source 'files' needs the corpus root directory")
-        if self.source == "stdlib" and self.path is not None:
-            raise TrainConfigError(f"corpus.path: got {str(self.path)!r}, expected none for source 'stdlib'")
+        if self.source != "files" and self.path is not None:
+            raise TrainConfigError(f"corpus.path: got {str(self.path)!r}, expected none for source {self.source!r}")
+        if (self.source == "chat") != (self.prompts is not None):
+            raise TrainConfigError(f"corpus.prompts: got {self.prompts!r}, expected a prompts file exactly when "
+                                   f"source is 'chat' (source is {self.source!r})")
+        _check_min("corpus", self, {"max_new_tokens": 1, "generate_batch": 1})
         if not 0.0 < self.held_out < 1.0:
             raise TrainConfigError(f"corpus.held_out: got {self.held_out!r}, expected a fraction in (0, 1)")
         _check_min("corpus", self, {"max_file_bytes": 1})
@@ -157,12 +166,16 @@ class HeadsSection:
     # agreement with the target) or the corpus tokens ("data", Medusa-1's original recipe).
     labels: Literal["target", "data"] = "target"
     save_dtype: SaveDtype = "bfloat16"
+    # Reduced draft vocabulary (EAGLE-3 / FR-Spec): the heads score only the K tokens the target produces most often
+    # in the training answers (chat corpus only); None scores the whole vocabulary.
+    draft_vocab_size: int | None = None
     medusa: MedusaSection | None = None
     eagle: EagleSection | None = None
 
     def __post_init__(self) -> None:
         if self.medusa is None and self.eagle is None:
             raise TrainConfigError("heads: neither medusa nor eagle is configured; nothing to train")
+        _check_min("heads", self, {"draft_vocab_size": 2}, allow_none=("draft_vocab_size",))
 
 
 @dataclass(frozen=True)

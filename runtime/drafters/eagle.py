@@ -23,7 +23,9 @@ Checkpoint: a directory with config.json (Llama-style, num_hidden_layers 1; "bia
 fc has a bias, "qkv_bias" whether q/k/v do) and pytorch_model.bin (torch.load weights_only=True) or
 model.safetensors with keys fc.weight, fc.bias, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
 layers.{i}.post_attention_layernorm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight (layers i > 0 also
-input_layernorm.weight) and optionally embed_tokens.weight (otherwise the target's embedding is shared).
+input_layernorm.weight) and optionally embed_tokens.weight (otherwise the target's embedding is shared), and
+optionally a reduced draft vocabulary (`d2t` / `t2d`, EAGLE-3's keys; `runtime.drafters.draft_vocab`): the head then
+scores only those K rows of the target's lm_head and maps its picks back to target ids.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch import nn
 
 from plugins.tree_attention.mask import ancestor_mask, pack_mask
 from runtime.config import ModelConfig
+from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
@@ -83,10 +86,12 @@ class DynamicTreeOptions:
 class EagleHead(nn.Module):
     """fc + decoder layer(s); state-dict names are the EAGLE checkpoint's (fc.*, layers.{i}.*, embed_tokens.*)."""
 
-    def __init__(self, config: ModelConfig, fc_bias: bool, own_embedding: bool) -> None:
+    def __init__(self, config: ModelConfig, fc_bias: bool, own_embedding: bool,
+                 vocab: DraftVocab | None = None) -> None:
         super().__init__()
         h = config.hidden_size
         self.config = config
+        self.vocab = vocab  # reduced draft vocabulary (None: the target's whole vocabulary)
         self.embed_tokens = nn.Embedding(config.vocab_size, h) if own_embedding else None
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         # EAGLE's layer 0 feeds the fused input straight to attention (no input_layernorm); later layers have it.
@@ -176,6 +181,10 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
     raw = _read_config(path, target)
     file, state = _read_state(path)
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    vocab = DraftVocab.from_state(state, target.vocab_size, file)
+    if vocab is not None and raw.get("draft_vocab_size", vocab.size) != vocab.size:
+        raise CheckpointError(f"{path / CONFIG_FILE}: draft_vocab_size {raw['draft_vocab_size']!r} but d2t in {file} "
+                              f"has {vocab.size} entries")
     if "fc.weight" not in state:
         raise CheckpointError(f"{file} has no fc.weight: not an EAGLE head (keys: {sorted(state)[:_MAX_LISTED]})")
     if state["fc.weight"].ndim != 2 or state["fc.weight"].shape[1] != 2 * state["fc.weight"].shape[0]:
@@ -202,7 +211,7 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
 
     config = _parse_config(raw, path / CONFIG_FILE, target)
     with torch.device("meta"):
-        head = EagleHead(config, fc_bias, own_embedding="embed_tokens.weight" in state)
+        head = EagleHead(config, fc_bias, own_embedding="embed_tokens.weight" in state, vocab=vocab)
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     missing = sorted(expected.keys() - state.keys())
     extra = sorted(state.keys() - expected.keys())
@@ -249,12 +258,25 @@ class EagleDrafter:
                 f"EAGLE head hidden size {head.config.hidden_size} does not match the target model's hidden_size "
                 f"{model.config.hidden_size}"
             )
-        if tree is not None and tree.num_nodes > 1 and max(tree.max_rank_per_depth()) > model.config.vocab_size:
-            raise ConfigError(f"tree ranks exceed the vocabulary size {model.config.vocab_size}")
+        vocab_size = model.config.vocab_size if head.vocab is None else head.vocab.size
+        if tree is not None and tree.num_nodes > 1 and max(tree.max_rank_per_depth()) > vocab_size:
+            raise ConfigError(f"tree ranks exceed the draft vocabulary size {vocab_size}")
         self.head = head
         self.model = model
         self.tree = tree
         self.dynamic = dynamic
+        # The draft output layer: the target's lm_head, or its rows for the reduced draft vocabulary (a copy, so
+        # each drafting step reads K x H instead of V x H).
+        weight = model.lm_head_weight
+        self.lm_weight = weight if head.vocab is None else weight[head.vocab.target_ids.to(weight.device)].contiguous()
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""
+        return torch.nn.functional.linear(features, self.lm_weight).float()
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids # [...] -> target ids # [...]."""
+        return draft_ids if self.head.vocab is None else self.head.vocab.to_target(draft_ids)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> EagleSession:
         """prompt # [P] int64 (x_0 .. x_{P-1}); hidden # [P, H] (h_0 .. h_{P-1})."""
@@ -278,6 +300,7 @@ class EagleSession:
         tree: Tree | None,
         dynamic: DynamicTreeOptions | None,
     ) -> None:
+        self.drafter = drafter
         self.head = drafter.head
         self.model = drafter.model
         self.tree = tree
@@ -330,8 +353,8 @@ class EagleSession:
         return self.model.embed(tokens)
 
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        """features # [n, H] -> log-softmax of the target lm_head # [n, V] float32."""
-        return torch.log_softmax(self.model.lm_head(features), dim=-1)
+        """features # [n, H] -> log-softmax over the draft vocabulary # [n, K] float32."""
+        return torch.log_softmax(self.drafter.draft_logits(features), dim=-1)
 
     def _run_pending(self, root: int) -> torch.Tensor:
         """Commit the pending pairs plus (last hidden, root) to the head cache; the root pair's output # [H]."""
@@ -426,10 +449,10 @@ class EagleSession:
                 kids.append(c)
         k = 1 + max(ranks[c] for c in kids)
         idx = torch.tensor(nodes, device=out.device)
-        top = torch.topk(self.model.lm_head(out[idx]), k, dim=-1).indices  # [len(nodes), k]
+        top = torch.topk(self.drafter.draft_logits(out[idx]), k, dim=-1).indices  # [len(nodes), k]
         dev = out.device
         picked = top[torch.tensor(rows, device=dev), torch.tensor([ranks[c] for c in kids], device=dev)]
-        tokens[torch.tensor(kids, device=dev)] = picked
+        tokens[torch.tensor(kids, device=dev)] = self.drafter.to_target(picked)
 
     # ---- dynamic trees (EAGLE-2) --------------------------------------------------------------------------
 
@@ -445,7 +468,8 @@ class EagleSession:
         rounds = min(opts.depth, opts.total_tokens - 2)
         # The pool, in creation order: parent pool index (-1: the root), token, cumulative log-prob.
         exp = expand_frontier(torch.zeros(1, device=device), self._logprobs(root_out[None]), opts.top_k)
-        pool_parent, pool_tokens, pool_scores = [torch.full_like(exp.tokens, -1)], [exp.tokens], [exp.scores]
+        to_target = self.drafter.to_target
+        pool_parent, pool_tokens, pool_scores = [torch.full_like(exp.tokens, -1)], [to_target(exp.tokens)], [exp.scores]
         pool_size = exp.tokens.shape[0]
         frontier = exp.frontier  # [k] pool indices: the root's children are the first frontier
         frontier_in = root_out[None].expand(frontier.shape[0], -1)  # [k, H]: input feature = parent's output
@@ -472,7 +496,7 @@ class EagleSession:
             exp = expand_frontier(torch.cat(pool_scores)[frontier], self._logprobs(out), opts.top_k)
             new_parent = frontier[exp.parent]  # [k * top_k] pool indices
             pool_parent.append(new_parent)
-            pool_tokens.append(exp.tokens)
+            pool_tokens.append(to_target(exp.tokens))
             pool_scores.append(exp.scores)
             parent_of += new_parent.tolist()
             frontier_in = out[exp.parent[exp.frontier]]

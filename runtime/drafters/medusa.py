@@ -11,6 +11,8 @@ Checkpoint format (FasterDecoding): a directory with
 holding `nn.ModuleList([nn.Sequential(ResBlock * n, nn.Linear(H, V, bias=False))] * heads).state_dict()`:
     {h}.{l}.linear.weight [H, H], {h}.{l}.linear.bias [H]   for l < n
     {h}.{n}.weight        [V, H]
+With a reduced draft vocabulary (`runtime.drafters.draft_vocab`: `d2t` / `t2d` in the same file, EAGLE-3's keys)
+{h}.{n}.weight is [K, H] over those K tokens, and drafted ids are mapped back to the target's.
 (FasterDecoding builds the layers as `[ResBlock(H)] * n`, one module repeated, so for n > 1 its files hold the
 same tensors under every l; reading each l separately loads those and independently trained layers alike.)
 
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import read_json_object
 from runtime.protocol import Draft, Proposal
@@ -43,16 +46,17 @@ class MedusaConfig:
     num_heads: int
     num_layers: int
     hidden_size: int
-    vocab_size: int
+    vocab_size: int  # rows of each head's output layer: the draft vocabulary's size when it is reduced
     base_model_name_or_path: str | None = None
 
 
 class MedusaHeads(nn.Module):
     """All heads batched: one bmm per layer over the head axis."""
 
-    def __init__(self, config: MedusaConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: MedusaConfig, dtype: torch.dtype = torch.float32, vocab: DraftVocab | None = None) -> None:
         super().__init__()
         self.config = config
+        self.vocab = vocab  # reduced draft vocabulary (None: the heads score the target's whole vocabulary)
         h, v, k, n = config.hidden_size, config.vocab_size, config.num_heads, config.num_layers
         self.res_weight = nn.Parameter(torch.zeros(k, n, h, h, dtype=dtype), requires_grad=False)  # [k, n, out, in]
         self.res_bias = nn.Parameter(torch.zeros(k, n, h, dtype=dtype), requires_grad=False)  # [k, n, H]
@@ -118,6 +122,7 @@ def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> Med
     num_heads = _positive_int(cfg, "medusa_num_heads", path, 1)
     num_layers = _positive_int(cfg, "medusa_num_layers", path, 0)
     file, state = _read_state_dict(path)
+    d2t = {k: state.pop(k) for k in ("d2t", "t2d") if k in state}
 
     expected = set()
     for h in range(num_heads):
@@ -141,13 +146,24 @@ def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> Med
     if state[lm_key].ndim != 2:
         raise CheckpointError(f"{file}: {lm_key} has shape {tuple(state[lm_key].shape)}, expected [vocab, hidden]")
     vocab, hidden = (int(s) for s in state[lm_key].shape)
-    for key, found in (("hidden_size", hidden), ("vocab_size", vocab)):
+    # A reduced draft vocabulary: config.json's vocab_size is the target's, draft_vocab_size the heads' rows.
+    draft_vocab = None
+    if d2t:
+        target_vocab = cfg.get("vocab_size")
+        if not isinstance(target_vocab, int) or isinstance(target_vocab, bool):
+            raise CheckpointError(f"{path / CONFIG_FILE}: a reduced draft vocabulary (d2t in {file}) needs the "
+                                  f"target's vocab_size, got {target_vocab!r}")
+        draft_vocab = DraftVocab.from_state(d2t, target_vocab, file)
+        assert draft_vocab is not None
+        if draft_vocab.size != vocab:
+            raise CheckpointError(f"{file}: d2t has {draft_vocab.size} entries but {lm_key} has {vocab} rows")
+    for key, found in (("hidden_size", hidden), ("vocab_size" if draft_vocab is None else "draft_vocab_size", vocab)):
         if key in cfg and cfg[key] != found:
             raise CheckpointError(f"{path / CONFIG_FILE}: {key}={cfg[key]!r} but the weights in {file} have {found}")
     config = MedusaConfig(num_heads, num_layers, hidden, vocab, cfg.get("base_model_name_or_path"))
     if dtype is None:
         dtype = state[lm_key].dtype
-    heads = MedusaHeads(config, dtype)
+    heads = MedusaHeads(config, dtype, draft_vocab)
     with torch.no_grad():
         for h in range(num_heads):
             for layer in range(num_layers):
@@ -173,7 +189,11 @@ def check_against_target(heads: MedusaHeads, hidden_size: int, vocab_size: int, 
             f"{where}: Medusa head hidden size {cfg.hidden_size} does not match the target model's hidden_size "
             f"{hidden_size}"
         )
-    if cfg.vocab_size != vocab_size:
+    if heads.vocab is not None:
+        if heads.vocab.target_vocab != vocab_size:
+            raise CheckpointError(f"{where}: Medusa heads' draft vocabulary maps into a vocabulary of "
+                                  f"{heads.vocab.target_vocab} tokens, but the target model has {vocab_size}")
+    elif cfg.vocab_size != vocab_size:
         raise CheckpointError(
             f"{where}: Medusa head vocab size {cfg.vocab_size} does not match the target model's vocab_size "
             f"{vocab_size}"
@@ -238,6 +258,8 @@ class MedusaSession:
             return Draft(self.tree, torch.tensor([int(root)], dtype=torch.int64))
         top = torch.topk(self.head_logits(), self.top_k, dim=-1).indices  # [max_depth, top_k]
         flat = torch.cat([torch.tensor([int(root)], device=top.device), top.reshape(-1)])  # [1 + depth*top_k]
+        if self.heads.vocab is not None:
+            flat = torch.cat([flat[:1], self.heads.vocab.to_target(flat[1:])])
         tokens = flat[self.tree_indices.to(flat.device)].to(torch.int64).cpu()  # [num_nodes]
         return Draft(self.tree, tokens, Proposal.DETERMINISTIC)
 

