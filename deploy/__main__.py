@@ -3,8 +3,10 @@
     serve   --repo REPO_DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002 --address 127.0.0.1]
             start tritonserver on a model repository, wait until it is ready, print the endpoints, and shut it
             down cleanly on SIGINT / SIGTERM (exit status 0 after a clean shutdown)
-    client  --url HOST:GRPC_PORT --prompt TEXT [--model ensemble] [--max-tokens N] [sampling options]
-            stream a generation over gRPC, printing text as it arrives
+    client  --url HOST:GRPC_PORT --prompt TEXT [--chat [--system TEXT]] [--model ensemble] [--max-tokens N]
+            [sampling options]
+            stream a generation over gRPC, printing text as it arrives (--chat: the prompt is one user message,
+            sent as the `messages` input and rendered by the model's chat template)
     k8s     --output DIR [options]   render Kubernetes manifests (deployment.yaml, service.yaml)
     docker  --output DIR [options]   render a Dockerfile (FROM NVIDIA's Triton image) and compose.yaml
 
@@ -57,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("client", help="stream a generation over gRPC")
     c.add_argument("--url", required=True, help="gRPC endpoint, HOST:PORT")
     c.add_argument("--prompt", required=True)
+    c.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message (the messages input, through the chat template)")
+    c.add_argument("--system", help="with --chat: a system message before the user message")
     c.add_argument("--model", default="ensemble",
                    help="ensemble (default) or spec_decode. Ctrl-C stops the server-side generation only on "
                         "spec_decode: tritonserver 2.51 does not forward a cancellation into a running ensemble step")
@@ -126,12 +131,17 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _client(ns: argparse.Namespace) -> int:
     from deploy.client import ClientError, generate_stream
+    from runtime.tokenizer import single_turn
 
+    if ns.system is not None and not ns.chat:
+        print("error: --system needs --chat (it is a chat message)", file=sys.stderr)
+        return 2
+    prompt: Any = single_turn(ns.prompt, ns.system) if ns.chat else ns.prompt
     options = {"stream": not ns.no_stream, "temperature": ns.temperature, "top_k": ns.top_k, "top_p": ns.top_p,
                "seed": ns.seed, "stop": tuple(ns.stop)}
     last = None
     try:
-        for event in generate_stream(ns.url, ns.model, ns.prompt, ns.max_tokens, timeout_s=ns.timeout_s, **options):
+        for event in generate_stream(ns.url, ns.model, prompt, ns.max_tokens, timeout_s=ns.timeout_s, **options):
             sys.stdout.write(event.text)
             sys.stdout.flush()
             last = event

@@ -2,6 +2,8 @@
 
     for event in generate_stream("127.0.0.1:8001", "ensemble", "Once upon a time", max_tokens=64):
         print(event.text, end="", flush=True)
+    chat = [{"role": "user", "content": "Tell me a story."}]       # a chat prompt: the `messages` input
+    for event in generate_stream("127.0.0.1:8001", "ensemble", chat, max_tokens=64): ...
 
 Closing the iterator early (or leaving the loop) cancels the request on the server (gRPC stream cancellation).
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +46,11 @@ def _tensor(name: str, value: np.ndarray, datatype: str) -> Any:
     return t
 
 
+PromptLike = str | Sequence[Mapping[str, str]]  # text (text_input) or chat messages (messages, sent as JSON)
+
+
 def build_inputs(
-    prompt: str,
+    prompt: PromptLike,
     max_tokens: int,
     *,
     stream: bool = True,
@@ -58,9 +63,15 @@ def build_inputs(
     exclude_input_in_output: bool | None = None,
     sampling_parameters: dict[str, Any] | None = None,
 ) -> list[Any]:
-    """tritonclient InferInputs in the Triton LLM conventions (only the options given are sent)."""
+    """tritonclient InferInputs in the Triton LLM conventions (only the options given are sent). A text prompt
+    goes as text_input; chat messages ([{"role": ..., "content": ...}, ...]) as the JSON `messages` input, which
+    the server validates and renders with the model's chat template."""
+    if isinstance(prompt, str):
+        name, raw = "text_input", prompt.encode("utf-8")
+    else:
+        name, raw = "messages", json.dumps([dict(m) for m in prompt], ensure_ascii=False).encode("utf-8")
     inputs = [
-        _tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+        _tensor(name, np.array([raw], dtype=np.object_), "BYTES"),
         _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
         _tensor("stream", np.array([stream], dtype=np.bool_), "BOOL"),
     ]
@@ -141,10 +152,10 @@ def stream_infer(url: str, model: str, inputs: list[Any], timeout_s: float = 120
         client.close()
 
 
-def generate_stream(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0,
+def generate_stream(url: str, model: str, prompt: PromptLike, max_tokens: int, timeout_s: float = 120.0,
                     **options: Any) -> Iterator[StreamEvent]:
-    """Stream a generation (text deltas as they arrive); options as in `build_inputs`."""
+    """Stream a generation (text deltas as they arrive); prompt and options as in `build_inputs`."""
     return stream_infer(url, model, build_inputs(prompt, max_tokens, **options), timeout_s)
 
 
-__all__ = ["ClientError", "StreamEvent", "build_inputs", "event_of", "generate_stream", "stream_infer"]
+__all__ = ["ClientError", "PromptLike", "StreamEvent", "build_inputs", "event_of", "generate_stream", "stream_infer"]

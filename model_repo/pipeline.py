@@ -5,7 +5,9 @@ with a request lives here and is tested without a server).
 The request interface follows the Triton LLM conventions of tensorrtllm_backend / vllm_backend
 (reference-facts section 8), so their clients work unchanged:
 
-    inputs   text_input STRING [1], max_tokens INT32 [1] (required); optional stream BOOL, temperature FP32,
+    inputs   text_input STRING [1] or messages STRING [1] (a JSON array of {role, content}, OpenAI chat form,
+             rendered by the model's chat template; exactly one of the two), max_tokens INT32 [1] (required);
+             optional stream BOOL, temperature FP32,
              top_k INT32, top_p FP32, random_seed UINT64, stop_words / bad_words STRING [-1], end_id INT32,
              exclude_input_in_output BOOL, sampling_parameters STRING (vLLM-style JSON)
     outputs  text_output STRING [-1]: the DELTA text of each streamed response (the whole text when not
@@ -32,6 +34,7 @@ import numpy as np
 from model_repo.schema import DataType, ModelInput, ModelOutput
 from runtime.errors import ConfigError, RequestError, SpectreeError
 from runtime.sampling import SamplingParams
+from runtime.tokenizer import ChatMessage, chat_messages
 
 # ---- the interface --------------------------------------------------------------------------------------
 
@@ -40,6 +43,7 @@ from runtime.sampling import SamplingParams
 # check required inputs, and an ensemble missing a required input ends with an empty final response and no
 # error at all, so a config-level `optional: false` would turn a bad request into a silent empty answer.
 TEXT_INPUT = ModelInput("text_input", DataType.TYPE_STRING, (1,), optional=True)
+MESSAGES = ModelInput("messages", DataType.TYPE_STRING, (1,), optional=True)  # JSON [{"role", "content"}, ...]
 INPUT_IDS = ModelInput("input_ids", DataType.TYPE_INT32, (-1,), optional=True)
 MAX_TOKENS = ModelInput("max_tokens", DataType.TYPE_INT32, (1,), optional=True)
 OPTIONAL_INPUTS: tuple[ModelInput, ...] = (
@@ -55,11 +59,11 @@ OPTIONAL_INPUTS: tuple[ModelInput, ...] = (
     ModelInput("sampling_parameters", DataType.TYPE_STRING, (1,), optional=True),
 )
 # What the ensemble takes from clients.
-ENSEMBLE_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, MAX_TOKENS, *OPTIONAL_INPUTS)
-# spec_decode takes the prompt as text, as token ids (from the preprocessing stage), or both (ids are decoded,
-# the text is only echoed when exclude_input_in_output is false).
-SPEC_DECODE_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, INPUT_IDS, MAX_TOKENS, *OPTIONAL_INPUTS)
-PREPROCESSING_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT,)
+ENSEMBLE_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, MAX_TOKENS, MESSAGES, *OPTIONAL_INPUTS)
+# spec_decode takes the prompt as text or messages, as token ids (from the preprocessing stage), or ids with the
+# text or messages they came from (ids are decoded; text is only echoed when exclude_input_in_output is false).
+SPEC_DECODE_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, INPUT_IDS, MAX_TOKENS, MESSAGES, *OPTIONAL_INPUTS)
+PREPROCESSING_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, MESSAGES)
 PREPROCESSING_OUTPUTS: tuple[ModelOutput, ...] = (
     ModelOutput("input_ids", DataType.TYPE_INT32, (-1,)),
     ModelOutput("input_length", DataType.TYPE_INT32, (1,)),
@@ -180,6 +184,37 @@ def _texts(inputs: Inputs, spec: ModelInput) -> tuple[str, ...]:
 _SPEC = {s.name: s for s in SPEC_DECODE_INPUTS}
 
 
+def _messages(inputs: Inputs) -> tuple[ChatMessage, ...] | None:
+    """The messages input: JSON text of [{"role": ..., "content": ...}, ...], validated by the runtime's
+    `chat_messages` (errors name the index, key and value)."""
+    raw = _scalar(inputs, MESSAGES)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"messages: not valid JSON ({exc}); expected a JSON array of {{role, content}}") from exc
+    try:
+        return chat_messages(data, MESSAGES.name)
+    except RequestError as exc:
+        raise InputError(str(exc)) from exc
+
+
+def _text_or_messages(inputs: Inputs, ids_given: bool = False) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    """(text_input, messages): exactly one of them, or neither when the prompt came as input_ids."""
+    text = _scalar(inputs, TEXT_INPUT)
+    messages = _messages(inputs)
+    if text is not None and messages is not None:
+        raise InputError("text_input and messages: both given; give exactly one (text_input: the prompt text, "
+                         "messages: a JSON array of {role, content})")
+    if text is None and messages is None and not ids_given:
+        raise InputError("text_input: missing; expected the prompt text (STRING [1]), or messages (a JSON array of "
+                         "{role, content})")
+    if text is not None and not text and not ids_given:
+        raise InputError("text_input: empty; expected a non-empty prompt")
+    return text, messages
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Server-side limits on a request (from the model config)."""
@@ -196,8 +231,8 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    prompt: str | tuple[int, ...]  # what the decoder encodes (text) or takes as ids
-    prompt_source: str  # the input the prompt came from: "text_input" | "input_ids"
+    prompt: str | tuple[int, ...] | tuple[ChatMessage, ...]  # what the decoder encodes (text, messages) or takes
+    prompt_source: str  # the input the prompt came from: "text_input" | "messages" | "input_ids"
     echo: str  # text put before the first delta ("" unless exclude_input_in_output is false)
     params: SamplingParams
     stream: bool
@@ -242,8 +277,9 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
     unknown = sorted(set(inputs) - set(_SPEC))
     if unknown:
         raise InputError(f"unknown input(s) {unknown}; this model takes {sorted(_SPEC)}")
-    text = _scalar(inputs, _SPEC["text_input"])
     ids_arr = _array(inputs, _SPEC["input_ids"])
+    text, messages = _text_or_messages(inputs, ids_given=ids_arr is not None)
+    prompt: str | tuple[int, ...] | tuple[ChatMessage, ...]
     if ids_arr is not None:
         if ids_arr.size == 0:
             raise InputError("input_ids: empty; expected at least one token id")
@@ -251,13 +287,10 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
         bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise InputError(f"input_ids: token ids must be in [0, {limits.vocab_size}), got {bad[:5]}")
-        prompt: str | tuple[int, ...] = ids
-        source = "input_ids"
-    elif text is None:
-        raise InputError("text_input: missing; expected the prompt text (STRING [1])")
+        prompt, source = ids, "input_ids"
+    elif messages is not None:
+        prompt, source = messages, "messages"
     else:
-        if not text:
-            raise InputError("text_input: empty; expected a non-empty prompt")
         prompt, source = text, "text_input"
 
     fields: dict[str, Any] = {}
@@ -314,12 +347,13 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
     stream = bool(stream) if stream is not None else False
     exclude = _scalar(inputs, _SPEC["exclude_input_in_output"])
     # Default as tensorrtllm_backend: a streamed response never repeats the prompt, a whole one includes it
-    # (when there is prompt text to repeat: a request of token ids alone gets the generated text only).
+    # (when there is prompt text to repeat: a request of token ids or messages gets the generated text only).
     exclude = (stream or text is None) if exclude is None else bool(exclude)
     echo = ""
     if not exclude:
         if text is None:
-            raise InputError("exclude_input_in_output: false needs text_input (the prompt text to echo)")
+            raise InputError("exclude_input_in_output: false needs text_input (the prompt text to echo); a "
+                             "prompt of input_ids alone or of messages has no text to echo")
         echo = text
     return GenerateRequest(prompt=prompt, prompt_source=source, echo=echo, params=params, stream=stream)
 
@@ -328,20 +362,25 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
 
 
 def preprocess(inputs: Inputs, tokenizer: Any, max_context: int) -> dict[str, np.ndarray]:
-    """text_input -> input_ids INT32 [n], input_length INT32 [1]; the same ids `SpecDecoder.encode_prompt`
-    makes of the text (BOS first when the model has one)."""
-    unknown = sorted(set(inputs) - {TEXT_INPUT.name})
+    """text_input or messages -> input_ids INT32 [n], input_length INT32 [1]; the same ids
+    `SpecDecoder.encode_prompt` makes of the text (BOS first when the model has one) or of the messages (the chat
+    template's text)."""
+    unknown = sorted(set(inputs) - {i.name for i in PREPROCESSING_INPUTS})
     if unknown:
-        raise InputError(f"unknown input(s) {unknown}; preprocessing takes text_input")
-    text = _scalar(inputs, TEXT_INPUT)
-    if text is None:
-        raise InputError("text_input: missing; expected the prompt text (STRING [1])")
-    if not text:
-        raise InputError("text_input: empty; expected a non-empty prompt")
-    ids = tokenizer.encode(text)
+        raise InputError(f"unknown input(s) {unknown}; preprocessing takes {[i.name for i in PREPROCESSING_INPUTS]}")
+    text, messages = _text_or_messages(inputs)
+    if messages is not None:
+        source = MESSAGES.name
+        try:
+            ids = tokenizer.apply_chat_template(messages)
+        except RequestError as exc:  # no chat template, or the template refused the conversation
+            raise InputError(f"messages: {exc}") from exc
+    else:
+        source = TEXT_INPUT.name
+        ids = tokenizer.encode(text)
     if len(ids) >= max_context:
         raise InputError(
-            f"text_input: the prompt is {len(ids)} tokens; the context limit is {max_context} tokens, so a prompt "
+            f"{source}: the prompt is {len(ids)} tokens; the context limit is {max_context} tokens, so a prompt "
             f"may have at most {max_context - 1}"
         )
     return {
@@ -647,6 +686,7 @@ __all__ = [
     "ENSEMBLE_INPUTS",
     "INPUT_IDS",
     "MAX_TOKENS",
+    "MESSAGES",
     "METRICS",
     "OPTIONAL_INPUTS",
     "OUTCOMES",

@@ -1,9 +1,11 @@
 """Render a Triton model repository for an engine directory (or a Hugging Face checkpoint directory).
 
     REPO/
-      ensemble/config.pbtxt        text_input, max_tokens, ... -> preprocessing -> spec_decode -> text_output
+      ensemble/config.pbtxt        text_input | messages, max_tokens, ... -> preprocessing -> spec_decode
+                                   -> text_output
       ensemble/1/                  (empty: an ensemble has no files, but Triton wants a version directory)
-      preprocessing/config.pbtxt   tokenizer stage: text_input -> input_ids, input_length
+      preprocessing/config.pbtxt   tokenizer stage: text_input, or messages through the chat template ->
+                                   input_ids, input_length
       preprocessing/1/model.py     thin adapter: model_repo.triton_adapter.PreprocessingModel
       spec_decode/config.pbtxt     decoupled generation model; parameters record the engine, the load options,
                                    the limits and the verification stage (greedy at temperature 0,
@@ -13,7 +15,7 @@
                                    the repository root)
 
 Every config.pbtxt is rendered from `model_repo.schema` dataclasses by `model_repo.pbtxt` and parsed back
-before it is written. spec_decode also takes text_input directly (vllm_backend's single-model style): use it
+before it is written. spec_decode also takes text_input or messages directly (vllm_backend's single-model style): use it
 when cancelling streams matters, because Triton 2.51 does not forward a client's cancellation into a running
 ensemble step.
 """
@@ -165,7 +167,10 @@ def model_configs(
             "verification_above_temperature_0": pipeline.VERIFICATION_SAMPLED,
         }),
     )
-    passthrough = {i.name: i.name for i in pipeline.ENSEMBLE_INPUTS if i.name != "text_input"}
+    # The prompt (text_input or messages) goes through the tokenizer stage and on to spec_decode (which checks
+    # that exactly one was given, and echoes text); every other ensemble input goes straight to spec_decode.
+    prompt_inputs = {i.name: i.name for i in pipeline.PREPROCESSING_INPUTS}
+    passthrough = {i.name: i.name for i in pipeline.ENSEMBLE_INPUTS if i.name not in prompt_inputs}
     ensemble = ModelConfig(
         name=ENSEMBLE,
         platform="ensemble",
@@ -174,10 +179,10 @@ def model_configs(
         output=pipeline.SPEC_DECODE_OUTPUTS,
         ensemble_scheduling=EnsembleScheduling(step=(
             EnsembleStep(model_name=PREPROCESSING, model_version=-1,
-                         input_map={"text_input": "text_input"},
+                         input_map=prompt_inputs,
                          output_map={"input_ids": "_input_ids"}),
             EnsembleStep(model_name=SPEC_DECODE, model_version=-1,
-                         input_map={"input_ids": "_input_ids", "text_input": "text_input", **passthrough},
+                         input_map={"input_ids": "_input_ids", **prompt_inputs, **passthrough},
                          output_map={o.name: o.name for o in pipeline.SPEC_DECODE_OUTPUTS}),
         )),
     )

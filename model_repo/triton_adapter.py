@@ -112,7 +112,7 @@ class PrometheusMetrics:
 
 
 class PreprocessingModel:
-    """The tokenizer stage: text_input -> input_ids, input_length."""
+    """The tokenizer stage: text_input, or messages through the chat template -> input_ids, input_length."""
 
     def initialize(self, args: dict[str, str]) -> None:
         self.settings = PreprocessingSettings.from_parameters(_parameters(args), args["model_name"])

@@ -1,4 +1,4 @@
-"""python -m runtime generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [options]
+"""python -m runtime generate --model DIR (--prompt TEXT [--chat [--system TEXT]] | --prompt-ids 1,2,3) [options]
 
 Defaults come from `runtime.api.LoadConfig` and `runtime.sampling.SamplingParams` (one source of truth).
 """
@@ -13,6 +13,7 @@ from typing import Sequence
 from runtime.api import LoadConfig, build
 from runtime.errors import SpectreeError
 from runtime.sampling import SamplingParams
+from runtime.tokenizer import single_turn
 
 
 def _default(cls, name: str):
@@ -47,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
+    g.add_argument("--chat", action="store_true",
+                   help="send --prompt as one user message through the model's chat template")
+    g.add_argument("--system", help="with --chat: a system message before the user message")
     g.add_argument("--max-tokens", type=int, default=_default(SamplingParams, "max_tokens"))
     g.add_argument("--temperature", type=float, default=_default(SamplingParams, "temperature"))
     g.add_argument("--top-k", type=int, default=_default(SamplingParams, "top_k"))
@@ -68,8 +72,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _prompt(args: argparse.Namespace) -> str | list[int] | list[dict[str, str]]:
+    if not args.chat:
+        return args.prompt if args.prompt is not None else args.prompt_ids
+    return single_turn(args.prompt, args.system)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.chat and args.prompt is None:
+        p.error("--chat needs --prompt (the user message), not --prompt-ids")
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat (it is a chat message)")
     try:
         params = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -81,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_draft_len=args.max_draft_len, device=args.device, draft_options=_options(args.draft_option),
             )
         )
-        prompt = args.prompt if args.prompt is not None else args.prompt_ids
+        prompt = _prompt(args)
         if args.json:
             result = decoder.generate(prompt, params)
             out = {"token_ids": list(result.token_ids), "text": result.text, "finish_reason": result.finish_reason,

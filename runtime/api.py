@@ -101,7 +101,8 @@ def load(
     device: str | torch.device = LoadConfig.device,
     **draft_options: Any,
 ) -> SpecDecoder:
-    """Load a checkpoint directory with a drafter; returns a SpecDecoder (`generate`, `stream`).
+    """Load a checkpoint directory with a drafter; returns a SpecDecoder (`generate`, `stream`), whose prompt is
+    text, token ids or chat messages ([{"role": "user", "content": "..."}], rendered by the chat template).
 
     path         HF checkpoint directory (config.json, model.safetensors[.index.json], tokenizer.json)
     draft        medusa | eagle | lookup | none (default: inferred from draft_model, else none)

@@ -22,7 +22,7 @@ from runtime.errors import RequestError
 from runtime.model import TargetModel
 from runtime.protocol import Draft, Drafter
 from runtime.sampling import SamplingParams, sample, target_probs
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
 from runtime.tree import Tree
 from runtime.verify import verify
 
@@ -152,6 +152,10 @@ def _check_sampling_keys(sampling: dict) -> dict:
     return sampling
 
 
+# A prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}, ...], rendered by the chat template).
+PromptLike = str | list[int] | tuple[int, ...] | torch.Tensor | list[dict[str, str]] | tuple[ChatMessage, ...]
+
+
 class SpecDecoder:
     """A target model, its tokenizer and a drafter: serves any number of sequential or concurrent requests
     (each request gets its own cache and drafter session; the weights are shared and read-only)."""
@@ -170,13 +174,21 @@ class SpecDecoder:
 
     # ---- request boundary ---------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[int] | tuple[int, ...] | torch.Tensor) -> list[int]:
-        """Prompt text or token ids -> validated ids (RequestError names the problem)."""
-        if isinstance(prompt, str):
+    def encode_prompt(self, prompt: PromptLike) -> list[int]:
+        """Prompt text, token ids or chat messages -> validated ids (RequestError names the problem).
+
+        Chat messages go through the tokenizer's chat template with the assistant turn opened
+        (add_generation_prompt); the template places the special tokens, so no BOS is added to them.
+        """
+        if is_chat(prompt):
+            if self.tokenizer is None:
+                raise RequestError("prompt is chat messages but this model has no tokenizer; pass token ids instead")
+            ids = self.tokenizer.apply_chat_template(prompt)
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt is text but this model has no tokenizer; pass token ids instead")
             if not prompt:
-                raise RequestError("prompt is empty; expected non-empty text or token ids")
+                raise RequestError("prompt is empty; expected non-empty text, token ids or chat messages")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
@@ -193,9 +205,10 @@ class SpecDecoder:
             )
         return ids
 
-    def generate(self, prompt, params: SamplingParams | None = None, **sampling) -> GenerationResult:
-        """Run a request to completion. Sampling settings come as a SamplingParams or as its field names
-        (max_tokens=, temperature=, top_k=, top_p=, seed=, stop=, stop_token_ids=, ignore_eos=)."""
+    def generate(self, prompt: PromptLike, params: SamplingParams | None = None, **sampling) -> GenerationResult:
+        """Run a request to completion (prompt: text, token ids or chat messages, see `encode_prompt`). Sampling
+        settings come as a SamplingParams or as its field names (max_tokens=, temperature=, top_k=, top_p=, seed=,
+        stop=, stop_token_ids=, ignore_eos=)."""
         ids: list[int] = []
         text = []
         for delta in self.stream(prompt, params, **sampling):
@@ -206,7 +219,7 @@ class SpecDecoder:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
-    def stream(self, prompt, params: SamplingParams | None = None, **sampling) -> Iterator[GenerationDelta]:
+    def stream(self, prompt: PromptLike, params: SamplingParams | None = None, **sampling) -> Iterator[GenerationDelta]:
         """Yield GenerationDeltas until a stop condition; the last one carries finish_reason and stats.
 
         The prompt is validated here, eagerly (RequestError before any iteration); closing the returned
@@ -331,4 +344,4 @@ class SpecDecoder:
         return sample(target_probs(logits, params), gen)
 
 
-__all__ = ["SpecDecoder", "GenerationDelta", "GenerationResult", "GenerationStats", "StopChecker"]
+__all__ = ["PromptLike", "SpecDecoder", "GenerationDelta", "GenerationResult", "GenerationStats", "StopChecker"]

@@ -4,21 +4,114 @@ Special tokens: bos from tokenizer_config.json ("bos_token", authoritative when 
 null as in Qwen2), else generation_config.json / config.json bos_token_id. eos ids are the union of
 generation_config.json eos_token_id (an int or a list, as in Llama 3), config.json eos_token_id and
 tokenizer_config.json's eos_token, in that order.
+
+Chat template: a `chat_template.jinja` file beside tokenizer.json (wins, as in transformers >= 4.43), else
+tokenizer_config.json "chat_template" (a string, or HF's list of {name, template} where "default" is used).
+It is rendered as transformers renders it (sandboxed jinja2, trim_blocks / lstrip_blocks, `raise_exception`,
+`bos_token` / `eos_token`) and the text is encoded without adding a BOS: the template places special tokens.
+`chat_messages` is the one validator of chat messages (the runtime's prompt and the served `messages` input).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from runtime.config import token_id_list
-from runtime.errors import ConfigError, TokenizerError
+from runtime.errors import ConfigError, RequestError, TokenizerError
 from runtime.files import read_json_object
 
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The special-token strings a chat template sees (transformers' special_tokens_map keys).
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat turn (OpenAI chat form)."""
+
+    role: str  # "system" | "user" | "assistant" | whatever else the model's template knows
+    content: str
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def chat_messages(messages: Any, name: str = "messages") -> tuple[ChatMessage, ...]:
+    """Validate chat messages: a non-empty list of {"role": str, "content": str} (dicts or ChatMessages).
+
+    RequestError names the index, the key and the value, e.g. `messages[1].role must be a string, got 3`.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise RequestError(f"{name} must be a list of {{role, content}} messages, got {_shown(messages)}")
+    if not messages:
+        raise RequestError(f"{name} is empty; expected at least one {{role, content}} message")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"{name}[{i}]"
+        if isinstance(message, ChatMessage):
+            message = {"role": message.role, "content": message.content}
+        if not isinstance(message, Mapping):
+            raise RequestError(f"{where} must be an object with role and content, got {_shown(message)}")
+        unknown = sorted(str(k) for k in set(message) - {"role", "content"})
+        if unknown:
+            raise RequestError(f"{where} has unknown key(s) {unknown}; expected only role and content")
+        for key in ("role", "content"):
+            if key not in message:
+                raise RequestError(f"{where} has no {key!r}; expected role and content strings")
+            if not isinstance(message[key], str):
+                raise RequestError(f"{where}.{key} must be a string, got {_shown(message[key])}")
+        if not message["role"]:
+            raise RequestError(f"{where}.role must be a non-empty string, got ''")
+        out.append(ChatMessage(message["role"], message["content"]))
+    return tuple(out)
+
+
+def single_turn(user: str, system: str | None = None) -> list[dict[str, str]]:
+    """The messages of a one-question chat (the CLIs' --chat [--system]): a system message if given, then the user's."""
+    return [*([] if system is None else [{"role": "system", "content": system}]), {"role": "user", "content": user}]
+
+
+def is_chat(prompt: Any) -> bool:
+    """Whether a prompt is chat messages (a non-empty list or tuple starting with a dict or ChatMessage)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (Mapping, ChatMessage))
+
+
+def _chat_template(root: Path, tok_cfg: dict[str, Any]) -> tuple[str | None, str]:
+    """(template, where it came from) of a tokenizer directory; (None, why not) when it has none."""
+    path = root / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    where = f"{root / 'tokenizer_config.json'} chat_template"
+    value = tok_cfg.get("chat_template")
+    if value is None:
+        return None, f"neither {CHAT_TEMPLATE_FILE} nor a tokenizer_config.json chat_template in {root}"
+    if isinstance(value, str):
+        return value, where
+    if isinstance(value, list):
+        named: dict[str, str] = {}
+        for i, entry in enumerate(value):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise TokenizerError(f"{where}[{i}]: expected {{\"name\": str, \"template\": str}}, got "
+                                     f"{_shown(entry)}")
+            named[entry["name"]] = entry["template"]
+        if "default" in named:
+            return named["default"], f"{where} 'default'"
+        return None, f"{where} has no 'default' template (has {sorted(named)})"
+    raise TokenizerError(f"{where}: expected a string or a list of {{name, template}}, got {type(value).__name__}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -39,8 +132,14 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_ids: Sequence[int],
         add_bos: bool = True,
+        chat_template: str | None = None,
+        chat_template_source: str | None = None,  # where the template came from, or why there is none
+        special_tokens: Mapping[str, str] | None = None,  # bos_token, eos_token, ... as the template sees them
     ) -> None:
         self._tok = tokenizer
+        self.chat_template = chat_template
+        self._chat_template_source = chat_template_source or ("given" if chat_template else "none was given")
+        self._compiled_template: Any = None
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos = add_bos and bos_token_id is not None
@@ -55,6 +154,11 @@ class Tokenizer:
         for tid in (*self.eos_token_ids, *(() if bos_token_id is None else (bos_token_id,))):
             if not 0 <= tid < size:
                 raise TokenizerError(f"special token id {tid} is outside the tokenizer vocabulary [0, {size})")
+        if special_tokens is None:
+            special_tokens = {name: tokenizer.id_to_token(tid) for name, tid in (
+                ("bos_token", bos_token_id), ("eos_token", self.eos_token_ids[0] if self.eos_token_ids else None))
+                if tid is not None}
+        self.special_tokens: dict[str, str] = dict(special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +205,15 @@ class Tokenizer:
             if tid not in eos:
                 eos.append(tid)
         add_bos = tok_cfg.get("add_bos_token", True)
-        return cls(tok, bos, eos, add_bos=bool(add_bos))
+        template, template_source = _chat_template(root, tok_cfg)
+        # What transformers hands a template: tokenizer_config's special token strings (bos_token may be null).
+        special = {name: text for name in _TEMPLATE_TOKENS if (text := _token_content(tok_cfg.get(name))) is not None}
+        if "bos_token" not in tok_cfg and bos is not None:
+            special["bos_token"] = tok.id_to_token(bos)
+        if "eos_token" not in special and eos:
+            special["eos_token"] = tok.id_to_token(eos[0])
+        return cls(tok, bos, eos, add_bos=bool(add_bos), chat_template=template, chat_template_source=template_source,
+                   special_tokens=special)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text` (special-token strings in it are recognised), BOS first when add_bos and the
@@ -113,6 +225,36 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def render_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> str:
+        """The chat template's text for `messages` (validated by `chat_messages`), as transformers renders it.
+
+        RequestError when the tokenizer has no template or the template refuses the messages (its
+        raise_exception, e.g. roles that do not alternate); TokenizerError when the template itself is broken.
+        """
+        turns = chat_messages(messages)
+        if self.chat_template is None:
+            raise RequestError(f"the tokenizer has no chat template ({self._chat_template_source}); send the "
+                               "prompt as text or token ids instead of chat messages")
+        template = self._compiled()
+        import jinja2  # importable: compiling needed it
+
+        try:
+            return template.render(
+                messages=[{"role": t.role, "content": t.content} for t in turns],
+                add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"the chat template ({self._chat_template_source}) refused the messages: {exc}") from exc
+
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat template (no BOS added: the template places its special tokens)."""
+        return self.encode(self.render_chat_template(messages, add_generation_prompt), add_bos=False)
+
+    def _compiled(self) -> Any:
+        if self._compiled_template is None:
+            self._compiled_template = _compile_chat_template(self.chat_template, self._chat_template_source)
+        return self._compiled_template
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -121,6 +263,40 @@ class Tokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _compile_chat_template(source: str, where: str) -> Any:
+    """A chat template compiled in the environment transformers gives it (chat templates are untrusted code: the
+    sandbox forbids attribute escapes, and the environment is immutable)."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise TokenizerError(f"chat templates need jinja2 >= 3.1.6 (pip install jinja2): {exc}") from exc
+    version = tuple(int(p) if p.isdigit() else 0 for p in jinja2.__version__.split(".")[:3])
+    if version < (3, 1, 6):  # older sandboxes have known escapes, and a template is code from the checkpoint
+        raise TokenizerError(f"chat templates need jinja2 >= 3.1.6 (its sandbox), found {jinja2.__version__}")
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # jinja's own tojson escapes HTML characters; templates expect plain JSON
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"chat template ({where}) does not compile: {exc}") from exc
 
 
 class IncrementalDetokenizer:
@@ -183,4 +359,5 @@ class IncrementalDetokenizer:
         return delta
 
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["CHAT_TEMPLATE_FILE", "ChatMessage", "IncrementalDetokenizer", "Tokenizer", "chat_messages", "is_chat",
+           "single_turn"]

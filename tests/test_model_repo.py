@@ -171,6 +171,13 @@ def test_render_hf_checkpoint(ckpt, tmp_path):
     assert all(i.optional for i in ens.input)
     steps = ens.ensemble_scheduling.step
     assert [s.model_name for s in steps] == ["preprocessing", "spec_decode"]
+    # The prompt, as text or as chat messages (a JSON string), goes through the tokenizer stage and on.
+    messages = pipeline.MESSAGES
+    assert messages.data_type is DataType.TYPE_STRING and messages.dims == (1,) and messages.optional
+    assert messages in ens.input and messages in spec.input and messages in pre.input
+    assert [i.name for i in pre.input] == ["text_input", "messages"]
+    assert steps[0].input_map == {"text_input": "text_input", "messages": "messages"}
+    assert steps[1].input_map["messages"] == "messages" and steps[1].input_map["text_input"] == "text_input"
     assert steps[1].input_map["input_ids"] == steps[0].output_map["input_ids"]
     # Every input the ensemble takes reaches spec_decode; every spec_decode output is an ensemble output.
     assert set(steps[1].input_map.values()) - {"_input_ids"} == {i.name for i in ens.input}

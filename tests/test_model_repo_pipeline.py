@@ -3,6 +3,8 @@ the generation driver over a real SpecDecoder, slots, error codes, metrics and c
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -25,23 +27,34 @@ from model_repo.pipeline import (
 )
 from runtime.errors import CacheError, RequestError
 from runtime.sampling import SamplingParams
+from runtime.tokenizer import ChatMessage
 from tests.heads import write_medusa_head
 from tests.tiny import EOS_ID, make_checkpoint, vocab_size
 
 LIMITS = RequestLimits(max_tokens=100, vocab_size=vocab_size())
 PROMPT = "The quick brown fox jumps over the lazy dog."
+# A short chat template (the fixture's context is 64 tokens), written as chat_template.jinja beside the tokenizer.
+TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}bot:{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
 
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     ckpt = make_checkpoint(root / "llama2", "llama2", max_position_embeddings=64)
+    (ckpt / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
     heads = write_medusa_head(root / "medusa", 64, vocab_size(), num_heads=2)
     return runtime.load(ckpt, draft_model=heads, tree="[[0], [1], [0, 0]]")
 
 
 def s(text: str) -> np.ndarray:
     return np.array([text.encode()], dtype=np.object_)
+
+
+def j(value) -> np.ndarray:
+    """A JSON-valued STRING input (messages)."""
+    return s(json.dumps(value))
 
 
 def i32(*v: int) -> np.ndarray:
@@ -95,10 +108,32 @@ def test_parse_token_ids_and_sampling_parameters_json():
     assert r.params.max_tokens == 5
 
 
+def test_parse_messages():
+    r = parse_generate_request({"messages": j(MESSAGES), "max_tokens": i32(8)}, LIMITS)
+    assert r.prompt == (ChatMessage("system", "Be brief."), ChatMessage("user", "The quick brown fox"))
+    assert r.prompt_source == "messages" and r.echo == ""  # a chat prompt is never echoed
+    # The ensemble's spec_decode step: ids from the tokenizer stage, the messages passed along (and checked).
+    r = parse_generate_request({"input_ids": i32(0, 5), "messages": j(MESSAGES), "max_tokens": i32(8)}, LIMITS)
+    assert r.prompt == (0, 5) and r.prompt_source == "input_ids" and r.echo == ""
+
+
 @pytest.mark.parametrize(
     "inputs,message",
     [
-        ({"text_input": None}, "text_input: missing"),
+        ({"text_input": None}, "text_input: missing; expected the prompt text (STRING [1]), or messages"),
+        ({"messages": j(MESSAGES)}, "text_input and messages: both given; give exactly one"),
+        ({"text_input": None, "messages": s("[{")}, "messages: not valid JSON"),
+        ({"text_input": None, "messages": j([])}, "messages is empty"),
+        ({"text_input": None, "messages": j({"role": "user"})}, "messages must be a list of {role, content}"),
+        ({"text_input": None, "messages": j([{"role": "user", "content": "a"}, {"role": 3, "content": "b"}])},
+         "messages[1].role must be a string, got 3"),
+        ({"text_input": None, "messages": j([{"role": "user", "content": 7}])},
+         "messages[0].content must be a string, got 7"),
+        ({"text_input": None, "messages": np.array([b"[]", b"[]"], dtype=np.object_)},
+         "messages: expected exactly one value"),
+        ({"text_input": None, "messages": j(MESSAGES), "exclude_input_in_output": b(False)},
+         "exclude_input_in_output: false needs text_input"),
+        ({"input_ids": i32(0, 5), "messages": j([])}, "messages is empty"),
         ({"text_input": s("")}, "text_input: empty"),
         ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "text_input: not valid UTF-8"),
         ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "text_input: expected exactly one value"),
@@ -147,6 +182,25 @@ def test_preprocess_matches_the_decoder(decoder):
         preprocess({"text_input": s(PROMPT * 20)}, decoder.tokenizer, decoder.max_context)
 
 
+def test_preprocess_messages_matches_the_decoder(decoder, tmp_path):
+    out = preprocess({"messages": j(MESSAGES)}, decoder.tokenizer, decoder.max_context)
+    assert out["input_ids"].tolist() == decoder.encode_prompt(MESSAGES)
+    assert decoder.tokenizer.render_chat_template(MESSAGES) == "system: Be brief.\nuser: The quick brown fox\nbot:"
+    for inputs, message in (
+        ({"messages": j(MESSAGES), "text_input": s(PROMPT)}, "text_input and messages: both given"),
+        ({}, "text_input: missing"),
+        ({"messages": j([{"role": "user", "content": ["x"]}])}, "messages[0].content must be a string, got ['x']"),
+        ({"messages": j([{"role": "user", "content": PROMPT * 10}])}, "messages: the prompt is"),
+        ({"messages": j(MESSAGES), "input_ids": i32(1)}, "unknown input(s) ['input_ids']"),
+    ):
+        with pytest.raises(InputError) as e:
+            preprocess(inputs, decoder.tokenizer, decoder.max_context)
+        assert message in str(e.value)
+    plain = runtime.load(make_checkpoint(tmp_path / "plain", "llama2"))
+    with pytest.raises(InputError, match="messages: the tokenizer has no chat template"):
+        preprocess({"messages": j(MESSAGES)}, plain.tokenizer, plain.max_context)
+
+
 # ---- the generation driver ------------------------------------------------------------------------------
 
 
@@ -185,6 +239,18 @@ def test_streamed_deltas_equal_the_offline_result(decoder, sampling):
     assert last["accepted_per_step"].tolist() == list(ref.stats.accepted_per_step)
     assert last["tau"][0] == pytest.approx(ref.stats.tau)
     assert all("tau" not in o for o, _ in sink.responses[:-1])
+
+
+def test_messages_stream_equals_the_offline_chat(decoder, tmp_path):
+    request = parse_generate_request({"messages": j(MESSAGES), "max_tokens": i32(12), "stream": b(True)}, LIMITS)
+    sink = ListSink()
+    run_generation(decoder, request, sink)
+    ref = decoder.generate(MESSAGES, max_tokens=12)
+    assert sink.text() == ref.text and sink.ids() == list(ref.token_ids)
+    assert ref.stats.prompt_tokens == len(decoder.encode_prompt(MESSAGES))
+    plain = runtime.load(make_checkpoint(tmp_path / "plain", "llama2"))
+    with pytest.raises(InputError, match="messages: the tokenizer has no chat template"):
+        run_generation(plain, request, ListSink())
 
 
 def test_whole_response_echoes_the_prompt(decoder):

@@ -54,6 +54,10 @@ PROMPTS = [
     "def add(a, b):",
     "Café, naïve, résumé 日本語 🙂",
 ]
+# ChatML, as SmolLM2-Instruct's; the engine carries it as chat_template.jinja (copied by the builder).
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[1]}]
 MAX_CONTEXT = 2048
 MAX_TOKENS_LIMIT = 1500
 SLOTS = 8
@@ -79,6 +83,7 @@ def _build_engine(root: Path) -> Path:
     from builder.config import parse_config
 
     ckpt = make_checkpoint(root / "llama2", "llama2", max_position_embeddings=MAX_CONTEXT)
+    (ckpt / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     heads = write_medusa_head(root / "medusa", 64, vocab_size(), num_heads=3)
     cfg = parse_config({"model": {"checkpoint": str(ckpt)},
                         "draft": {"method": "medusa", "checkpoint": str(heads),
@@ -210,6 +215,21 @@ def scrape(served: Served) -> Metrics:
         return Metrics(r.read().decode())
 
 
+def settled_scrape(served: Served) -> Metrics:
+    """A scrape once every finished request is counted: spec_decode records a request's outcome just after
+    sending its final response, so a client can see the end of a request before the metrics do."""
+    deadline = time.monotonic() + 30
+    last = scrape(served)
+    while True:
+        time.sleep(0.2)
+        now = scrape(served)
+        if (now.get("spectree_requests_total") == last.get("spectree_requests_total")
+                and now.get("spectree_active_requests", model="spec_decode") == 0):
+            return now
+        assert time.monotonic() < deadline, "the request metrics never settled"
+        last = now
+
+
 # ---- tests ----------------------------------------------------------------------------------------------
 
 
@@ -267,6 +287,19 @@ def test_http_generate_and_generate_stream(served):
     assert events[-1]["finish_reason"] == ref.finish_reason
 
 
+@pytest.mark.parametrize("model", ["ensemble", "spec_decode"])
+def test_messages_stream_equals_offline_chat(served, model):
+    ref = served.decoder.generate(MESSAGES, SamplingParams(max_tokens=24))
+    assert ref.stats.prompt_tokens == len(served.decoder.tokenizer.apply_chat_template(MESSAGES))
+    check_equal(stream(served, model, MESSAGES, 24), ref)
+    # Not streamed: a chat prompt is not echoed (there is no prompt text to repeat).
+    events = stream(served, model, MESSAGES, 24, stream=False)
+    assert len(events) == 1 and events[0].text == ref.text
+    # Over HTTP's generate endpoint, messages is a JSON string like any STRING input.
+    code, body = post(f"{served.http}/v2/models/{model}/generate", {"messages": json.dumps(MESSAGES), "max_tokens": 24})
+    assert code == 200 and json.loads(body)["text_output"] == ref.text, body
+
+
 def test_client_cli(served):
     prompt = PROMPTS[0]
     ref = offline(served, prompt, max_tokens=20, temperature=f32(0.6), seed=8)
@@ -280,6 +313,11 @@ def test_client_cli(served):
                         "--max-tokens", "20", "--top-p", "0"], capture_output=True, timeout=120,
                        cwd=Path(__file__).parent.parent, check=False)
     assert r.returncode == 1 and "top_p: expected a number in (0, 1]" in r.stderr.decode()
+    r = subprocess.run([sys.executable, "-m", "deploy", "client", "--url", served.grpc, "--prompt", PROMPTS[1],
+                        "--chat", "--system", "Be brief.", "--max-tokens", "20"], capture_output=True, timeout=120,
+                       cwd=Path(__file__).parent.parent, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == served.decoder.generate(MESSAGES, max_tokens=20).text + "\n"
 
 
 def grpc_error(served: Served, model: str, inputs: list) -> str:
@@ -320,6 +358,14 @@ BAD_REQUESTS = [
      ["sampling_parameters: unknown key(s) ['temprature']"]),
     ("ensemble", lambda: [*build_inputs("hi", 8), _tensor("beam_width", np.array([2], np.int32), "INT32")],
      ["beam_width"]),
+    ("ensemble", lambda: [*build_inputs("hi", 8), *build_inputs(MESSAGES, 8)[:1]],
+     ["text_input and messages: both given"]),
+    ("spec_decode", lambda: [*build_inputs("hi", 8), *build_inputs(MESSAGES, 8)[:1]],
+     ["text_input and messages: both given"]),
+    ("ensemble", lambda: build_inputs([{"role": "user", "content": "a"}, {"role": 3, "content": "b"}], 8),
+     ["messages[1].role must be a string, got 3"]),
+    ("spec_decode", lambda: build_inputs([{"role": "user", "content": 5}], 8),
+     ["messages[0].content must be a string, got 5"]),
 ]
 
 
@@ -351,14 +397,14 @@ def test_eight_concurrent_streams(served):
         prompt, n, via_ensemble, sampling = job
         return stream(served, "ensemble" if via_ensemble else "spec_decode", prompt, n, **sampling)
 
-    before = scrape(served)
+    before = settled_scrape(served)
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, jobs))
     for (prompt, n, _, sampling), events in zip(jobs, results):
         offline_sampling = {"temperature": f32(sampling["temperature"]), "top_p": f32(sampling["top_p"]),
                             "seed": sampling["seed"]} if sampling else {}
         check_equal(events, offline(served, prompt, max_tokens=n, **offline_sampling))
-    after = scrape(served)
+    after = settled_scrape(served)
     done = {"model": "spec_decode", "outcome": "completed"}
     assert after.get("spectree_requests_total", **done) - before.get("spectree_requests_total", **done) == 8
     assert after.get("spectree_active_requests", model="spec_decode") == 0
@@ -410,11 +456,11 @@ def test_cancelled_stream_frees_its_slot(served):
 
 def test_speculation_metrics(served):
     prompt = PROMPTS[2]
-    before = scrape(served)
+    before = settled_scrape(served)
     events = stream(served, "spec_decode", prompt, 30, temperature=0.7, seed=3)
     ref = offline(served, prompt, max_tokens=30, temperature=f32(0.7), seed=3)
     check_equal(events, ref)
-    after = scrape(served)
+    after = settled_scrape(served)
     lab = {"model": "spec_decode", "verification": "rejection_sampling"}
 
     def delta(name: str, **labels: str) -> float:
