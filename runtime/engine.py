@@ -544,7 +544,8 @@ class Engine:
 
         if not self.has("tokenizer.json"):
             return None
-        for rel in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "config.json"):
+        for rel in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                    "config.json"):
             if self.has(rel):
                 self.path(rel)
         return Tokenizer.from_dir(self.root)

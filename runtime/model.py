@@ -48,7 +48,50 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-class Attention(nn.Module):
+class _Fused(nn.Module):
+    """Projections that read the same input run as ONE matmul over their stacked rows (q/k/v; gate/up): fewer,
+    larger GEMMs per layer, which on a CPU step of a small model is measurably faster (perf/README.md).
+
+    The stacked weight (and bias) is the storage; the named projections' parameters are views of its row blocks,
+    so state-dict names stay Hugging Face's and no weight is held twice. It is rebuilt whenever parameters are
+    replaced: after any load_state_dict (a post-hook) and after .to() / dtype or device moves (`_apply`).
+    """
+
+    _fused_names: tuple[str, ...] = ()
+
+    def _setup_fusion(self) -> None:
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._fuse())
+        self._fuse()
+
+    def _fuse(self) -> None:
+        mods = [getattr(self, n) for n in self._fused_names]
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in mods])  # [sum of out, in]
+            bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
+        # Non-persistent buffers: not in state dicts, but named module state for exporters (ONNX initialisers).
+        self.register_buffer("fused_weight", weight, persistent=False)
+        self.register_buffer("fused_bias", bias, persistent=False)
+        self.fused_sizes = [m.weight.shape[0] for m in mods]
+        start = 0
+        for m, size in zip(mods, self.fused_sizes):
+            m.weight = nn.Parameter(weight[start:start + size], requires_grad=m.weight.requires_grad)
+            if bias is not None:
+                m.bias = nn.Parameter(bias[start:start + size], requires_grad=m.bias.requires_grad)
+            start += size
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._fuse()
+        return out
+
+    def fused(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x # [..., in] -> each projection's output, from one matmul."""
+        return F.linear(x, self.fused_weight, self.fused_bias).split(self.fused_sizes, dim=-1)
+
+
+class Attention(_Fused):
+    _fused_names = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h = config.hidden_size
@@ -60,6 +103,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
+        self._setup_fusion()
 
     def forward(
         self,
@@ -71,9 +115,10 @@ class Attention(nn.Module):
         tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32
     ) -> torch.Tensor:  # [B, N, H]
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, N, D]
-        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, N, D]
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.fused(x)
+        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, N, D]
+        k = k.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, N, D]
+        v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         k_all, v_all = cache.write(cache_layer, k, v)  # [B, Hkv, L + N, D]
@@ -81,8 +126,10 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
+class MLP(_Fused):
     """down(silu(gate(x)) * up(x))."""
+
+    _fused_names = ("gate_proj", "up_proj")
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -90,9 +137,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+        self._setup_fusion()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.fused(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

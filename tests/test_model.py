@@ -364,3 +364,29 @@ def test_kv_cache_errors():
         cache.commit(1, torch.tensor([0]))
     with pytest.raises(CacheError, match="max_len"):
         KVCache(1, 1, 2, 0)
+
+
+def test_fused_projections_share_storage_and_follow_loads_and_moves(ckpts):
+    """q/k/v and gate/up run as one matmul each over a stacked weight whose row blocks ARE the named parameters:
+    no weight is held twice, state-dict names stay Hugging Face's, and new weights (load_state_dict) or a dtype
+    move (.to) are picked up by the fused path."""
+    model = TargetModel.from_pretrained(ckpts("qwen2"))  # q/k/v biases fuse too
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for mod, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+        ptr = mod.fused_weight.untyped_storage().data_ptr()
+        assert all(getattr(mod, n).weight.untyped_storage().data_ptr() == ptr for n in names)
+    assert attn.fused_bias is not None and "model.layers.0.self_attn.fused_weight" not in model.state_dict()
+    x = torch.randn(1, 3, model.config.hidden_size)
+    q, k, v = attn.fused(x)
+    torch.testing.assert_close(q, attn.q_proj(x))
+    torch.testing.assert_close(v, attn.v_proj(x))
+    # A load replaces the parameters: the fused weight follows.
+    state = {k2: v2.clone() for k2, v2 in model.state_dict().items()}
+    state["model.layers.0.mlp.up_proj.weight"] = torch.randn_like(state["model.layers.0.mlp.up_proj.weight"])
+    model.load_state_dict(state, strict=True, assign=True)
+    gate, up = mlp.fused(x)
+    torch.testing.assert_close(up, x @ state["model.layers.0.mlp.up_proj.weight"].T)
+    # A dtype move converts and re-fuses.
+    model.to(torch.bfloat16)
+    assert mlp.fused_weight.dtype == torch.bfloat16 == mlp.up_proj.weight.dtype
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.fused_weight.untyped_storage().data_ptr()

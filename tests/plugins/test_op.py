@@ -114,3 +114,29 @@ def test_cpu_single_token_fast_path_still_honours_a_cleared_self_bit():
         torch.testing.assert_close(out, tree_attention_reference(q, k, v, mask, 0.3), atol=2e-6, rtol=2e-6)
     assert not torch.allclose(torch.ops.spectree.tree_attention(q, k, v, on, 0.3)[1],
                               torch.ops.spectree.tree_attention(q, k, v, off, 0.3)[1])
+
+
+def test_cpu_mask_memo_follows_the_mask_object_and_its_writes():
+    """The CPU path unpacks a packed mask once per forward (memo on the tensor and its version): reusing the
+    object reuses the result, an in-place write or a different object recomputes it, and results stay exact."""
+    from plugins.tree_attention import cpu
+    from plugins.tree_attention.mask import ancestor_mask, pack_mask
+    from plugins.tree_attention.reference import tree_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 8, generator=g)
+    k = torch.randn(1, 2, 9, 8, generator=g)
+    v = torch.randn(1, 2, 9, 8, generator=g)
+    tree = pack_mask(ancestor_mask([-1, 0, 0, 1, 2]))[None]
+    chain = pack_mask(torch.ones(5, 5, dtype=torch.bool).tril())[None]
+    first = cpu.attn_mask(tree, 5, 9)
+    assert cpu.attn_mask(tree, 5, 9) is first
+    for mask in (tree, chain):
+        want = tree_attention_reference(q, k, v, mask, 0.3)
+        torch.testing.assert_close(torch.ops.spectree.tree_attention(q, k, v, mask, 0.3), want)
+    tree.copy_(chain)  # same object, new contents: the memo must not serve the old mask
+    assert not torch.equal(cpu.attn_mask(tree, 5, 9), first)
+    torch.testing.assert_close(torch.ops.spectree.tree_attention(q, k, v, tree, 0.3),
+                               tree_attention_reference(q, k, v, chain, 0.3))
+    one = pack_mask(torch.ones(1, 1, dtype=torch.bool))[None]
+    assert cpu.attn_mask(one, 1, 9) is None  # plain decoding: unmasked SDPA
