@@ -1,18 +1,25 @@
-"""python -m perf {bench,serve,readme,kernels}
+"""python -m perf {bench,verify-cost,serve,report,readme,kernels}
 
     bench    (--config CFG | --engine DIR) [--drafters SPECS] [--draft-model KIND=DIR] [--prompts FILE]
-             [--max-tokens N] [--out DIR] ...
-             plain decoding, transformers' greedy generate and speculative decoding on the same prompts in one
-             run: tau, acceptance by depth, target forwards per token, tokens/s, time split, speedups against
-             both baselines, greedy identity; writes bench.json, bench.md and PNG plots
+             [--hf-lookup N] [--hf-assistant DIR] [--max-tokens N] [--out DIR] ...
+             plain decoding, transformers' greedy generate (and its prompt lookup / assisted generation when asked)
+             and speculative decoding on the same prompts in one run: tau, acceptance by depth, target forwards
+             per token, tokens/s, time split, speedups against the baselines, greedy identity; writes bench.json,
+             bench.md and PNG plots
+    verify-cost  (--config CFG | --checkpoint DIR) [--dtypes float32,bfloat16] [--context 256]
+             [--sizes 1,2,4,...,64] [--repeats 7] [--threads N] [--out DIR]
+             one target forward over N new tokens (chain and random-tree masks) against N = 1, per dtype;
+             writes verify_cost.json, verify_cost.md and verify_cost.png
     serve    --url HOST:PORT --model NAME [--concurrency 1:8] [--prompts FILE] [--max-tokens N] [--out DIR]
              perf_analyzer (gRPC, --async --streaming) against a served repository: requests/s, TTFT,
              inter-token latency, output tokens/s per concurrency; writes serve.json, serve.md and a plot
-    report   DIR: regenerate the Markdown and PNGs of a results directory from its bench.json / serve.json
+    report   DIR: regenerate the Markdown and PNGs of a results directory from its bench.json / serve.json /
+             verify_cost.json
     readme   rewrite perf/README.md's latest-results section from the newest perf/results/<date>-<machine>/
     kernels  the tree-attention kernel check and microbenchmark on a CUDA GPU (perf/tree_attention_gpu.py)
 
-Exit status: 0 on success; 1 when greedy outputs differ (bench) or perf_analyzer fails (serve); 2 on bad input;
+Exit status: 0 on success; 1 when a spectree variant's greedy output differs from plain decoding (bench; the
+transformers variants' differences are recorded, not fatal) or perf_analyzer fails (serve); 2 on bad input;
 3 when perf_analyzer is missing or cannot run here (the message says what to install).
 """
 
@@ -28,6 +35,7 @@ from typing import Any
 
 from perf.bench import BenchConfig, parse_specs
 from perf.serve import ServeConfig, parse_concurrency
+from perf.verify_cost import DTYPES, VerifyCostConfig, parse_list
 from runtime.errors import SpectreeError
 
 
@@ -48,6 +56,16 @@ def _specs(text: str):
         return parse_specs(text)
     except SpectreeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _list_of(name: str, item: Any):
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return parse_list(text, name, item)
+        except SpectreeError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return parse
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -83,7 +101,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=_default(BenchConfig, "threads"),
                    help="torch intra-op threads (default: every usable core)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(BenchConfig, "dtype"))
-    b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
+    b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers greedy baseline")
+    b.add_argument("--hf-lookup", type=int, metavar="N", default=_default(BenchConfig, "hf_lookup"),
+                   help="also measure transformers' prompt lookup decoding (generate(prompt_lookup_num_tokens=N); "
+                        "10 is transformers' documented default)")
+    b.add_argument("--hf-assistant", type=Path, metavar="DIR", default=_default(BenchConfig, "hf_assistant"),
+                   help="also measure transformers' assisted generation with this draft checkpoint (same "
+                        "tokenizer and vocabulary as the target)")
     b.add_argument("--out", default=_default(BenchConfig, "out"),
                    help="output directory; {date} and {machine} are filled in (default %(default)s)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -107,8 +131,33 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout-s", type=float, default=_default(ServeConfig, "timeout_s"))
     s.add_argument("--out", default=_default(ServeConfig, "out"))
 
+    v = sub.add_parser("verify-cost", help="one target forward over N new tokens against N = 1, per dtype and mask")
+    src = v.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", type=Path, help="builder YAML (its model.checkpoint)")
+    src.add_argument("--checkpoint", type=Path, help="HF checkpoint directory")
+    v.add_argument("--dtypes", type=_list_of("dtypes", str), default=_default(VerifyCostConfig, "dtypes"),
+                   help=f"comma-separated, among {','.join(DTYPES)} (default "
+                        f"{','.join(_default(VerifyCostConfig, 'dtypes'))})")
+    v.add_argument("--context", type=int, default=_default(VerifyCostConfig, "context"),
+                   help="random tokens prefilled before the timed forwards (default %(default)s)")
+    v.add_argument("--sizes", type=_list_of("sizes", int), default=_default(VerifyCostConfig, "sizes"),
+                   help="comma-separated N, including 1 (default "
+                        f"{','.join(map(str, _default(VerifyCostConfig, 'sizes')))})")
+    v.add_argument("--repeats", type=int, default=_default(VerifyCostConfig, "repeats"),
+                   help="timed passes over every (dtype, mask, N); the median counts (default %(default)s)")
+    v.add_argument("--warmup", type=int, default=_default(VerifyCostConfig, "warmup"),
+                   help="untimed passes first (default %(default)s)")
+    v.add_argument("--threads", type=int, default=_default(VerifyCostConfig, "threads"),
+                   help="torch intra-op threads (default: every usable core)")
+    v.add_argument("--device", default=_default(VerifyCostConfig, "device"), help="cpu, cuda or cuda:K")
+    v.add_argument("--seed", type=int, default=_default(VerifyCostConfig, "seed"),
+                   help="random context, tokens, trees and pass orders")
+    v.add_argument("--out", default=_default(VerifyCostConfig, "out"),
+                   help="output directory; {date} and {machine} are filled in (default %(default)s)")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+
     g = sub.add_parser("report", help="regenerate the Markdown and PNGs of a results directory from its JSON")
-    g.add_argument("results_dir", type=Path, help="a directory holding bench.json and/or serve.json")
+    g.add_argument("results_dir", type=Path, help="a directory holding bench.json, serve.json and/or verify_cost.json")
 
     r = sub.add_parser("readme", help="update perf/README.md from the newest results directory")
     r.add_argument("--readme", type=Path, default=Path(__file__).resolve().parent / "README.md")
@@ -151,17 +200,27 @@ def write_serve(report: dict[str, Any], out: Path) -> str:
     return md
 
 
+def write_verify_cost(report: dict[str, Any], out: Path) -> str:
+    from perf import plots
+    from perf.report import verify_cost_markdown
+
+    image = plots.verify_cost_plot(report, out / "verify_cost.png")
+    md = verify_cost_markdown(report, [image.name])
+    (out / "verify_cost.md").write_text(md, encoding="utf-8")
+    return md
+
+
 def _report(ns: argparse.Namespace) -> int:
     import json
 
     done = []
-    for name, write in (("bench", write_bench), ("serve", write_serve)):
+    for name, write in (("bench", write_bench), ("serve", write_serve), ("verify_cost", write_verify_cost)):
         path = ns.results_dir / f"{name}.json"
         if path.is_file():
             write(json.loads(path.read_text(encoding="utf-8")), ns.results_dir)
             done.append(name)
     if not done:
-        sys.stderr.write(f"error: {ns.results_dir} holds neither bench.json nor serve.json\n")
+        sys.stderr.write(f"error: {ns.results_dir} holds none of bench.json, serve.json, verify_cost.json\n")
         return 2
     sys.stdout.write(f"regenerated {', '.join(f'{n}.md' for n in done)} and plots in {ns.results_dir}\n")
     return 0
@@ -175,17 +234,39 @@ def _bench(ns: argparse.Namespace) -> int:
     config = BenchConfig(config=ns.config, engine=ns.engine, drafters=tuple(ns.drafters),
                          draft_models=tuple(ns.draft_model), prompts=tuple(ns.prompts),
                          prompts_per_set=ns.prompts_per_set, max_tokens=ns.max_tokens, warmup=ns.warmup,
-                         repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, hf=ns.hf, out=ns.out)
+                         repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, hf=ns.hf, hf_lookup=ns.hf_lookup,
+                         hf_assistant=ns.hf_assistant, out=ns.out)
     report = run_bench(config, None if ns.quiet else _progress)
     out = expand_out(config.out, report["machine"])
     out.mkdir(parents=True, exist_ok=True)
     write_json(report, out / "bench.json")
     sys.stdout.write(write_bench(report, out))
     sys.stdout.write(f"\nwrote {out}/bench.json, bench.md and plots\n")
+    if report["transformers_mismatches"]:
+        differ = sorted({m["variant"] for m in report["transformers_mismatches"]})
+        sys.stderr.write(f"note: transformers variant(s) {', '.join(differ)} differ from plain decoding on some "
+                         f"prompts (recorded in {out}/bench.md, not an error: another implementation)\n")
     if not report["greedy_identical"]:
         sys.stderr.write(f"error: greedy outputs differ from plain decoding in {len(report['mismatches'])} run(s); "
                          f"see {out}/bench.md\n")
         return 1
+    return 0
+
+
+def _verify_cost(ns: argparse.Namespace) -> int:
+    from perf.machine import expand_out
+    from perf.report import write_json
+    from perf.verify_cost import run_verify_cost
+
+    config = VerifyCostConfig(config=ns.config, checkpoint=ns.checkpoint, dtypes=tuple(ns.dtypes),
+                              context=ns.context, sizes=tuple(ns.sizes), repeats=ns.repeats, warmup=ns.warmup,
+                              threads=ns.threads, device=ns.device, seed=ns.seed, out=ns.out)
+    report = run_verify_cost(config, None if ns.quiet else _progress)
+    out = expand_out(config.out, report["machine"])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(report, out / "verify_cost.json")
+    sys.stdout.write(write_verify_cost(report, out))
+    sys.stdout.write(f"\nwrote {out}/verify_cost.json, verify_cost.md and verify_cost.png\n")
     return 0
 
 
@@ -222,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(ns)
         if ns.command == "serve":
             return _serve(ns)
+        if ns.command == "verify-cost":
+            return _verify_cost(ns)
         if ns.command == "report":
             return _report(ns)
         from perf.readme import update_readme

@@ -1,12 +1,19 @@
-"""`python -m perf bench`: plain decoding, transformers' greedy generate and speculative decoding, side by side.
+"""`python -m perf bench`: plain decoding, transformers' generate and speculative decoding, side by side.
 
-One run loads the target ONCE and measures, on the same prompts with the same max_tokens (EOS ignored, so every
-run generates exactly max_tokens tokens):
-    plain    our runtime with the "none" drafter (root-only trees: autoregressive decoding through the same loop)
-    hf       transformers' `generate` (greedy) on the same weights       (perf/hf_baseline.py)
-    <spec>   speculative decoding with each drafter / tree asked for   (`--drafters`, grammar in DrafterSpec)
-Every variant's greedy output must equal plain's token for token (the project's losslessness promise); the report
-says where it does not and the command then exits 1.
+One run loads the target ONCE and measures, on the same prompt ids with the same max_tokens (EOS ignored, so
+every run generates exactly max_tokens tokens):
+    plain        our runtime with the "none" drafter (root-only trees: autoregressive decoding through the same loop)
+    hf           transformers' `generate` (greedy) on the same weights             (perf/hf_baseline.py)
+    hf-lookup    transformers' prompt lookup decoding (`--hf-lookup N`)          (same class, other options)
+    hf-assisted  transformers' assisted generation with a draft model (`--hf-assistant DIR`)
+    <spec>       speculative decoding with each drafter / tree asked for   (`--drafters`, grammar in DrafterSpec)
+Prompts: text is encoded by the tokenizer (BOS as configured); `chat: true` prompts are one user message rendered
+through the tokenizer's chat template (no BOS added: the template places it). Every variant gets the same ids.
+
+Greedy identity, one rule: every variant of OUR runtime must equal plain's output token for token (the project's
+losslessness promise); the report says where it does not and the command then exits 1. The transformers variants
+(drafter "transformers") are another implementation, whose bfloat16 / float16 arithmetic may legitimately pick the
+other token at a near-tie: whether each matched plain, and where it first differed, is recorded, not enforced.
 
 Timing: torch's intra-op threads are set once (`threads`) and recorded; each variant first runs `warmup`
 untimed generations; the variants then take turns on each prompt (the order rotates from prompt to prompt, so a
@@ -37,10 +44,15 @@ from runtime.files import shown_path
 DRAFTER_KINDS = ("none", "lookup", "medusa", "eagle")
 KIND_ALIASES = {"plain": "none"}
 WEIGHTED_KINDS = ("medusa", "eagle")
-BASELINES = ("plain", "hf")
+TRANSFORMERS = "transformers"  # the drafter of every transformers variant (identity recorded, not enforced)
+# the transformers variants' names (perf.hf_baseline.HFBaseline.name) and the flags that ask for them
+HF_FLAGS = {"hf": "measured in every run unless --no-hf", "hf-lookup": "measured with --hf-lookup N",
+            "hf-assisted": "measured with --hf-assistant DIR"}
+HF_VARIANTS = tuple(HF_FLAGS)
+BASELINES = ("plain", *HF_VARIANTS)  # reserved variant names
 _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 REPORT_FORMAT = "spectree-bench"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: transformers variants (identity recorded, not enforced), chat prompts, best_hf
 
 
 class BenchConfigError(ConfigError):
@@ -120,9 +132,9 @@ class DrafterSpec:
         head, *opts = raw.split("+")
         kind, sep, tree = head.partition(":")
         kind = KIND_ALIASES.get(kind.strip(), kind.strip())
-        if kind == "hf":
-            raise BenchConfigError(f"drafter spec {raw!r}: hf is a baseline (transformers' generate), measured in "
-                                   "every run; list only speculative drafters")
+        if kind in HF_FLAGS:
+            raise BenchConfigError(f"drafter spec {raw!r}: {kind} is a transformers baseline ({HF_FLAGS[kind]}); "
+                                   "list only our speculative drafters")
         if sep and not tree.strip():
             raise BenchConfigError(f"drafter spec {raw!r}: empty tree after ':'")
         options = []
@@ -187,7 +199,9 @@ class BenchConfig:
     repeats: int = 1  # timed generations per (variant, prompt); the median counts
     threads: int | None = None  # torch intra-op threads; None: every usable core
     dtype: str | None = None  # float32 | bfloat16 | float16; None: the config's / engine's
-    hf: bool = True  # measure the transformers baseline
+    hf: bool = True  # measure the transformers baseline (greedy generate)
+    hf_lookup: int | None = None  # measure transformers' prompt lookup decoding with this many tokens; None: not
+    hf_assistant: Path | None = None  # measure transformers' assisted generation with this draft checkpoint
     out: str = "out/perf/{date}-{machine}"  # output directory; {date} and {machine} are filled in
 
     def __post_init__(self) -> None:
@@ -198,7 +212,7 @@ class BenchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
-        for name in ("threads", "prompts_per_set"):
+        for name in ("threads", "prompts_per_set", "hf_lookup"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= 1 (or unset)")
@@ -223,6 +237,7 @@ class BenchConfig:
         d["drafters"] = [s.name for s in self.drafters]
         d["draft_models"] = {k: str(v) for k, v in self.draft_models}
         d["prompts"] = [str(p) for p in self.prompts]
+        d["hf_assistant"] = None if self.hf_assistant is None else str(self.hf_assistant)
         d["threads"] = self.resolved_threads()
         return d
 
@@ -442,26 +457,51 @@ def runtime_variant(name: str, kind: str, decoder: Any, info: dict[str, Any]) ->
 
 
 def hf_variant(baseline: Any) -> Variant:
+    """A transformers variant (perf.hf_baseline.HFBaseline): "baseline" when greedy, "speculative" otherwise."""
+
     def generate(ids: list[int], max_tokens: int) -> Run:
         r = baseline.generate(ids, max_tokens)
-        return Run(variant="hf", prompt="", repeat=0, prompt_tokens=len(ids), token_ids=r.token_ids, wall_s=r.wall_s,
-                   target_forwards=r.target_forwards)
+        return Run(variant=baseline.name, prompt="", repeat=0, prompt_tokens=len(ids), token_ids=r.token_ids,
+                   wall_s=r.wall_s, target_forwards=r.target_forwards)
 
-    info = {"tree": "none", "attn_implementation": baseline.attn_implementation,
-            "transformers_class": type(baseline.model).__name__}
-    return Variant("hf", "baseline", "transformers", info, generate)
+    info = baseline.describe()
+    kind = "baseline" if info["method"] == "greedy" else "speculative"
+    return Variant(baseline.name, kind, TRANSFORMERS, info, generate)
+
+
+def identity_enforced(variant: Variant) -> bool:
+    """The one identity rule: our runtime's variants must match plain; transformers' are only recorded."""
+    return variant.drafter != TRANSFORMERS
+
+
+def hf_variants(config: BenchConfig, target: Target) -> list[Variant]:
+    """hf, hf-lookup and hf-assisted as asked for; one transformers model of the target is shared by all."""
+    if not (config.hf or config.hf_lookup is not None or config.hf_assistant is not None):
+        return []
+    from perf.hf_baseline import HFBaseline, load_assistant
+
+    dtype = target.model.config.torch_dtype
+    base = (HFBaseline.from_engine(target.engine, dtype) if target.kind == "engine"
+            else HFBaseline.from_checkpoint(target.path, dtype))
+    baselines = [base] if config.hf else []
+    if config.hf_lookup is not None:
+        baselines.append(base.with_prompt_lookup(config.hf_lookup))
+    if config.hf_assistant is not None:
+        assistant = load_assistant(config.hf_assistant, dtype)
+        vocab, expected = assistant.config.get_text_config().vocab_size, target.model.config.vocab_size
+        if vocab != expected:
+            raise BenchConfigError(f"hf_assistant {config.hf_assistant}: vocab_size {vocab}, expected the target's "
+                                   f"{expected} (assisted generation needs a draft model sharing the target's "
+                                   "tokenizer)")
+        baselines.append(base.with_assistant(assistant))
+    return [hf_variant(b) for b in baselines]
 
 
 def make_variants(config: BenchConfig, target: Target) -> list[Variant]:
-    """plain, hf (unless disabled), then one variant per drafter spec (default: the configured drafter)."""
+    """plain, the transformers variants asked for, then one variant per drafter spec (default: the configured
+    drafter)."""
     variants = [runtime_variant("plain", "baseline", build_decoder(target, None)[0], {"tree": "root-only"})]
-    if config.hf:
-        from perf.hf_baseline import HFBaseline
-
-        dtype = target.model.config.torch_dtype
-        baseline = (HFBaseline.from_engine(target.engine, dtype) if target.kind == "engine"
-                    else HFBaseline.from_checkpoint(target.path, dtype))
-        variants.append(hf_variant(baseline))
+    variants += hf_variants(config, target)
     specs = config.drafters
     if not specs:
         if target.drafter.method == "none":
@@ -482,10 +522,19 @@ def make_variants(config: BenchConfig, target: Target) -> list[Variant]:
 ProgressFn = Callable[[str], None]
 
 
-def measure(variants: Sequence[Variant], prompts: Sequence[Prompt], encode: Callable[[str], list[int]],
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's ids: text through the tokenizer, a chat prompt through its chat template (no BOS added)."""
+    value = prompt.as_input()
+    try:
+        return tokenizer.encode(value) if isinstance(value, str) else tokenizer.apply_chat_template(value)
+    except SpectreeError as exc:
+        raise BenchConfigError(f"prompt {prompt.key} (chat: {str(prompt.chat).lower()}): {exc}") from exc
+
+
+def measure(variants: Sequence[Variant], prompts: Sequence[Prompt], encoded: Sequence[list[int]],
             config: BenchConfig, progress: ProgressFn | None = None) -> list[Run]:
-    """Warm up every variant, then time every (variant, prompt, repeat); the variant order rotates per prompt."""
-    encoded = [encode(p.text) for p in prompts]
+    """Warm up every variant, then time every (variant, prompt, repeat) on the prompts' ids (`encoded`, in the
+    order of `prompts`); the variant order rotates per prompt."""
     for v in variants:
         for _ in range(config.warmup):
             v.generate(encoded[0], config.max_tokens)
@@ -547,36 +596,50 @@ def _tokens_per_s(runs: Sequence[Run], prompts: Sequence[str] | None = None) -> 
     return sum(tokens.values()) / sum(walls.values())
 
 
+def best_hf_peer(variants: Sequence[Variant], tokens_per_s: Mapping[str, float | None]) -> str | None:
+    """The fastest of transformers' speculative variants (hf-lookup, hf-assisted) over all prompts; None if none
+    was measured."""
+    peers = [v.name for v in variants
+             if v.drafter == TRANSFORMERS and v.kind == "speculative" and tokens_per_s.get(v.name) is not None]
+    return max(peers, key=lambda name: tokens_per_s[name]) if peers else None
+
+
 def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequence[Prompt],
               mismatches: Sequence[Mismatch]) -> list[dict[str, Any]]:
     """Per variant: tau, acceptance by depth, forwards per token, tokens/s (overall and per prompt set), time
-    split, speedups against both baselines, and whether its greedy output matched plain's everywhere."""
+    split, speedups against plain, hf and the best transformers speculative variant, and whether its greedy output
+    matched plain's everywhere (with the first difference; enforced for our runtime's variants only)."""
     sets: dict[str, list[str]] = {}
     for p in prompts:
         sets.setdefault(p.set, []).append(p.key)
     by_variant = {v.name: [r for r in runs if r.variant == v.name] for v in variants}
     tps = {name: _tokens_per_s(rs) for name, rs in by_variant.items()}
     tps_set = {name: {s: _tokens_per_s(rs, keys) for s, keys in sets.items()} for name, rs in by_variant.items()}
-    bad = {m.variant for m in mismatches}
+    references = {"plain": "plain", "hf": "hf", "best_hf": best_hf_peer(variants, tps)}
     out = []
     for v in variants:
         rs = by_variant[v.name]
         first = [r for r in rs if r.repeat == 0]
         generated = sum(len(r.token_ids) for r in first)
         forwards = sum(r.target_forwards for r in first)
+        differ = [m for m in mismatches if m.variant == v.name]
         d: dict[str, Any] = {
             "name": v.name, "kind": v.kind, "drafter": v.drafter, **v.info,
             "prompts": len(first), "generated_tokens": generated,
             "time_s": sum(_per_prompt_wall(rs).values()),
             "tokens_per_s": tps[v.name],
             "target_forwards_per_token": forwards / generated if generated else None,
-            "speedup_vs_plain": stats.ratio(tps[v.name], tps.get("plain")),
-            "speedup_vs_hf": stats.ratio(tps[v.name], tps.get("hf")),
+            **{f"speedup_vs_{key}": stats.ratio(tps[v.name], tps.get(ref)) for key, ref in references.items()},
             "per_set": {s: {"tokens_per_s": tps_set[v.name][s],
-                            "speedup_vs_plain": stats.ratio(tps_set[v.name][s], tps_set.get("plain", {}).get(s)),
-                            "speedup_vs_hf": stats.ratio(tps_set[v.name][s], tps_set.get("hf", {}).get(s))}
+                            **{f"speedup_vs_{key}": stats.ratio(tps_set[v.name][s], tps_set.get(ref, {}).get(s))
+                               for key, ref in references.items()}}
                         for s in sets},
-            "greedy_identical": v.name not in bad,
+            "greedy_identical": not differ,
+            "identity_enforced": identity_enforced(v),
+            # the first (prompt, repeat) in measuring order whose ids differ from plain's, and where
+            "first_difference": ({"prompt": differ[0].prompt, "repeat": differ[0].repeat, "index": differ[0].index}
+                                 if differ else None),
+            "prompts_differing": len({m.prompt for m in differ}),
         }
         if first and first[0].steps is not None:
             accepted = [k for r in first for k in r.accepted_per_step]
@@ -606,30 +669,31 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
     try:
         prompts = load_prompts(config.prompts or None, config.prompts_per_set)
         target = load_target(config)
-        variants = make_variants(config, target)
-        total = len(variants) * (config.warmup + len(prompts) * config.repeats)
-
-        def encode(text: str) -> list[int]:
-            return target.tokenizer.encode(text)
-
-        too_long = [p.key for p in prompts
-                    if len(encode(p.text)) + config.max_tokens > target.model.config.max_context]
+        encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
+        too_long = [p.key for p, ids in zip(prompts, encoded)
+                    if len(ids) + config.max_tokens > target.model.config.max_context]
         if too_long:
             raise BenchConfigError(f"prompts {too_long[:3]} plus max_tokens {config.max_tokens} exceed the model's "
                                    f"context of {target.model.config.max_context} tokens")
+        variants = make_variants(config, target)
+        total = len(variants) * (config.warmup + len(prompts) * config.repeats)
         started = time.perf_counter()
         if progress_factory is not None:
             with progress_factory(total) as advance:
-                runs = measure(variants, prompts, encode, config, advance)
+                runs = measure(variants, prompts, encoded, config, advance)
         else:
-            runs = measure(variants, prompts, encode, config)
+            runs = measure(variants, prompts, encoded, config)
         elapsed = time.perf_counter() - started
         mismatches = check_identity(runs)
         summaries = summarize(variants, runs, prompts, mismatches)
+        best_hf = best_hf_peer(variants, {v["name"]: v["tokens_per_s"] for v in summaries})
         machine = machine_info()
     finally:
         torch.set_num_threads(previous)
     plain_ids = {r.prompt: list(r.token_ids) for r in runs if r.variant == "plain" and r.repeat == 0}
+    strict = {v.name for v in variants if identity_enforced(v)}
+    enforced = [m for m in mismatches if m.variant in strict]
+    recorded = [m for m in mismatches if m.variant not in strict]
     return {
         "format": REPORT_FORMAT,
         "format_version": REPORT_VERSION,
@@ -638,10 +702,14 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
         "settings": config.to_dict(),
         "target": target.describe(),
         "measure_seconds": elapsed,
-        "prompts": [{"key": p.key, "set": p.set, "id": p.id, "source": p.source,
-                     "prompt_tokens": len(encode(p.text)), "output_ids": plain_ids[p.key]} for p in prompts],
-        "greedy_identical": not mismatches,
-        "mismatches": [dataclasses.asdict(m) for m in mismatches],
+        "prompts": [{"key": p.key, "set": p.set, "id": p.id, "source": p.source, "chat": p.chat,
+                     "prompt_tokens": len(ids), "output_ids": plain_ids[p.key]} for p, ids in zip(prompts, encoded)],
+        # the exit status: our runtime's variants only (see identity_enforced)
+        "greedy_identical": not enforced,
+        "mismatches": [dataclasses.asdict(m) for m in enforced],
+        # transformers' variants: recorded, not enforced
+        "transformers_mismatches": [dataclasses.asdict(m) for m in recorded],
+        "best_hf": best_hf,
         "variants": summaries,
         "runs": [r.to_dict() for r in runs],
     }
@@ -649,6 +717,8 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
 
 __all__ = [
     "BASELINES",
+    "HF_VARIANTS",
+    "TRANSFORMERS",
     "BenchConfig",
     "BenchConfigError",
     "ConfiguredDrafter",
@@ -658,9 +728,14 @@ __all__ = [
     "Run",
     "Target",
     "Variant",
+    "best_hf_peer",
     "build_decoder",
     "check_identity",
     "describe_drafter",
+    "encode_prompt",
+    "hf_variant",
+    "hf_variants",
+    "identity_enforced",
     "load_target",
     "make_variants",
     "measure",

@@ -1,9 +1,12 @@
 """PNG plots of bench and serve reports (matplotlib, Agg backend: no display needed).
 
-    speedup_by_tree_size.png   speedup against plain decoding and against transformers, by mean tree size
+    speedup_by_tree_size.png   speedup against plain decoding, transformers' greedy generate and (when measured)
+                               the best of transformers' speculative variants, by mean tree size; transformers'
+                               speculative variants (no tree size) as horizontal lines
     acceptance_by_depth.png    P(accepted length >= d) per speculative variant
     time_split.png             where each runtime variant's time goes (prefill / draft / verify / other)
     serve_latency.png          perf serve: throughput, output tokens/s, TTFT and inter-token latency by concurrency
+    verify_cost.png            perf verify-cost: verify(N) / verify(1) and ms per forward, by N, per dtype and mask
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from perf.report import label
+
 MARKERS = {"lookup": "s", "medusa": "o", "eagle": "^", "none": "D", "transformers": "x"}
+PEER_COLORS = ("tab:red", "tab:purple", "tab:brown")  # transformers' speculative variants (horizontal lines)
 
 
 def _pyplot():
@@ -31,11 +37,20 @@ def _title(report: dict[str, Any]) -> str:
 
 def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
-    spec = [v for v in report["variants"] if v["kind"] == "speculative"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
-    for ax, key, baseline in ((axes[0], "speedup_vs_plain", "plain decoding (our runtime)"),
-                              (axes[1], "speedup_vs_hf", "transformers generate (greedy)")):
+    variants = report["variants"]
+    spec = [v for v in variants if v["kind"] == "speculative" and v["drafter"] != "transformers"]
+    peers = [v for v in variants if v["kind"] == "speculative" and v["drafter"] == "transformers"]
+    panels = [("speedup_vs_plain", "plain decoding (our runtime)"), ("speedup_vs_hf", "transformers generate (greedy)")]
+    if report.get("best_hf"):
+        panels.append(("speedup_vs_best_hf", f"the best transformers speculative variant ({report['best_hf']})"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), sharey=True)
+    for ax, (key, baseline) in zip(axes, panels):
         ax.axhline(1.0, color="grey", lw=1, ls="--")
+        for i, v in enumerate(p for p in peers if p.get(key) is not None):
+            color = PEER_COLORS[i % len(PEER_COLORS)]
+            ax.axhline(v[key], color=color, lw=1.4, ls="-.", label=f"{v['name']} (transformers)")
+            ax.annotate(v["name"], (1.0, v[key]), xycoords=("axes fraction", "data"), xytext=(-4, 3),
+                        textcoords="offset points", ha="right", fontsize=7, color=color)
         for kind in sorted({v["drafter"] for v in spec}):
             pts = [v for v in spec if v["drafter"] == kind and v.get(key) is not None and v.get("mean_tree_nodes")]
             if not pts:
@@ -43,7 +58,7 @@ def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
             ax.scatter([v["mean_tree_nodes"] for v in pts], [v[key] for v in pts], marker=MARKERS.get(kind, "o"),
                        s=48, label=kind)
             for v in pts:
-                ax.annotate(v["name"] + (" (configured)" if v.get("configured") else ""),
+                ax.annotate(label(v),
                             (v["mean_tree_nodes"], v[key]), textcoords="offset points", xytext=(4, 4), fontsize=7,
                             fontweight="bold" if v.get("configured") else "normal")
         ax.set_xscale("log", base=2)
@@ -51,7 +66,7 @@ def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
         ax.set_title(f"vs {baseline}", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("speedup (tokens/s ratio)")
-    if spec:
+    if spec or peers:
         axes[0].legend(fontsize=8)
     fig.suptitle(_title(report), fontsize=9)
     fig.tight_layout()
@@ -140,4 +155,37 @@ def serve_plot(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-__all__ = ["acceptance_by_depth", "bench_plots", "serve_plot", "speedup_by_tree_size", "time_split"]
+def verify_cost_plot(report: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    sizes = report["settings"]["sizes"]
+    rows = report["results"]
+    axes[0].axhline(1.0, color="grey", lw=1, ls="--", label="ideal: weights-bound (1.0)")
+    for i, dtype in enumerate(report["settings"]["dtypes"]):
+        for mask, style in (("chain", "-o"), ("tree", "--^")):
+            line = sorted((r for r in rows if r["dtype"] == dtype and r["mask"] == mask), key=lambda r: r["size"])
+            label = f"{dtype}, {mask}"
+            axes[0].plot([r["size"] for r in line], [r["ratio"] for r in line], style, color=f"C{i}", label=label)
+            axes[1].plot([r["size"] for r in line], [r["median_ms"] for r in line], style, color=f"C{i}", label=label)
+    for ax, ylabel, title in ((axes[0], "verify(N) / verify(1)", "cost of verifying N tokens, relative to one"),
+                              (axes[1], "ms per forward (median)", "one target forward over N new tokens")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(n) for n in sizes])
+        ax.set_xlabel("N: new tokens in one forward")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(bottom=0)
+    t, m, s = report["target"], report["machine"], report["settings"]
+    fig.suptitle(f"{t['architecture']} {t['parameters'] / 1e6:.1f}M params on {t['device']} | {m['cpu_model']}, "
+                 f"{s['threads']} thread(s) | context {s['context']}, median of {s['repeats']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["acceptance_by_depth", "bench_plots", "serve_plot", "speedup_by_tree_size", "time_split",
+           "verify_cost_plot"]

@@ -1,7 +1,9 @@
 """Markdown and JSON for bench and serve reports (the JSON is the record; the Markdown is generated from it).
 
-    bench.json / bench.md     `python -m perf bench`
-    serve.json / serve.md     `python -m perf serve`
+    bench.json / bench.md                 `python -m perf bench`
+    serve.json / serve.md                 `python -m perf serve`
+    verify_cost.json / verify_cost.md     `python -m perf verify-cost`
+Older bench.json files (format_version 1: no transformers speculative variants, no chat flag) render as before.
 """
 
 from __future__ import annotations
@@ -32,10 +34,51 @@ def _tree_cell(v: dict[str, Any]) -> str:
     tree = v.get("tree", "—")
     if v["kind"] == "baseline":
         return "—" if tree == "none" else tree
+    if v.get("drafter") == "transformers":  # transformers drafts a chain of at most tree_nodes - 1 tokens
+        return f"{v.get('method', '')} {tree} ≤{v['tree_nodes']}".strip()
     mean = v.get("mean_tree_nodes")
     limit = v.get("tree_nodes")
     bound = "≤" if tree in ("dynamic", "lookup") else ""
     return f"{tree} {bound}{limit} (mean {_num(mean, '.1f')})"
+
+
+def label(v: dict[str, Any]) -> str:
+    """The variant's name, marked when it is the config's / engine's own drafter (unless its name says so)."""
+    configured = v.get("configured") and not v["name"].endswith("(configured)")
+    return v["name"] + (" (configured)" if configured else "")
+
+
+def _identical_cell(v: dict[str, Any]) -> str:
+    if v["greedy_identical"]:
+        return "yes"
+    if v.get("identity_enforced", True):
+        return "**NO**"
+    first = v.get("first_difference") or {}
+    return f"no (from token {first.get('index', '?')}; recorded)"
+
+
+def _identity_lines(report: dict[str, Any]) -> list[str]:
+    recorded = report.get("transformers_mismatches", [])
+    hf = [v for v in report["variants"] if not v.get("identity_enforced", True)]
+    if report["greedy_identical"] and not recorded:
+        return ["- **Greedy outputs identical** to plain decoding for every variant and prompt: **yes**"]
+    if report["greedy_identical"]:
+        lines = ["- **Greedy outputs identical** to plain decoding for every spectree variant and prompt: **yes**"]
+    else:
+        lines = [f"- **Greedy outputs identical**: **NO** — {len(report['mismatches'])} run(s) differ:"]
+        for mm in report["mismatches"][:10]:
+            lines.append(f"  - `{mm['variant']}` on `{mm['prompt']}` (repeat {mm['repeat']}): first difference at "
+                         f"token {mm['index']}: expected {mm['expected']}, got {mm['got']}")
+    if hf:
+        cells = []
+        for v in hf:
+            first = v.get("first_difference")
+            cells.append(f"`{v['name']}` identical" if first is None else
+                         f"`{v['name']}` differs on {v['prompts_differing']} of {v['prompts']} prompts (first: "
+                         f"`{first['prompt']}` from token {first['index']})")
+        lines.append("- **transformers variants** (another implementation; recorded, not enforced — in bfloat16 / "
+                     "float16 its arithmetic may pick the other token at a near-tie): " + "; ".join(cells))
+    return lines
 
 
 def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
@@ -43,6 +86,8 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
     sets: dict[str, int] = {}
     for p in report["prompts"]:
         sets[p["set"]] = sets.get(p["set"], 0) + 1
+    chat = sum(1 for p in report["prompts"] if p.get("chat"))
+    best = report.get("best_hf")
     lines = [
         f"# spectree bench — {report['created'][:10]}",
         "",
@@ -50,30 +95,31 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
         f"{t['vocab_size']}, {t['parameters'] / 1e6:.2f}M parameters, {t['dtype']} ({t['kind']} `{t['path']}`)"),
         f"- **Machine**: {machine_line(m, s['threads'])}",
         (f"- **Run**: {len(report['prompts'])} prompts ({', '.join(f'{k} {n}' for k, n in sets.items())}), "
+        f"{f'{chat} through the chat template, ' if chat else ''}"
         f"{s['max_tokens']} tokens each (EOS ignored), greedy; warm-up {s['warmup']} per variant, "
         f"median of {s['repeats']} timed run(s); variants take turns on each prompt "
         f"({report['measure_seconds']:.0f} s measuring)"),
     ]
-    if report["greedy_identical"]:
-        lines.append("- **Greedy outputs identical** to plain decoding for every variant and prompt: **yes**")
-    else:
-        lines.append(f"- **Greedy outputs identical**: **NO** — {len(report['mismatches'])} run(s) differ:")
-        for mm in report["mismatches"][:10]:
-            lines.append(f"  - `{mm['variant']}` on `{mm['prompt']}` (repeat {mm['repeat']}): first difference at "
-                         f"token {mm['index']}: expected {mm['expected']}, got {mm['got']}")
+    if best:
+        lines.append(f"- **Best transformers speculative variant**: `{best}` (the \"vs best hf\" columns)")
+    lines += _identity_lines(report)
+    # "vs best hf" only when transformers' speculative options were measured (older reports render as before)
+    refs = ["plain", "hf"] + (["best_hf"] if best else [])
     lines += [
         "",
-        ("| variant | tree (nodes per step) | tau | target fwd / token | tokens/s | vs plain | vs hf | prefill | draft "
-        "| verify | other | identical |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        ("| variant | tree (nodes per step) | tau | target fwd / token | tokens/s | "
+         + " | ".join(f"vs {r.replace('_', ' ')}" for r in refs)
+         + " | prefill | draft | verify | other | identical |"),
+        "|---|---|---:|---:|---:|" + "---:|" * len(refs) + "---:|---:|---:|---:|:---:|",
     ]
     for v in report["variants"]:
         split = v.get("time_split") or {}
+        speedups = " | ".join(_num(v.get(f"speedup_vs_{r}"), ".2f", "x") for r in refs)
         lines.append(
-            f"| {v['name']}{' (configured)' if v.get('configured') else ''} | {_tree_cell(v)} | {_num(v.get('tau'))} | {_num(v['target_forwards_per_token'], '.3f')} "
-            f"| {_num(v['tokens_per_s'], '.1f')} | {_num(v['speedup_vs_plain'], '.2f', 'x')} "
-            f"| {_num(v['speedup_vs_hf'], '.2f', 'x')} | {_pct(split.get('prefill'))} | {_pct(split.get('draft'))} "
-            f"| {_pct(split.get('verify'))} | {_pct(split.get('other'))} | {'yes' if v['greedy_identical'] else '**NO**'} |"
+            f"| {label(v)} | {_tree_cell(v)} | {_num(v.get('tau'))} "
+            f"| {_num(v['target_forwards_per_token'], '.3f')} | {_num(v['tokens_per_s'], '.1f')} | {speedups} "
+            f"| {_pct(split.get('prefill'))} | {_pct(split.get('draft'))} | {_pct(split.get('verify'))} "
+            f"| {_pct(split.get('other'))} | {_identical_cell(v)} |"
         )
     spec = [v for v in report["variants"] if v.get("acceptance_by_depth")]
     if spec:
@@ -85,18 +131,21 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
             reach = v["acceptance_by_depth"] + [None] * (depth - len(v["acceptance_by_depth"]))
             lines.append(f"| {v['name']} | " + " | ".join(_num(r, ".2f") for r in reach) + " |")
     if len(sets) > 1:
-        lines += ["", "Per prompt set: tokens/s (speedup vs plain, vs hf).", "",
-                  "| variant | " + " | ".join(sets) + " |", "|---|" + "---:|" * len(sets)]
+        lines += ["", f"Per prompt set: tokens/s (speedup {', '.join('vs ' + r.replace('_', ' ') for r in refs)}).",
+                  "", "| variant | " + " | ".join(sets) + " |", "|---|" + "---:|" * len(sets)]
         for v in report["variants"]:
             cells = []
             for name in sets:
                 ps = v["per_set"][name]
-                cells.append(f"{_num(ps['tokens_per_s'], '.1f')} ({_num(ps['speedup_vs_plain'], '.2f', 'x')}, "
-                             f"{_num(ps['speedup_vs_hf'], '.2f', 'x')})")
+                ratios = ", ".join(_num(ps.get(f"speedup_vs_{r}"), ".2f", "x") for r in refs)
+                cells.append(f"{_num(ps['tokens_per_s'], '.1f')} ({ratios})")
             lines.append(f"| {v['name']} | " + " | ".join(cells) + " |")
     lines += ["", ("tau: tokens emitted per verification step (accepted + bonus). target fwd / token: target forward "
               "passes per generated token, prefill included. Time split: share of the runtime's own time (prefill, "
               "drafting, target forward + acceptance, cache compaction and bookkeeping).")]
+    if best:
+        lines[-1] += (" transformers' speculative variants draft a chain (≤: at most that many nodes per step); "
+                      "their target forwards are counted on the target only (an assistant's are not).")
     for img in images or []:
         lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
     return "\n".join(lines) + "\n"
@@ -138,9 +187,43 @@ def serve_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
     return "\n".join(lines) + "\n"
 
 
+def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
+    s, t, m = report["settings"], report["target"], report["machine"]
+    sizes = s["sizes"]
+    cell = {(r["dtype"], r["mask"], r["size"]): r for r in report["results"]}
+    lines = [
+        f"# spectree verify cost — {report['created'][:10]}",
+        "",
+        (f"- **Target**: {t['architecture']}, {t['num_hidden_layers']} layers, hidden {t['hidden_size']}, vocab "
+         f"{t['vocab_size']}, {t['parameters'] / 1e6:.2f}M parameters (`{t['path']}`) on {t['device']}"),
+        f"- **Machine**: {machine_line(m, s['threads'])}",
+        (f"- **Run**: {s['context']} random context tokens prefilled; one target forward of N new tokens, the cache "
+         f"not advanced; warm-up {s['warmup']} pass(es), then {s['repeats']} timed passes, each timing every "
+         f"(dtype, mask, N) once in a shuffled order; median ({report['measure_seconds']:.0f} s measuring)"),
+        "- **Masks**: chain = causal over the N tokens (positions context + i); tree = a random tree of N nodes "
+        "(positions context + depth; depth " + ", ".join(f"N={n}: {report['trees'][str(n)]['depth']}" for n in sizes)
+        + ")",
+        "",
+        "Median ms per forward (ratio to N=1 of the same dtype and mask).",
+        "",
+        "| dtype | mask | " + " | ".join(f"N={n}" for n in sizes) + " |",
+        "|---|---|" + "---:|" * len(sizes),
+    ]
+    for dtype in s["dtypes"]:
+        for mask in ("chain", "tree"):
+            cells = [f"{_num(cell[(dtype, mask, n)]['median_ms'], '.2f')} "
+                     f"({_num(cell[(dtype, mask, n)]['ratio'], '.2f', 'x')})" for n in sizes]
+            lines.append(f"| {dtype} | {mask} | " + " | ".join(cells) + " |")
+    lines += ["", ("ratio = verify(N) / verify(1): 1.0 is the ideal of a weights-bound forward (N tokens cost what one "
+              "does); a speculative step that verifies N tree nodes pays this ratio for an expected tau tokens.")]
+    for img in images or []:
+        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
+    return "\n".join(lines) + "\n"
+
+
 def write_json(report: dict[str, Any], path: Path) -> Path:
     path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return path
 
 
-__all__ = ["bench_markdown", "machine_line", "serve_markdown", "write_json"]
+__all__ = ["bench_markdown", "label", "machine_line", "serve_markdown", "verify_cost_markdown", "write_json"]

@@ -14,6 +14,7 @@ the mask is ancestor-or-self.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +191,15 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@functools.lru_cache(maxsize=64)
+def _packed_tril(n: int) -> torch.Tensor:  # [n, ceil(n / 32)] int32, shared: never written to
+    return pack_mask(torch.ones(n, n, dtype=torch.bool).tril())
+
+
 def causal_mask(n: int, batch: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Packed lower-triangular mask for a causal chunk of n tokens: # [batch, n, ceil(n / 32)] int32."""
-    tril = torch.ones(n, n, dtype=torch.bool).tril()
-    return pack_mask(tril).to(device).expand(batch, n, mask_words(n)).contiguous()
+    """Packed lower-triangular mask for a causal chunk of n tokens: # [batch, n, ceil(n / 32)] int32 (read-only:
+    small sizes are cached and shared)."""
+    return _packed_tril(n).to(device).expand(batch, n, mask_words(n)).contiguous()
 
 
 class TargetModel(nn.Module):

@@ -1,8 +1,10 @@
 """`python -m perf bench`: the real CLI on tiny checkpoints (numbers not asserted; structure, greedy identity and
-the baselines' honesty are), plus the pieces it is made of (spec grammar, prompt files, statistics, README)."""
+the baselines' honesty are), chat prompts through the chat template, transformers' prompt lookup and assisted
+generation as peers, plus the pieces it is made of (spec grammar, prompt files, statistics, README)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -26,10 +28,12 @@ from perf.bench import (
     summarize,
 )
 from perf.hf_baseline import HFBaseline
+from runtime.tokenizer import Tokenizer
 from perf.machine import expand_out, machine_slug
 from perf.prompt_sets import DEFAULT_SETS, Prompt, PromptFileError, load_prompt_file, load_prompts
 from perf.readme import END, START, ReadmeError, update_readme
 from tests.heads import write_eagle_head, write_medusa_head
+from tests.test_chat import CHATML, with_template
 from tests.tiny import make_checkpoint, vocab_size
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -76,6 +80,9 @@ def test_bench_cli_writes_json_markdown_and_plots(bench_run):
         assert v["generated_tokens"] == 4 * 7 and v["tokens_per_s"] > 0 and v["greedy_identical"]
         assert set(v["per_set"]) == {"code", "prose"}
     assert by["plain"]["speedup_vs_plain"] == 1.0 and by["hf"]["speedup_vs_hf"] == 1.0
+    assert report["best_hf"] is None and by["plain"]["speedup_vs_best_hf"] is None
+    assert by["hf"]["identity_enforced"] is False and by["lookup"]["identity_enforced"] is True
+    assert not any(p["chat"] for p in report["prompts"]) and "vs best hf" not in (out / "bench.md").read_text()
     assert by["plain"]["tau"] == 1.0 and by["plain"]["target_forwards_per_token"] == 1.0
     assert by["hf"]["target_forwards_per_token"] == 1.0  # counted by a forward hook, not assumed
     assert by["hf"].get("tau") is None and by["hf"]["attn_implementation"]
@@ -140,7 +147,9 @@ def test_bench_from_engine_directory(tiny, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--drafters", "medusa:dynamic"], "dynamic tree is EAGLE-2's"),
-    (["--drafters", "hf"], "hf is a baseline"),
+    (["--drafters", "hf"], "hf is a transformers baseline (measured in every run unless --no-hf)"),
+    (["--drafters", "hf-lookup"], "hf-lookup is a transformers baseline (measured with --hf-lookup N)"),
+    (["--hf-lookup", "0"], "hf_lookup: got 0"),
     (["--drafters", "plain"], "plain (none) is a baseline"),
     (["--drafters", "lookup,lookup"], "more than once"),
     (["--drafters", "eagle"], "--draft-model eagle=DIR"),
@@ -376,3 +385,127 @@ def test_report_regenerates_markdown_and_plots_from_json(bench_run, tmp_path):
     assert all((copy / png).read_bytes().startswith(PNG) for png in ("speedup_by_tree_size.png",
                                                                        "acceptance_by_depth.png", "time_split.png"))
     assert main(["report", str(tmp_path / "empty")]) == 2
+
+
+# ---- chat prompts and transformers' speculative peers -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory):
+    """A ChatML target, an assistant of the same variant and vocabulary (another seed), a mixed prompt file."""
+    root = tmp_path_factory.mktemp("perf_chat")
+    target = with_template(make_checkpoint(root / "target", "llama2"), CHATML)
+    make_checkpoint(root / "assistant", "llama2", seed=5)
+    prompts = root / "mixed.jsonl"
+    prompts.write_text('{"id": "ask", "prompt": "The quick brown fox", "chat": true}\n'
+                       '{"id": "raw", "prompt": "def add(a, b):\\n    return a + b\\ndef add(a, b):"}\n')
+    cfg = root / "bench.yaml"
+    cfg.write_text("model: {checkpoint: target}\ndraft: {method: lookup}\n"
+                   "build: {dtype: float32, max_draft_len: 12, output: engine, onnx: false, tensorrt: false}\n")
+    return root, cfg, prompts
+
+
+@pytest.fixture(scope="module")
+def peers_run(chat_setup):
+    root, cfg, prompts = chat_setup
+    out = root / "results"
+    code = main(["bench", "--config", str(cfg), "--prompts", str(prompts), "--hf-lookup", "10",
+                 "--hf-assistant", str(root / "assistant"), "--max-tokens", "9", "--warmup", "0", "--repeats", "2",
+                 "--threads", "1", "--out", str(out), "--quiet"])
+    return code, out, json.loads((out / "bench.json").read_text())
+
+
+def test_chat_prompts_go_through_the_chat_template(chat_setup, peers_run):
+    root, _, _ = chat_setup
+    code, _, report = peers_run
+    assert code == 0
+    tok = Tokenizer.from_dir(root / "target")
+    expected = {"mixed/ask": tok.apply_chat_template([{"role": "user", "content": "The quick brown fox"}]),
+                "mixed/raw": tok.encode("def add(a, b):\n    return a + b\ndef add(a, b):")}
+    assert expected["mixed/ask"][0] != tok.bos_token_id  # the template's ids, no BOS added in front
+    assert [(p["key"], p["chat"], p["prompt_tokens"]) for p in report["prompts"]] == [
+        ("mixed/ask", True, len(expected["mixed/ask"])), ("mixed/raw", False, len(expected["mixed/raw"]))]
+    # every variant, ours and transformers', got the same prompt ids
+    for r in report["runs"]:
+        assert r["prompt_tokens"] == len(expected[r["prompt"]])
+    # and the same greedy continuation as our plain decoding of those ids
+    plain = runtime.load(root / "target").generate(expected["mixed/ask"], max_tokens=9, ignore_eos=True)
+    assert report["prompts"][0]["output_ids"] == list(plain.token_ids)
+
+
+def test_transformers_speculative_peers_are_measured_side_by_side(peers_run):
+    code, out, report = peers_run
+    names = [v["name"] for v in report["variants"]]
+    assert names == ["plain", "hf", "hf-lookup", "hf-assisted", "lookup (configured)"]
+    assert len(report["runs"]) == len(names) * 2 * 2  # every variant on every prompt, both repeats
+    by = {v["name"]: v for v in report["variants"]}
+    lookup, assisted = by["hf-lookup"], by["hf-assisted"]
+    assert (lookup["kind"], lookup["drafter"], lookup["method"]) == ("speculative", "transformers", "prompt_lookup")
+    assert (lookup["prompt_lookup_num_tokens"], lookup["tree"], lookup["tree_nodes"]) == (10, "chain", 11)
+    assert assisted["method"] == "assisted" and assisted["assistant"]["path"].endswith("assistant")
+    assert assisted["assistant"]["num_assistant_tokens"] == 20 and assisted["tree_nodes"] == 21
+    for v in (by["hf"], lookup, assisted):  # float32: transformers matches our plain decoding here
+        assert v["identity_enforced"] is False and v["greedy_identical"] and v["first_difference"] is None
+    # only the target's forwards count: prompt lookup and the assistant never need more than one per token
+    assert 0 < lookup["target_forwards_per_token"] <= 1.0 and 0 < assisted["target_forwards_per_token"] <= 1.0
+    best = report["best_hf"]
+    assert best in ("hf-lookup", "hf-assisted") and by[best]["speedup_vs_best_hf"] == 1.0
+    ours = by["lookup (configured)"]
+    assert ours["speedup_vs_best_hf"] == pytest.approx(ours["tokens_per_s"] / by[best]["tokens_per_s"])
+    assert ours["per_set"]["mixed"]["speedup_vs_best_hf"] is not None and ours["identity_enforced"]
+    assert report["greedy_identical"] and report["transformers_mismatches"] == []
+    md = (out / "bench.md").read_text()
+    assert "| vs plain | vs hf | vs best hf |" in md and f"**Best transformers speculative variant**: `{best}`" in md
+    assert "| hf-lookup | prompt_lookup chain ≤11 |" in md and "| hf-assisted | assisted chain ≤21 |" in md
+    assert "to plain decoding for every variant and prompt: **yes**" in md and "1 through the chat template" in md
+    assert "| lookup (configured) |" in md
+    assert (out / "speedup_by_tree_size.png").read_bytes().startswith(PNG)
+
+
+def test_transformers_differences_are_recorded_not_fatal(chat_setup, tmp_path, monkeypatch, capsys):
+    """One identity rule: a transformers variant that differs from plain is reported, the run still succeeds;
+    a runtime variant that differs fails it (exit 1)."""
+    root, cfg, prompts = chat_setup
+    generate = HFBaseline.generate
+
+    def off_by_one(self, ids, max_tokens):
+        r = generate(self, ids, max_tokens)
+        if self.name != "hf-lookup":
+            return r
+        return dataclasses.replace(r, token_ids=r.token_ids[:3] + ((r.token_ids[3] + 1) % 7,) + r.token_ids[4:])
+
+    monkeypatch.setattr(HFBaseline, "generate", off_by_one)
+    args = ["bench", "--config", str(cfg), "--prompts", str(prompts), "--hf-lookup", "4", "--max-tokens", "6",
+            "--warmup", "0", "--threads", "1", "--out", str(tmp_path / "a"), "--quiet"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "a" / "bench.json").read_text())
+    by = {v["name"]: v for v in report["variants"]}
+    assert report["greedy_identical"] and report["mismatches"] == []
+    assert {m["variant"] for m in report["transformers_mismatches"]} == {"hf-lookup"}
+    assert not by["hf-lookup"]["greedy_identical"] and by["hf-lookup"]["prompts_differing"] == 2
+    assert by["hf-lookup"]["first_difference"] == {"prompt": "mixed/ask", "repeat": 0, "index": 3}
+    md = (tmp_path / "a" / "bench.md").read_text()
+    assert "for every spectree variant and prompt: **yes**" in md
+    assert "`hf-lookup` differs on 2 of 2 prompts (first: `mixed/ask` from token 3)" in md
+    assert "| no (from token 3; recorded) |" in md
+    assert "note: transformers variant(s) hf-lookup differ" in capsys.readouterr().err
+
+
+def test_assistant_with_another_vocabulary_is_refused(chat_setup, tmp_path, capsys):
+    root, cfg, prompts = chat_setup
+    other = make_checkpoint(tmp_path / "big-vocab", "llama2", seed=2, vocab_size=vocab_size() + 80)
+    code = main(["bench", "--config", str(cfg), "--prompts", str(prompts), "--no-hf", "--hf-assistant", str(other),
+                 "--max-tokens", "2", "--out", str(tmp_path / "out"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert (f"hf_assistant {other}: vocab_size {vocab_size() + 80}, expected the target's {vocab_size()}" in err
+            and "sharing the target's tokenizer" in err)
+
+
+def test_chat_prompt_without_a_template_names_the_prompt(tiny, chat_setup, tmp_path, capsys):
+    _, cfg = tiny  # this target has no chat template
+    _, _, prompts = chat_setup
+    code = main(["bench", "--config", str(cfg), "--prompts", str(prompts), "--max-tokens", "2",
+                 "--out", str(tmp_path), "--quiet"])
+    assert code == 2
+    assert "prompt mixed/ask (chat: true): the tokenizer has no chat template" in capsys.readouterr().err

@@ -1,0 +1,300 @@
+"""`python -m perf verify-cost`: what one target forward over N new tokens costs, against N = 1.
+
+Speculative decoding pays off when verifying N drafted tokens in one forward costs little more than decoding one
+token: on hardware where a forward is bound by reading the weights, verify(N) / verify(1) stays near 1.0 up to
+some N; where it is compute-bound (or dominated by per-token work) it grows with N. This measures that ratio
+directly, for each dtype asked for, with two masks over the N new tokens:
+    chain   a causal chain (`runtime.model.causal_mask(N)`), positions context + 0..N-1
+    tree    a random tree of N nodes (`plugins.tree_attention.mask.random_parents`, `ancestor_mask`, packed),
+            positions context + depth; the same tree for every dtype
+Each dtype's target is loaded once (`TargetModel.from_pretrained(dir, dtype=...)`) and `context` random tokens
+are prefilled into its cache. A timing is one `model.forward(tokens [1, N], positions, cache, mask)`: it writes
+the N tokens' K/V at [length, length + N) without committing them, so the cache does not advance and every call
+sees the same context. After `warmup` untimed passes, each of `repeats` passes times every (dtype, mask, N) once
+in a shuffled order (seeded), so a drift of the machine hits all of them alike; a case's time is the median.
+
+The timing logic (`schedule`, `time_cases`, `summarize`) is pure (a fake clock tests it); `run_verify_cost`
+loads the models, builds the inputs and returns the JSON-ready report; perf.report / perf.plots turn that into
+verify_cost.md and verify_cost.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf import stats
+from perf.machine import machine_info, now_iso, usable_cores
+from runtime.errors import ConfigError
+from runtime.files import shown_path
+
+DTYPES = ("float32", "bfloat16", "float16")
+MASKS = ("chain", "tree")
+REPORT_FORMAT = "spectree-verify-cost"
+REPORT_VERSION = 1
+
+
+class VerifyCostError(ConfigError):
+    """A verify-cost setting is invalid (the message names the setting, the value and what was expected)."""
+
+
+def _positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+@dataclass(frozen=True)
+class VerifyCostConfig:
+    """Everything `python -m perf verify-cost` takes (its flags' defaults come from here)."""
+
+    config: Path | None = None  # builder YAML (its model.checkpoint); exactly one of config / checkpoint
+    checkpoint: Path | None = None  # HF checkpoint directory
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    context: int = 256  # tokens prefilled into the cache before the timed forwards
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # N: new tokens per forward; must include 1
+    repeats: int = 7  # timed passes over every (dtype, mask, N); the median counts
+    warmup: int = 1  # untimed passes first
+    threads: int | None = None  # torch intra-op threads; None: every usable core
+    device: str = "cpu"  # cpu | cuda | cuda:K
+    seed: int = 0  # random context, tokens, trees and the order within each pass
+    out: str = "out/perf/{date}-{machine}"  # output directory; {date} and {machine} are filled in
+
+    def __post_init__(self) -> None:
+        if (self.config is None) == (self.checkpoint is None):
+            raise VerifyCostError("give exactly one of --config (a builder YAML) or --checkpoint (a checkpoint "
+                                  f"directory), got config={self.config!r}, checkpoint={self.checkpoint!r}")
+        if not self.dtypes or any(d not in DTYPES for d in self.dtypes) or len(set(self.dtypes)) != len(self.dtypes):
+            raise VerifyCostError(f"dtypes: got {list(self.dtypes)}, expected distinct names among "
+                                  f"{', '.join(DTYPES)}")
+        if not self.sizes or not all(_positive_int(n) for n in self.sizes) or len(set(self.sizes)) != len(self.sizes):
+            raise VerifyCostError(f"sizes: got {list(self.sizes)}, expected distinct integers >= 1")
+        if 1 not in self.sizes:
+            raise VerifyCostError(f"sizes: got {list(self.sizes)}, expected a list including 1 (the ratios are "
+                                  "verify(N) / verify(1))")
+        for name, minimum in (("context", 1), ("repeats", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise VerifyCostError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+        if self.threads is not None and not _positive_int(self.threads):
+            raise VerifyCostError(f"threads: got {self.threads!r}, expected an integer >= 1 (or unset)")
+        if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
+            raise VerifyCostError(f"device: got {self.device!r}, expected cpu, cuda or cuda:K")
+        if not self.out:
+            raise VerifyCostError("out: expected an output directory, got an empty string")
+
+    def resolved_threads(self) -> int:
+        return self.threads if self.threads is not None else usable_cores()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["config"] = None if self.config is None else str(self.config)
+        d["checkpoint"] = None if self.checkpoint is None else str(self.checkpoint)
+        d["dtypes"], d["sizes"] = list(self.dtypes), sorted(self.sizes)
+        d["threads"] = self.resolved_threads()
+        return d
+
+
+def parse_list(text: str, name: str, item: Callable[[str], Any]) -> tuple[Any, ...]:
+    """A comma-separated flag value ("1,2,4", "float32,bfloat16"); VerifyCostError names the flag."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        values = tuple(item(p) for p in parts)
+    except ValueError as exc:
+        raise VerifyCostError(f"--{name}: got {text!r}, expected a comma-separated list ({exc})") from exc
+    if not values:
+        raise VerifyCostError(f"--{name}: got {text!r}, expected a comma-separated list")
+    return values
+
+
+# ---- the forwards' inputs -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    mask: str  # chain | tree
+    size: int  # N
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """One forward's new tokens: ids, positions and the packed mask over them (CPU tensors)."""
+
+    tokens: torch.Tensor  # [1, N] int64
+    positions: torch.Tensor  # [1, N] int64
+    mask: torch.Tensor  # [1, N, ceil(N / 32)] int32
+    parents: tuple[int, ...]  # the tree's parent list (chain: i - 1)
+
+    @property
+    def depth(self) -> int:
+        """Deepest node's depth (root 0)."""
+        return int(self.positions.max() - self.positions.min())
+
+
+def verify_input(mask: str, size: int, context: int, vocab_size: int, generator: torch.Generator) -> VerifyInput:
+    from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
+    from runtime.model import causal_mask
+
+    tokens = torch.randint(0, vocab_size, (1, size), generator=generator)
+    if mask == "chain":
+        parents = tuple(range(-1, size - 1))
+        return VerifyInput(tokens, torch.arange(context, context + size).unsqueeze(0), causal_mask(size), parents)
+    if mask != "tree":
+        raise ValueError(f"mask: got {mask!r}, expected one of {MASKS}")
+    parents = tuple(random_parents(size, generator))
+    ancestors = ancestor_mask(list(parents))  # [N, N]: a node and its ancestors
+    depth = ancestors.sum(-1) - 1
+    return VerifyInput(tokens, (context + depth).unsqueeze(0), pack_mask(ancestors).unsqueeze(0), parents)
+
+
+# ---- timing (pure) ------------------------------------------------------------------------------------------
+
+
+def schedule(cases: Sequence[Case], repeats: int, seed: int) -> list[list[Case]]:
+    """`repeats` passes over every case, each in its own seeded shuffled order."""
+    rng = random.Random(seed)
+    order = []
+    for _ in range(repeats):
+        shuffled = list(cases)
+        rng.shuffle(shuffled)
+        order.append(shuffled)
+    return order
+
+
+def time_cases(call: Callable[[Case], None], passes: Sequence[Sequence[Case]],
+               clock: Callable[[], float] = time.perf_counter,
+               progress: Callable[[str], None] | None = None) -> dict[Case, list[float]]:
+    """Seconds of `call(case)` for every case of every pass, in order; `call` must finish its work (a device
+    sync) before returning."""
+    samples: dict[Case, list[float]] = {}
+    for i, cases in enumerate(passes):
+        for case in cases:
+            t0 = clock()
+            call(case)
+            samples.setdefault(case, []).append(clock() - t0)
+            if progress:
+                progress(f"pass {i + 1}: {case.dtype} {case.mask} N={case.size}")
+    return samples
+
+
+def summarize(samples: Mapping[Case, Sequence[float]]) -> list[dict[str, Any]]:
+    """Per case (sorted by dtype as given, mask, N): median and min ms, every sample, and the ratio of its median
+    to the same dtype and mask's N = 1 median."""
+    one = {(c.dtype, c.mask): stats.median(s) for c, s in samples.items() if c.size == 1}
+    dtypes = list(dict.fromkeys(c.dtype for c in samples))
+    rows = []
+    for c in sorted(samples, key=lambda c: (dtypes.index(c.dtype), MASKS.index(c.mask), c.size)):
+        med = stats.median(samples[c])
+        rows.append({"dtype": c.dtype, "mask": c.mask, "size": c.size, "median_ms": 1e3 * med,
+                     "min_ms": 1e3 * min(samples[c]), "samples_ms": [1e3 * t for t in samples[c]],
+                     "ratio": stats.ratio(med, one.get((c.dtype, c.mask)))})
+    return rows
+
+
+# ---- the measurement ----------------------------------------------------------------------------------------
+
+
+def checkpoint_path(config: VerifyCostConfig) -> Path:
+    if config.checkpoint is not None:
+        return config.checkpoint
+    from builder.config import load_config
+
+    return load_config(config.config).model.checkpoint
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def run_verify_cost(config: VerifyCostConfig,
+                    progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """Load the target once per dtype, prefill, time every case; returns the report (JSON-ready). Sets torch's
+    threads for the duration."""
+    from runtime.model import TargetModel
+
+    if config.device != "cpu" and not torch.cuda.is_available():
+        raise VerifyCostError(f"device: got {config.device!r}, but torch sees no CUDA device here")
+    device = torch.device(config.device)
+    path = checkpoint_path(config)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(config.resolved_threads())
+    try:
+        models = {d: TargetModel.from_pretrained(path, dtype=d, device=device) for d in config.dtypes}
+        c = next(iter(models.values())).config
+        need = config.context + max(config.sizes)
+        if need > c.max_context:
+            raise VerifyCostError(f"context {config.context} + the largest size {max(config.sizes)} = {need} "
+                                  f"exceeds the model's context of {c.max_context} tokens; lower --context or "
+                                  "--sizes")
+        gen = torch.Generator().manual_seed(config.seed)
+        prefix = torch.randint(0, c.vocab_size, (1, config.context), generator=gen)
+        inputs = {(m, n): verify_input(m, n, config.context, c.vocab_size, gen)
+                  for m in MASKS for n in sorted(config.sizes)}
+        caches, on_device = {}, {}
+        for d, model in models.items():
+            caches[d] = model.new_cache(need)
+            model.prefill(prefix.to(device), caches[d])
+        for key, inp in inputs.items():
+            on_device[key] = (inp.tokens.to(device), inp.positions.to(device), inp.mask.to(device))
+        sync = _sync(device)
+
+        def call(case: Case) -> None:
+            tokens, positions, mask = on_device[(case.mask, case.size)]
+            models[case.dtype].forward(tokens, positions, caches[case.dtype], mask)
+            sync()
+
+        cases = [Case(d, m, n) for d in config.dtypes for m in MASKS for n in sorted(config.sizes)]
+        warm = schedule(cases, config.warmup, config.seed + 1)
+        timed = schedule(cases, config.repeats, config.seed)
+        started = time.perf_counter()
+        if progress_factory is not None:
+            with progress_factory(len(cases) * (config.warmup + config.repeats)) as advance:
+                time_cases(call, warm, progress=lambda text: advance(f"warm-up {text}"))
+                samples = time_cases(call, timed, progress=advance)
+        else:
+            time_cases(call, warm)
+            samples = time_cases(call, timed)
+        elapsed = time.perf_counter() - started
+        if any(cache.length != config.context for cache in caches.values()):
+            raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
+        machine = machine_info()
+    finally:
+        torch.set_num_threads(previous)
+    return {
+        "format": REPORT_FORMAT,
+        "format_version": REPORT_VERSION,
+        "created": now_iso(),
+        "machine": machine,
+        "settings": config.to_dict(),
+        "target": {"path": shown_path(path), "architecture": c.architecture,
+                   "parameters": sum(p.numel() for p in next(iter(models.values())).parameters()),
+                   "num_hidden_layers": c.num_hidden_layers,
+                   "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "device": str(device)},
+        "measure_seconds": elapsed,
+        "trees": {str(n): {"depth": inputs[("tree", n)].depth, "parents": list(inputs[("tree", n)].parents)}
+                  for n in sorted(config.sizes)},
+        "results": summarize(samples),
+    }
+
+
+__all__ = [
+    "DTYPES",
+    "MASKS",
+    "Case",
+    "VerifyCostConfig",
+    "VerifyCostError",
+    "VerifyInput",
+    "checkpoint_path",
+    "parse_list",
+    "run_verify_cost",
+    "schedule",
+    "summarize",
+    "time_cases",
+    "verify_input",
+]

@@ -1,0 +1,149 @@
+"""`python -m perf verify-cost`: the real CLI on a tiny checkpoint (numbers not asserted; structure and the N = 1
+normalisation are), the forwards' inputs (chain and tree masks, positions), and the pure timing logic with a fake
+clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from perf.__main__ import main
+from perf.verify_cost import (
+    Case,
+    VerifyCostConfig,
+    VerifyCostError,
+    schedule,
+    summarize,
+    time_cases,
+    verify_input,
+)
+from plugins.tree_attention.mask import ancestor_mask, unpack_mask
+from tests.tiny import make_checkpoint
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_main(args: list[str]) -> int:
+    try:
+        return main(args)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("verify_cost") / "target", "llama2")
+
+
+def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
+    out = tmp_path / "out"
+    code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "float32,bfloat16", "--sizes", "1,4",
+                 "--context", "24", "--repeats", "2", "--threads", "1", "--out", str(out), "--quiet"])
+    assert code == 0
+    report = json.loads((out / "verify_cost.json").read_text())
+    assert report["format"] == "spectree-verify-cost" and report["settings"]["threads"] == 1
+    rows = {(r["dtype"], r["mask"], r["size"]): r for r in report["results"]}
+    assert set(rows) == {(d, m, n) for d in ("float32", "bfloat16") for m in ("chain", "tree") for n in (1, 4)}
+    for (dtype, mask, n), r in rows.items():
+        assert len(r["samples_ms"]) == 2 and r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"]
+        assert r["ratio"] == pytest.approx(r["median_ms"] / rows[(dtype, mask, 1)]["median_ms"])
+        if n == 1:
+            assert r["ratio"] == 1.0
+    assert report["trees"]["1"] == {"depth": 0, "parents": [-1]} and len(report["trees"]["4"]["parents"]) == 4
+    md = (out / "verify_cost.md").read_text()
+    assert "| dtype | mask | N=1 | N=4 |" in md and "| bfloat16 | tree | " in md and "(1.00x)" in md
+    assert "](verify_cost.png)" in md
+    png = (out / "verify_cost.png").read_bytes()
+    assert png.startswith(PNG) and len(png) > 5000
+    # perf report regenerates the same Markdown from the JSON
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "verify_cost.json").write_bytes((out / "verify_cost.json").read_bytes())
+    assert main(["report", str(copy)]) == 0
+    assert (copy / "verify_cost.md").read_text() == md and (copy / "verify_cost.png").is_file()
+
+
+def test_verify_cost_from_a_builder_config(ckpt, tmp_path):
+    cfg = tmp_path / "build.yaml"
+    cfg.write_text(f"model: {{checkpoint: {ckpt}}}\n"
+                   "build: {dtype: float32, output: engine, onnx: false, tensorrt: false}\n")
+    code = main(["verify-cost", "--config", str(cfg), "--dtypes", "float32", "--sizes", "1,2", "--context", "8",
+                 "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "out"), "--quiet"])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "verify_cost.json").read_text())
+    assert report["target"]["path"].endswith("target") and len(report["results"]) == 4
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sizes", "2,4"], "sizes: got [2, 4], expected a list including 1"),
+    (["--sizes", "1,x"], "--sizes: got '1,x'"),
+    (["--dtypes", "float64"], "dtypes: got ['float64']"),
+    (["--context", "0"], "context: got 0, expected an integer >= 1"),
+    (["--context", "500", "--sizes", "1,64"], "context 500 + the largest size 64 = 564 exceeds the model's context"),
+    (["--device", "tpu"], "device: got 'tpu'"),
+])
+def test_verify_cost_bad_input_exits_2_naming_the_setting(ckpt, tmp_path, capsys, args, message):
+    code = run_main(["verify-cost", "--checkpoint", str(ckpt), "--repeats", "1", "--warmup", "0",
+                     "--out", str(tmp_path), "--quiet", *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_needs_exactly_one_source():
+    with pytest.raises(VerifyCostError, match="exactly one of --config"):
+        VerifyCostConfig()
+
+
+# ---- the forwards' inputs ------------------------------------------------------------------------------------
+
+
+def test_chain_and_tree_inputs():
+    gen = torch.Generator().manual_seed(0)
+    chain = verify_input("chain", 5, 100, 50, gen)
+    assert chain.positions.tolist() == [[100, 101, 102, 103, 104]] and chain.depth == 4
+    assert torch.equal(unpack_mask(chain.mask, 5)[0], torch.ones(5, 5, dtype=torch.bool).tril())
+    tree = verify_input("tree", 40, 100, 50, gen)  # 40 nodes: two packed words per row
+    ancestors = ancestor_mask(list(tree.parents))
+    assert tuple(tree.mask.shape) == (1, 40, 2) and torch.equal(unpack_mask(tree.mask, 40)[0], ancestors)
+    assert tree.positions[0].tolist() == [100 + int(row.sum()) - 1 for row in ancestors]
+    assert tree.tokens.shape == (1, 40) and 0 <= int(tree.tokens.min()) and int(tree.tokens.max()) < 50
+
+
+# ---- timing logic with a fake clock --------------------------------------------------------------------------
+
+
+def test_schedule_times_every_case_once_per_pass_in_shuffled_orders():
+    cases = [Case(d, m, n) for d in ("float32", "bfloat16") for m in ("chain", "tree") for n in (1, 2, 4)]
+    passes = schedule(cases, 5, seed=3)
+    assert len(passes) == 5 and all(sorted(p, key=repr) == sorted(cases, key=repr) for p in passes)
+    assert len({tuple(p) for p in passes}) > 1  # the order changes from pass to pass
+    assert passes == schedule(cases, 5, seed=3)  # and is reproducible
+
+
+def test_time_cases_and_summary_with_a_fake_clock():
+    cost = {1: 2.0, 2: 3.0, 4: 5.0}  # seconds a forward of N tokens takes on the fake clock (bfloat16: twice)
+    now = [0.0]
+
+    def call(case):
+        now[0] += cost[case.size] * (2 if case.dtype == "bfloat16" else 1)
+
+    cases = [Case(d, m, n) for d in ("float32", "bfloat16") for m in ("chain", "tree") for n in (1, 2, 4)]
+    seen = []
+    samples = time_cases(call, schedule(cases, 3, seed=0), lambda: now[0], progress=seen.append)
+    assert len(seen) == 3 * len(cases) and all(len(s) == 3 for s in samples.values())
+    rows = summarize(samples)
+    assert [(r["dtype"], r["mask"], r["size"]) for r in rows] == [(c.dtype, c.mask, c.size) for c in cases]
+    by = {(r["dtype"], r["mask"], r["size"]): r for r in rows}
+    assert by[("float32", "chain", 1)]["median_ms"] == pytest.approx(2000.0)
+    assert by[("bfloat16", "tree", 4)]["median_ms"] == pytest.approx(10000.0)
+    assert by[("bfloat16", "tree", 4)]["ratio"] == pytest.approx(2.5)
+    assert all(by[(d, m, 1)]["ratio"] == 1.0 for d in ("float32", "bfloat16") for m in ("chain", "tree"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_device_without_cuda_names_the_setting(ckpt, tmp_path, capsys):
+    code = main(["verify-cost", "--checkpoint", str(ckpt), "--device", "cuda", "--out", str(tmp_path), "--quiet"])
+    assert code == 2
+    assert "device: got 'cuda', but torch sees no CUDA device here" in capsys.readouterr().err
