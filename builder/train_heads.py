@@ -22,6 +22,13 @@ d - 1 times (every position at once: an approximation of tree drafting, whose pr
 Outputs: FasterDecoding head directory (config.json + medusa_lm_head.safetensors) and the EAGLE repository's
 layout (config.json + pytorch_model.bin), both loadable by `runtime.drafters` and by those projects' loaders;
 plus training_log.jsonl and training_summary.json.
+
+corpus.source "chat" (self-distillation, `_train_chat_heads`): the target's own greedy answers to chat prompts and
+its hidden states over them are generated and cached once (builder.training.distill); training windows are ranges
+of positions into that cache, so the target is never run while the heads learn. heads.draft_vocab_size restricts
+both heads to the K tokens the answers use most (EAGLE-3 / FR-Spec): their logits cover the target's lm_head rows
+of those tokens (Medusa's projections start from them), the labels are the target's distribution restricted to
+them, and the saved heads carry EAGLE-3's d2t / t2d so the runtime maps drafts back to target ids.
 """
 
 from __future__ import annotations

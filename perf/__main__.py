@@ -152,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default=_default(VerifyCostConfig, "device"), help="cpu, cuda or cuda:K")
     v.add_argument("--seed", type=int, default=_default(VerifyCostConfig, "seed"),
                    help="random context, tokens, trees and pass orders")
+    v.add_argument("--profile", type=_list_of("profile", int), default=_default(VerifyCostConfig, "profile"),
+                   help="sizes (among --sizes) whose chain forward is also run under torch.profiler: the share of "
+                        "matmul, attention and everything else, e.g. 1,16 (default: none)")
     v.add_argument("--out", default=_default(VerifyCostConfig, "out"),
                    help="output directory; {date} and {machine} are filled in (default %(default)s)")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -260,7 +263,8 @@ def _verify_cost(ns: argparse.Namespace) -> int:
 
     config = VerifyCostConfig(config=ns.config, checkpoint=ns.checkpoint, dtypes=tuple(ns.dtypes),
                               context=ns.context, sizes=tuple(ns.sizes), repeats=ns.repeats, warmup=ns.warmup,
-                              threads=ns.threads, device=ns.device, seed=ns.seed, out=ns.out)
+                              threads=ns.threads, device=ns.device, seed=ns.seed, profile=tuple(ns.profile),
+                              out=ns.out)
     report = run_verify_cost(config, None if ns.quiet else _progress)
     out = expand_out(config.out, report["machine"])
     out.mkdir(parents=True, exist_ok=True)

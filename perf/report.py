@@ -216,6 +216,16 @@ def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None
             lines.append(f"| {dtype} | {mask} | " + " | ".join(cells) + " |")
     lines += ["", ("ratio = verify(N) / verify(1): 1.0 is the ideal of a weights-bound forward (N tokens cost what one "
               "does); a speculative step that verifies N tree nodes pays this ratio for an expected tau tokens.")]
+    if report.get("profile"):
+        lines += ["", "Where a forward's time goes (torch.profiler self CPU time, chain mask; matmul = mm / addmm / bmm, "
+                  "attention = the fused SDPA kernel, other = everything else: norms, RoPE, copies, casts, dispatch).",
+                  "", "| dtype | N | ms / forward | matmul | attention | other | largest other ops (ms) |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for p in report["profile"]:
+            sh = p["share"]
+            top = ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_forward']:.2f}" for o in p["top_other"][:4])
+            lines.append(f"| {p['dtype']} | {p['size']} | {p['ms_per_forward']:.2f} | {sh['matmul']:.0%} | "
+                         f"{sh['attention']:.0%} | {sh['other']:.0%} | {top} |")
     for img in images or []:
         lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
     return "\n".join(lines) + "\n"

@@ -63,6 +63,7 @@ class VerifyCostConfig:
     threads: int | None = None  # torch intra-op threads; None: every usable core
     device: str = "cpu"  # cpu | cuda | cuda:K
     seed: int = 0  # random context, tokens, trees and the order within each pass
+    profile: tuple[int, ...] = ()  # N whose chain forward is also run under torch.profiler (op-time breakdown)
     out: str = "out/perf/{date}-{machine}"  # output directory; {date} and {machine} are filled in
 
     def __post_init__(self) -> None:
@@ -81,6 +82,9 @@ class VerifyCostConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise VerifyCostError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+        if any(n not in self.sizes for n in self.profile):
+            raise VerifyCostError(f"profile: got {list(self.profile)}, expected sizes among --sizes "
+                                  f"{sorted(self.sizes)}")
         if self.threads is not None and not _positive_int(self.threads):
             raise VerifyCostError(f"threads: got {self.threads!r}, expected an integer >= 1 (or unset)")
         if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
@@ -95,7 +99,7 @@ class VerifyCostConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["config"] = None if self.config is None else str(self.config)
         d["checkpoint"] = None if self.checkpoint is None else str(self.checkpoint)
-        d["dtypes"], d["sizes"] = list(self.dtypes), sorted(self.sizes)
+        d["dtypes"], d["sizes"], d["profile"] = list(self.dtypes), sorted(self.sizes), list(self.profile)
         d["threads"] = self.resolved_threads()
         return d
 
@@ -197,6 +201,40 @@ def summarize(samples: Mapping[Case, Sequence[float]]) -> list[dict[str, Any]]:
     return rows
 
 
+# ---- where a forward's time goes ------------------------------------------------------------------------------
+
+# Self time of these ops is "matmul" / "attention"; everything else (norms, RoPE, copies, views, casts, the
+# dispatcher's bookkeeping of small ops) is the per-step overhead a lean step removes.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+                 "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
+                 "aten::_scaled_dot_product_cudnn_attention")
+
+
+def op_breakdown(self_times_us: Mapping[str, float], calls: int, top: int = 8) -> dict[str, Any]:
+    """Per-forward self time by op class from profiler totals over `calls` forwards (op name -> microseconds)."""
+    total = sum(self_times_us.values())
+    groups = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for name, us in self_times_us.items():
+        groups["matmul" if name in MATMUL_OPS else "attention" if name in ATTENTION_OPS else "other"] += us
+    others = sorted(((n, us) for n, us in self_times_us.items() if n not in MATMUL_OPS + ATTENTION_OPS),
+                    key=lambda kv: -kv[1])[:top]
+    return {"ms_per_forward": total / calls / 1000,
+            "share": {k: v / total if total else 0.0 for k, v in groups.items()},
+            "top_other": [{"op": n, "ms_per_forward": us / calls / 1000} for n, us in others]}
+
+
+def profile_case(call: Callable[[Case], None], case: Case, calls: int) -> dict[str, Any]:
+    """Run `case` `calls` times under torch.profiler (CPU activity) and break its self time down by op class."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            call(case)
+    totals = {e.key: float(e.self_cpu_time_total) for e in prof.key_averages()}
+    return {"dtype": case.dtype, "mask": case.mask, "size": case.size, **op_breakdown(totals, calls)}
+
+
 # ---- the measurement ----------------------------------------------------------------------------------------
 
 
@@ -261,6 +299,8 @@ def run_verify_cost(config: VerifyCostConfig,
             time_cases(call, warm)
             samples = time_cases(call, timed)
         elapsed = time.perf_counter() - started
+        profiles = [profile_case(call, Case(d, "chain", n), config.repeats)
+                    for d in config.dtypes for n in sorted(config.profile)]
         if any(cache.length != config.context for cache in caches.values()):
             raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
         machine = machine_info()
@@ -280,6 +320,7 @@ def run_verify_cost(config: VerifyCostConfig,
         "trees": {str(n): {"depth": inputs[("tree", n)].depth, "parents": list(inputs[("tree", n)].parents)}
                   for n in sorted(config.sizes)},
         "results": summarize(samples),
+        "profile": profiles,
     }
 
 
@@ -291,6 +332,8 @@ __all__ = [
     "VerifyCostError",
     "VerifyInput",
     "checkpoint_path",
+    "op_breakdown",
+    "profile_case",
     "parse_list",
     "run_verify_cost",
     "schedule",

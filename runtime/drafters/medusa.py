@@ -53,7 +53,8 @@ class MedusaConfig:
 class MedusaHeads(nn.Module):
     """All heads batched: one bmm per layer over the head axis."""
 
-    def __init__(self, config: MedusaConfig, dtype: torch.dtype = torch.float32, vocab: DraftVocab | None = None) -> None:
+    def __init__(self, config: MedusaConfig, dtype: torch.dtype = torch.float32,
+                 vocab: DraftVocab | None = None) -> None:
         super().__init__()
         self.config = config
         self.vocab = vocab  # reduced draft vocabulary (None: the heads score the target's whole vocabulary)
