@@ -414,14 +414,15 @@ class ChatData:
 def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool) -> ChatData:
     """Answers (generated once, resumable), cached features, the split by prompt id, the draft vocabulary."""
     from builder.training.corpus import is_held_out
-    from builder.training.distill import GenerateSettings, conversations, features, generate
+    from builder.training.distill import GenerateSettings, conversations, features, generate, prompt_of
     from runtime.prompts import load_prompt_file
 
     c, h = config.corpus, config.heads
     data_dir = h.work_dir / "distill"
     prompts = load_prompt_file(c.prompts)
     generate(h.target, [(p.id, p.text) for p in prompts], data_dir,
-             GenerateSettings(max_new_tokens=c.max_new_tokens, batch_size=c.generate_batch), quiet=quiet)
+             GenerateSettings(max_new_tokens=c.max_new_tokens, batch_size=c.generate_batch, answers=c.answers,
+                              temperature=c.answer_temperature), quiet=quiet)
     cached = features(h.target, data_dir, quiet=quiet)
     convs = conversations(data_dir)
     train_pos, held_pos, counts = [], [], torch.zeros(target_vocab, dtype=torch.int64)
@@ -429,7 +430,7 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
     for conv, start in zip(convs, cached.starts.tolist()):
         n = len(conv["prompt_ids"]) + len(conv["response_ids"])
         positions = np.arange(start, start + n, dtype=np.int64)
-        if is_held_out(conv["id"], c.held_out):
+        if is_held_out(prompt_of(conv["id"]), c.held_out):  # every answer of a prompt on one side
             held_pos.append(positions)
             held_answer.extend(conv["response_ids"])
         else:

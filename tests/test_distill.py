@@ -44,7 +44,8 @@ def _config(target: Path, tmp: Path, prompts: int = 16, **heads) -> dict:
     train = {"max_steps": 12, "batch_size": 4, "seq_len": 24, "eval_every": 6, "eval_batches": 2, "warmup_steps": 1,
              "lr": 5e-3, "checkpoint_every": 6, "threads": 1}
     return {
-        "corpus": {"source": "chat", "prompts": str(p), "held_out": 0.25, "max_new_tokens": 20, "generate_batch": 5},
+        "corpus": {"source": "chat", "prompts": str(p), "held_out": 0.25, "max_new_tokens": 20, "generate_batch": 5,
+                   "answers": 2},
         "heads": {"target": str(target), "work_dir": str(tmp / "work"), "save_dtype": "float32",
                   "draft_vocab_size": K,
                   "medusa": {"output": str(tmp / "medusa"), "num_heads": 3, "train": train},
@@ -60,7 +61,11 @@ def test_chat_heads_with_reduced_vocabulary(chat_target, tmp_path):
     # The answers were generated once and their features cached; the cache matches a fresh target pass.
     data_dir = tmp_path / "work" / "distill"
     convs = conversations(data_dir)
-    assert len(convs) == 16 and all(c["response_ids"] for c in convs)
+    assert len(convs) == 32 and all(c["response_ids"] for c in convs)
+    by_id = {c["id"]: c for c in convs}
+    assert {f"p{i}" for i in range(16)} | {f"p{i}#1" for i in range(16)} == set(by_id)
+    # answer 0 is greedy (what plain decoding of the target says), answer 1 sampled: they differ somewhere
+    assert any(by_id[f"p{i}"]["response_ids"] != by_id[f"p{i}#1"]["response_ids"] for i in range(16))
     tokens = np.load(data_dir / TOKENS)
     assert tokens.shape[0] == sum(len(c["prompt_ids"]) + len(c["response_ids"]) for c in convs)
     hidden = torch.load(data_dir / HIDDEN, weights_only=True)

@@ -55,6 +55,8 @@ class CorpusSection:
     prompts: Path | None = None  # chat prompts (source: chat), answered by the frozen target
     max_new_tokens: int = 256  # chat: answer length cap
     generate_batch: int = 32  # chat: prompts answered per batched generate call
+    answers: int = 1  # chat: answers per prompt, the greedy one then sampled ones
+    answer_temperature: float = 0.8  # chat: temperature of the sampled answers
     pattern: str = "**/*.py"  # glob under the root
     # Path components that drop a file (test folders, installed third-party packages, caches).
     exclude_dirs: tuple[str, ...] = ("test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__")
@@ -69,7 +71,8 @@ class CorpusSection:
         if (self.source == "chat") != (self.prompts is not None):
             raise TrainConfigError(f"corpus.prompts: got {self.prompts!r}, expected a prompts file exactly when "
                                    f"source is 'chat' (source is {self.source!r})")
-        _check_min("corpus", self, {"max_new_tokens": 1, "generate_batch": 1})
+        _check_min("corpus", self, {"max_new_tokens": 1, "generate_batch": 1, "answers": 1,
+                                    "answer_temperature": 1e-6})
         if not 0.0 < self.held_out < 1.0:
             raise TrainConfigError(f"corpus.held_out: got {self.held_out!r}, expected a fraction in (0, 1)")
         _check_min("corpus", self, {"max_file_bytes": 1})

@@ -3,9 +3,11 @@
 EAGLE and Medusa-2 train their heads on text the target itself produces, so a head learns to predict what the
 target will say, not what some corpus says. Two resumable stages, both under one data directory:
 
-    generate   prompts (JSON Lines, perf's prompt format) -> the target's greedy chat answers
-               conversations.jsonl: {"id", "prompt_ids", "response_ids"} (one line per finished prompt; a rerun
-               skips the ids already there). Batched transformers `generate` (left padding) in the target's dtype.
+    generate   prompts (JSON Lines, perf's prompt format) -> the target's chat answers: the greedy one, and
+               `answers - 1` more sampled at `temperature` (more of the target's own text per prompt)
+               conversations.jsonl: {"id", "prompt_ids", "response_ids"} (one line per finished answer; answer k > 0
+               of prompt P has id "P#k"; a rerun skips the ids already there). Batched transformers `generate`
+               (left padding) in the target's dtype.
     features   tokens.npy  # [T] int32   every conversation (prompt + answer) concatenated in file order
                starts.npy  # [C] int64   each conversation's first index into tokens
                hidden.pt   # [T, H]      the target's final-norm hidden state at every position (bfloat16), each
@@ -16,6 +18,7 @@ A training window is a range of positions into these arrays, so head training ne
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,11 +37,15 @@ TOKENS, STARTS, HIDDEN = "tokens.npy", "starts.npy", "hidden.pt"
 class GenerateSettings:
     max_new_tokens: int = 256
     batch_size: int = 16
+    answers: int = 1  # per prompt: the greedy answer, then answers - 1 sampled ones
+    temperature: float = 0.8  # of the sampled answers
     dtype: str = "bfloat16"
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "batch_size"):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ConfigError(f"generate.temperature: got {self.temperature!r}, expected a number > 0")
+        for name in ("max_new_tokens", "batch_size", "answers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"generate.{name}: got {value!r}, expected an integer >= 1")
@@ -66,6 +73,15 @@ def _load_hf(target_dir: Path, dtype: str):
     return tok, model
 
 
+def answer_id(prompt_id: str, k: int) -> str:
+    """The conversation id of answer k of a prompt (k = 0: the greedy answer, whose id is the prompt's)."""
+    return prompt_id if k == 0 else f"{prompt_id}#{k}"
+
+
+def prompt_of(conversation_id: str) -> str:
+    return conversation_id.split("#", 1)[0]
+
+
 def _done_ids(path: Path) -> set[str]:
     if not path.is_file():
         return set()
@@ -85,7 +101,7 @@ def generate(target_dir: str | Path, prompts: Sequence[tuple[str, str]], data_di
     data_dir.mkdir(parents=True, exist_ok=True)
     out = data_dir / CONVERSATIONS
     done = _done_ids(out)
-    todo = [(i, p) for i, p in prompts if i not in done]
+    todo = [(answer_id(i, k), p) for k in range(settings.answers) for i, p in prompts if answer_id(i, k) not in done]
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if not todo:
@@ -97,7 +113,7 @@ def generate(target_dir: str | Path, prompts: Sequence[tuple[str, str]], data_di
     # Similar lengths batch together (less padding).
     encoded = [(i, tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)) for i, p in todo]
-    encoded.sort(key=lambda e: len(e[1]))
+    encoded.sort(key=lambda e: ("#" in e[0], len(e[1])))  # greedy answers first, then similar lengths together
     bar = tqdm(total=len(encoded), desc="generating answers", unit="prompt", disable=quiet)
     with out.open("a", encoding="utf-8") as fh:
         for b in range(0, len(encoded), settings.batch_size):
@@ -105,8 +121,12 @@ def generate(target_dir: str | Path, prompts: Sequence[tuple[str, str]], data_di
             width = max(len(ids) for _, ids in batch)
             input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for _, ids in batch])
             attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
+            sampled = "#" in batch[0][0]
+            if sampled:  # reproducible per batch: seeded by the batch's first conversation id
+                torch.manual_seed(int.from_bytes(hashlib.sha256(batch[0][0].encode()).digest()[:8], "little"))
             with torch.no_grad():
-                gen = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
+                gen = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=sampled,
+                                     temperature=settings.temperature if sampled else None, top_k=None, top_p=None,
                                      max_new_tokens=settings.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
             eos_set = set(eos if isinstance(eos, list) else [eos])
             for (pid, ids), row in zip(batch, gen[:, width:].tolist()):
@@ -171,4 +191,5 @@ def features(target_dir: str | Path, data_dir: str | Path, dtype: str = "bfloat1
     return DistillData(tokens, starts, hidden)
 
 
-__all__ = ["DistillData", "GenerateSettings", "conversations", "generate", "features", "CONVERSATIONS"]
+__all__ = ["DistillData", "GenerateSettings", "answer_id", "conversations", "generate", "features", "prompt_of",
+           "CONVERSATIONS"]
