@@ -289,6 +289,18 @@ def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str, target_
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def _prepare_kind(kind: str, h: HeadsSection, section: Any, train: np.ndarray, held_out: np.ndarray, what: str,
+                  data_fp: str, target_fp: str) -> tuple[Any, str]:
+    """Threads, window checks and seed for one head kind; returns its optimiser settings and state fingerprint."""
+    opt = section.train
+    if opt.threads is not None:
+        torch.set_num_threads(opt.threads)
+    check_windows(train, opt.seq_len, f"the training {what}")
+    check_windows(held_out, opt.seq_len, f"the held-out {what}")
+    torch.manual_seed(opt.seed)
+    return opt, _fingerprint(kind, h, section, data_fp, target_fp)
+
+
 def target_digest(path: Path) -> str:
     """sha256 over the target checkpoint's config, tokenizer and weight files (names and bytes)."""
     digest = hashlib.sha256()
@@ -342,13 +354,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
     results = []
     for kind in kinds:
         section = getattr(h, kind)
-        opt = section.train
-        if opt.threads is not None:
-            torch.set_num_threads(opt.threads)
-        check_windows(data.train, opt.seq_len, "the training split")
-        check_windows(data.held_out, opt.seq_len, "the held-out split")
-        torch.manual_seed(opt.seed)
-        fp = _fingerprint(kind, h, section, split.fingerprint(), target_fp)
+        opt, fp = _prepare_kind(kind, h, section, data.train, data.held_out, "split", split.fingerprint(), target_fp)
         if kind == "medusa":
             module = medusa_heads_module(target.lm_head.weight.detach(), section.num_heads, section.num_layers)
 
@@ -485,13 +491,7 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
     results = []
     for kind in kinds:
         section = getattr(h, kind)
-        opt = section.train
-        if opt.threads is not None:
-            torch.set_num_threads(opt.threads)
-        check_windows(data.train, opt.seq_len, "the training conversations")
-        check_windows(data.held_out, opt.seq_len, "the held-out conversations")
-        torch.manual_seed(opt.seed)
-        fp = _fingerprint(kind, h, section, data_fp, target_fp)
+        opt, fp = _prepare_kind(kind, h, section, data.train, data.held_out, "conversations", data_fp, target_fp)
         if kind == "medusa":
             module = medusa_heads_module(lm_draft, section.num_heads, section.num_layers)
 

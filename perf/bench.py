@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from perf import stats
-from perf.machine import machine_info, now_iso, usable_cores
+from perf.machine import machine_info, now_iso, settings_dict, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import shown_path
@@ -231,14 +231,9 @@ class BenchConfig:
         return self.threads if self.threads is not None else usable_cores()
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["config"] = None if self.config is None else str(self.config)
-        d["engine"] = None if self.engine is None else str(self.engine)
+        d = settings_dict(self)
         d["drafters"] = [s.name for s in self.drafters]
         d["draft_models"] = {k: str(v) for k, v in self.draft_models}
-        d["prompts"] = [str(p) for p in self.prompts]
-        d["hf_assistant"] = None if self.hf_assistant is None else str(self.hf_assistant)
-        d["threads"] = self.resolved_threads()
         return d
 
 

@@ -37,6 +37,24 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def settings_dict(config: Any) -> dict[str, Any]:
+    """A frozen settings dataclass as the JSON a report records: paths as strings, tuples as lists (nested), and
+    `threads` resolved to what ran (`config.resolved_threads()`) when the settings have one."""
+    import dataclasses
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        return value
+
+    d = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if hasattr(config, "resolved_threads"):
+        d["threads"] = config.resolved_threads()
+    return d
+
+
 def memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():

@@ -21,7 +21,6 @@ windows, so it reads low when the requests finish early, which is why the span a
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import shutil
@@ -34,7 +33,7 @@ from typing import Any
 
 from perf import stats
 from perf.analyzer import PerfAnalyzer, locate
-from perf.machine import machine_info, now_iso
+from perf.machine import machine_info, now_iso, settings_dict
 from perf.prompt_sets import Prompt, load_prompts
 from runtime.errors import ConfigError, SpectreeError
 
@@ -119,11 +118,7 @@ class ServeConfig:
         return max(self.requests, 2 * concurrency)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["concurrency"] = list(self.concurrency)
-        d["prompts"] = [str(p) for p in self.prompts]
-        d["tokenizer"] = None if self.tokenizer is None else str(self.tokenizer)
-        return d
+        return settings_dict(self)
 
 
 def input_data(prompts: Sequence[Prompt], max_tokens: int, ignore_eos: bool) -> dict[str, Any]:

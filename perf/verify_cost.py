@@ -20,7 +20,6 @@ verify_cost.md and verify_cost.png.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from perf import stats
-from perf.machine import machine_info, now_iso, usable_cores
+from perf.machine import machine_info, now_iso, settings_dict, usable_cores
 from runtime.errors import ConfigError
 from runtime.files import shown_path
 
@@ -96,11 +95,8 @@ class VerifyCostConfig:
         return self.threads if self.threads is not None else usable_cores()
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["config"] = None if self.config is None else str(self.config)
-        d["checkpoint"] = None if self.checkpoint is None else str(self.checkpoint)
-        d["dtypes"], d["sizes"], d["profile"] = list(self.dtypes), sorted(self.sizes), list(self.profile)
-        d["threads"] = self.resolved_threads()
+        d = settings_dict(self)
+        d["sizes"] = sorted(self.sizes)
         return d
 
 
