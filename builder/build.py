@@ -250,10 +250,14 @@ def _write_draft(out: Path, plan: BuildPlan, drafter: Any) -> str:
                 state[f"{head}.{layer}.linear.weight"] = h.res_weight[head, layer].contiguous().clone()
                 state[f"{head}.{layer}.linear.bias"] = h.res_bias[head, layer].contiguous().clone()
             state[f"{head}.{num_layers}.weight"] = h.lm_weight[head].contiguous().clone()
-        save_file(state, str(out / MEDUSA_WEIGHTS), metadata={"format": "pt"})
+        vocab = h.vocab
     else:  # EAGLE checkpoint names (fc.*, layers.{i}.*, embed_tokens.weight): EagleHead's own state dict
         state = {k: v.contiguous().clone() for k, v in drafter.head.state_dict().items()}
-        save_file(state, str(out / EAGLE_WEIGHTS), metadata={"format": "pt"})
+        vocab = drafter.head.vocab
+    if vocab is not None:  # a reduced draft vocabulary travels with the weights (EAGLE-3's d2t / t2d)
+        state.update(vocab.state())
+    save_file(state, str(out / (MEDUSA_WEIGHTS if plan.method == "medusa" else EAGLE_WEIGHTS)),
+              metadata={"format": "pt"})
     return DRAFT_DIR
 
 
@@ -264,11 +268,13 @@ def _draft_section(plan: BuildPlan, drafter: Any, draft_path: str | None) -> dic
     if plan.method == "medusa":
         c = drafter.heads.config
         cfg = {"num_heads": c.num_heads, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
-               "vocab_size": c.vocab_size}
+               "vocab_size": c.vocab_size,
+               "draft_vocab_size": None if drafter.heads.vocab is None else drafter.heads.vocab.size}
     elif plan.method == "eagle":
         head = drafter.head
         cfg = {"num_layers": len(head.layers), "fc_bias": head.fc.bias is not None,
-               "own_embedding": head.embed_tokens is not None, "head": model_config_dict(head.config)}
+               "own_embedding": head.embed_tokens is not None, "head": model_config_dict(head.config),
+               "draft_vocab_size": None if head.vocab is None else head.vocab.size}
     if plan.tree is not None:
         tree = {"kind": "static", "choices": [list(p) for p in plan.tree.choices], "num_nodes": plan.tree.num_nodes,
                 "max_depth": plan.tree.max_depth}

@@ -127,7 +127,15 @@ def checkpoint_tensors(
     eagle = None
     if plan.method == "medusa":
         h = drafter.heads
-        tensors.update(medusa_to_trtllm(h.res_weight, h.res_bias, h.lm_weight))
+        lm = h.lm_weight  # [heads, K, H]
+        if h.vocab is not None:
+            # TensorRT-LLM's Medusa has no reduced draft vocabulary (only EAGLE-3 does): the heads go out over the
+            # full vocabulary, rows outside the draft vocabulary zero. Drafting there is then over all V tokens
+            # (a zero logit may outrank a draft token: lower acceptance, never a different output).
+            full = lm.new_zeros(lm.shape[0], h.vocab.target_vocab, lm.shape[2])
+            full[:, h.vocab.target_ids.to(lm.device)] = lm
+            lm = full
+        tensors.update(medusa_to_trtllm(h.res_weight, h.res_bias, lm))
     elif plan.method == "eagle":
         head = drafter.head
         eagle = QKVLayout.of(head.config)

@@ -100,6 +100,22 @@ def test_chat_heads_with_reduced_vocabulary(chat_target, tmp_path):
     eagle2 = runtime.load(chat_target, draft="eagle", draft_model=tmp_path / "eagle", total_tokens=12, depth=3)
     assert eagle2.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
 
+    # An engine directory keeps the reduced vocabulary with the head weights, and serves the same output.
+    from builder.build import build_engine
+    from builder.config import load_config
+
+    for kind, tree in (("eagle", "mc_sim_7b_63"), ("medusa", "chain-3")):
+        cfg_file = tmp_path / f"{kind}.yaml"
+        cfg_file.write_text(f"model: {{checkpoint: {chat_target}}}\n"
+                            f"draft: {{method: {kind}, checkpoint: {tmp_path / kind}, tree: {{preset: {tree}}}}}\n"
+                            f"build: {{dtype: float32, output: {tmp_path / ('engine-' + kind)}, onnx: false}}\n")
+        result = build_engine(load_config(cfg_file))
+        assert result.manifest["draft"]["config"]["draft_vocab_size"] == K
+        dec = runtime.load(result.output)
+        head = dec.drafter.head if kind == "eagle" else dec.drafter.heads
+        assert head.vocab.target_ids.tolist() == vocab.target_ids.tolist()
+        assert dec.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
+
 
 def test_draft_vocab_validation():
     assert top_frequent(torch.tensor([5, 0, 9, 1, 7]), 2).tolist() == [2, 4]
