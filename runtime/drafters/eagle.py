@@ -243,6 +243,65 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
 # ---- drafting -------------------------------------------------------------------------------------------
 
 
+def _ids(values: list[int], device: torch.device) -> torch.Tensor:  # [len(values)] int64
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """Filling the children of `nodes` from the head's top-k at each (tensors on the drafting device)."""
+
+    nodes: torch.Tensor  # [m] int64 node indices whose children are filled
+    rows: torch.Tensor  # [c] int64: row in `nodes` of each child's parent
+    ranks: torch.Tensor  # [c] int64: each child's sibling rank (which top-k entry it takes)
+    kids: torch.Tensor  # [c] int64 child node indices
+    k: int  # 1 + the largest rank
+
+    @classmethod
+    def of(cls, tree: Tree, nodes: list[int], device: torch.device) -> Expansion:
+        ranks = tree.ranks.tolist()
+        pairs = [(row, c) for row, i in enumerate(nodes) for c in tree.children(i)]
+        return cls(_ids(nodes, device), _ids([r for r, _ in pairs], device), _ids([ranks[c] for _, c in pairs], device),
+                   _ids([c for _, c in pairs], device), 1 + max(ranks[c] for _, c in pairs))
+
+
+@dataclass(frozen=True)
+class Level:
+    """One head forward of static-tree drafting: the nodes forwarded so far this step (ancestors first) plus the
+    new ones of this depth, whose outputs fill their children."""
+
+    block: torch.Tensor  # [B] int64 node indices, ancestors before descendants; the last len(new) are new
+    new: torch.Tensor  # [b] int64 the new nodes (the block's last rows)
+    parents: torch.Tensor  # [B] int64 each block node's parent (its input feature is the parent's output)
+    offsets: torch.Tensor  # [B] int64 depth - 1: position = cache length + offset
+    packed: torch.Tensor  # [1, B, ceil(B / 32)] int32 the block's ancestor-or-self mask
+    expand: Expansion
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """A static tree's drafting work that does not depend on the tokens: computed once per session, so a step runs
+    only the head forwards and top-k picks (no per-step Python over the tree)."""
+
+    root: Expansion
+    levels: tuple[Level, ...]
+
+    @classmethod
+    def of(cls, tree: Tree, device: torch.device) -> StaticPlan:
+        depth, parents = tree.depth.tolist(), tree.parent_list
+        levels, block = [], []
+        for d in range(1, tree.max_depth):
+            new = [i for i in range(1, tree.num_nodes) if depth[i] == d and tree.children(i)]
+            if not new:
+                continue
+            block += new
+            sub = tree.mask[block][:, block]  # [B, B] ancestor-or-self among the block
+            levels.append(Level(_ids(block, device), _ids(new, device), _ids([parents[i] for i in block], device),
+                                _ids([depth[i] - 1 for i in block], device), pack_mask(sub)[None].to(device),
+                                Expansion.of(tree, new, device)))
+        return cls(Expansion.of(tree, [0], device), tuple(levels))
+
+
 class EagleDrafter:
     """Shared EAGLE head + the target (embedding, lm_head); `tree` static (EAGLE-1) or `dynamic` (EAGLE-2)."""
 
@@ -319,6 +378,7 @@ class EagleSession:
         self.pending_tokens: list[torch.Tensor] = [prompt[1:].to(device)]  # [n] each
         self.last_hidden = hidden[-1].to(device, self.model.dtype)  # [H]
         self.drafted_root: int | None = None  # root whose pair is in the cache, until advance() arrives
+        self._plan: StaticPlan | None = None  # the static tree's per-step index work, built on the first draft
 
     # ---- head cache ---------------------------------------------------------------------------------------
 
@@ -340,11 +400,10 @@ class EagleSession:
         tokens: torch.Tensor,  # [N] int64
         features: torch.Tensor,  # [N, H]
         positions: torch.Tensor,  # [N] int64
-        mask: torch.Tensor,  # [N, N] bool (ancestor-or-self / causal)
+        packed: torch.Tensor,  # [1, N, ceil(N / 32)] int32: the block's ancestor-or-self mask, packed
     ) -> torch.Tensor:  # [N, H]
         self._reserve(tokens.shape[0])
         embeds = self._embed(tokens)
-        packed = pack_mask(mask)[None].to(tokens.device)  # [1, N, ceil(N / 32)]
         return self.head(embeds[None], features[None], positions[None], self.cache, packed)[0]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -418,41 +477,23 @@ class EagleSession:
         tokens = torch.full((n,), root, dtype=torch.int64, device=device)
         if n == 1:
             return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
-        parents = tree.parent_list
-        depth = tree.depth.tolist()
+        if self._plan is None:
+            self._plan = StaticPlan.of(tree, device)
+        plan = self._plan
         out = torch.empty(n, root_out.shape[0], dtype=root_out.dtype, device=device)  # [num_nodes, H]
         out[0] = root_out
-        self._fill_children(tree, [0], out, tokens)
+        self._fill_children(plan.root, out, tokens)
         base = self.cache.length  # a node at depth d sits at position L - 1 + d = base - 1 + d
-        full_mask = tree.mask  # [num_nodes, num_nodes]
-        block: list[int] = []  # nodes forwarded so far this step, ancestors first
-        for d in range(1, tree.max_depth):
-            new = [i for i in range(1, n) if depth[i] == d and tree.children(i)]
-            if not new:
-                continue
-            block += new
-            idx = torch.tensor(block, dtype=torch.int64, device=device)
-            feats = out[torch.tensor([parents[i] for i in block], device=device)]  # [B, H]: parents' outputs
-            positions = torch.tensor([base - 1 + depth[i] for i in block], device=device)
-            res = self._forward(tokens[idx], feats, positions, full_mask[idx.cpu()][:, idx.cpu()])
-            out[idx[-len(new):]] = res[-len(new):]
-            self._fill_children(tree, new, out, tokens)
+        for level in plan.levels:
+            res = self._forward(tokens[level.block], out[level.parents], base + level.offsets, level.packed)
+            out[level.new] = res[-level.new.shape[0]:]
+            self._fill_children(level.expand, out, tokens)
         return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
 
-    def _fill_children(self, tree: Tree, nodes: list[int], out: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The child of rank r of node i gets the r-th top token of lm_head(out[i]); tokens # [num_nodes]."""
-        ranks = tree.ranks.tolist()
-        rows, kids = [], []
-        for row, i in enumerate(nodes):
-            for c in tree.children(i):
-                rows.append(row)
-                kids.append(c)
-        k = 1 + max(ranks[c] for c in kids)
-        idx = torch.tensor(nodes, device=out.device)
-        top = torch.topk(self.drafter.draft_logits(out[idx]), k, dim=-1).indices  # [len(nodes), k]
-        dev = out.device
-        picked = top[torch.tensor(rows, device=dev), torch.tensor([ranks[c] for c in kids], device=dev)]
-        tokens[torch.tensor(kids, device=dev)] = self.drafter.to_target(picked)
+    def _fill_children(self, expand: Expansion, out: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The child of rank r of node i gets the r-th top token of the draft head at out[i]; tokens # [num_nodes]."""
+        top = torch.topk(self.drafter.draft_logits(out[expand.nodes]), expand.k, dim=-1).indices  # [m, k]
+        tokens[expand.kids] = self.drafter.to_target(top[expand.rows, expand.ranks])
 
     # ---- dynamic trees (EAGLE-2) --------------------------------------------------------------------------
 
@@ -492,7 +533,8 @@ class EagleSession:
             all_tokens = torch.cat(pool_tokens)
             positions = torch.tensor([base - 1 + d for d in blk_depth], device=device)
             idx = torch.tensor(blk_pool, device=device)
-            out = self._forward(all_tokens[idx], torch.cat(blk_in), positions, ancestor_mask(blk_parent))[-k:]
+            packed = pack_mask(ancestor_mask(blk_parent))[None].to(device)
+            out = self._forward(all_tokens[idx], torch.cat(blk_in), positions, packed)[-k:]
             exp = expand_frontier(torch.cat(pool_scores)[frontier], self._logprobs(out), opts.top_k)
             new_parent = frontier[exp.parent]  # [k * top_k] pool indices
             pool_parent.append(new_parent)
