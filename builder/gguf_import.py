@@ -92,10 +92,13 @@ def _gguf():
     return gguf
 
 
+# Vocabulary-sized arrays: read on demand (`_array`), not decoded with the scalar metadata.
+_VOCAB_ARRAYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "scores", "token_type"))
+
+
 def _fields(reader: Any) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("tokenizer.ggml.") or name.rsplit(".", 1)[1] not in ("tokens", "merges", "scores",
-                                                                                       "token_type")}
+    """The GGUF's metadata by key, without the vocabulary-sized arrays."""
+    return {name: field.contents() for name, field in reader.fields.items() if name not in _VOCAB_ARRAYS}
 
 
 def _require(meta: dict[str, Any], key: str, path: Path) -> Any:

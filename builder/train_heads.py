@@ -429,8 +429,8 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
     generate(h.target, [(p.id, p.text) for p in prompts], data_dir,
              GenerateSettings(max_new_tokens=c.max_new_tokens, batch_size=c.generate_batch, answers=c.answers,
                               temperature=c.answer_temperature), quiet=quiet)
-    cached = features(h.target, data_dir, quiet=quiet)
     convs = conversations(data_dir)
+    cached = features(h.target, data_dir, convs, quiet=quiet)
     train_pos, held_pos, counts = [], [], torch.zeros(target_vocab, dtype=torch.int64)
     held_answer = []
     for conv, start in zip(convs, cached.starts.tolist()):
@@ -452,8 +452,7 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
             raise TrainConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected at "
                                    f"most the target's vocabulary size {target_vocab}")
         vocab = DraftVocab(top_frequent(counts, h.draft_vocab_size, always=eos_ids), target_vocab)
-        to_draft = torch.full((target_vocab,), -1, dtype=torch.int64)
-        to_draft[vocab.target_ids] = torch.arange(vocab.size)
+        to_draft = vocab.draft_index()
     held = torch.tensor(held_answer, dtype=torch.int64)
     coverage = float((to_draft[held] >= 0).float().mean()) if held.numel() else 1.0
     return ChatData(torch.from_numpy(cached.tokens.astype(np.int64)), cached.hidden, np.concatenate(train_pos),

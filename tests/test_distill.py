@@ -76,7 +76,7 @@ def test_chat_heads_with_reduced_vocabulary(chat_target, tmp_path):
     with torch.no_grad():
         want = ref.model(input_ids=torch.tensor([first])).last_hidden_state[0]
     torch.testing.assert_close(hidden[: len(first)].float(), want.float(), atol=2e-2, rtol=2e-2)
-    assert features(chat_target, data_dir).num_tokens == tokens.shape[0]  # served from the cache
+    assert features(chat_target, data_dir, convs).num_tokens == tokens.shape[0]  # served from the cache
 
     # Both heads carry the same K-token vocabulary in EAGLE-3's keys, and it holds the EOS token.
     for kind, file in (("medusa", "medusa_lm_head.safetensors"), ("eagle", "pytorch_model.bin")):
@@ -123,6 +123,7 @@ def test_draft_vocab_validation():
     v = DraftVocab(torch.tensor([1, 4, 6]), 8)
     assert v.d2t().tolist() == [1, 3, 4] and v.t2d().nonzero().flatten().tolist() == [1, 4, 6]
     assert v.to_target(torch.tensor([[2, 0]])).tolist() == [[6, 1]]
+    assert v.draft_index().tolist() == [-1, 0, -1, -1, 1, -1, 2, -1]
     assert DraftVocab.from_state({"d2t": v.d2t(), "t2d": v.t2d()}, 8, "f").target_ids.tolist() == [1, 4, 6]
     with pytest.raises(CheckpointError, match=r"lie in \[0, 8\)"):
         DraftVocab(torch.tensor([1, 8]), 8)

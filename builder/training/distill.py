@@ -146,13 +146,13 @@ def conversations(data_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def features(target_dir: str | Path, data_dir: str | Path, dtype: str = "bfloat16", chunk_tokens: int = 4096,
-             quiet: bool = False) -> DistillData:
-    """Run the target over every conversation (one at a time, from its start) and cache tokens + hidden states."""
+def features(target_dir: str | Path, data_dir: str | Path, convs: Sequence[dict], dtype: str = "bfloat16",
+             chunk_tokens: int = 4096, quiet: bool = False) -> DistillData:
+    """Run the target over every conversation (`conversations(data_dir)`, each from its start) and cache tokens +
+    hidden states in data_dir."""
     from tqdm import tqdm
 
     target_dir, data_dir = Path(target_dir), Path(data_dir)
-    convs = conversations(data_dir)
     if not convs:
         raise ConfigError(f"{data_dir / CONVERSATIONS} holds no conversations; run generation first")
     seqs = [c["prompt_ids"] + c["response_ids"] for c in convs]
@@ -170,7 +170,6 @@ def features(target_dir: str | Path, data_dir: str | Path, dtype: str = "bfloat1
     bar = tqdm(total=int(tokens.shape[0]), desc="target features", unit="tok", disable=quiet)
     i = 0
     while i < len(order):
-        width = len(seqs[order[i]])
         j = i
         while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= max(chunk_tokens, len(seqs[order[j]])):
             j += 1

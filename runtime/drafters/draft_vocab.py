@@ -66,6 +66,12 @@ class DraftVocab:
         mask[self.target_ids] = True
         return mask
 
+    def draft_index(self) -> torch.Tensor:  # [V] int64
+        """Target id -> draft id, -1 for tokens outside the draft vocabulary."""
+        index = torch.full((self.target_vocab,), -1, dtype=torch.int64)
+        index[self.target_ids] = torch.arange(self.size)
+        return index
+
     def state(self) -> dict[str, torch.Tensor]:
         """What a head's weight file stores (EAGLE-3's keys)."""
         return {"d2t": self.d2t(), "t2d": self.t2d()}

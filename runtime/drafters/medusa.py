@@ -258,9 +258,9 @@ class MedusaSession:
         if self.tree.num_nodes == 1:
             return Draft(self.tree, torch.tensor([int(root)], dtype=torch.int64))
         top = torch.topk(self.head_logits(), self.top_k, dim=-1).indices  # [max_depth, top_k]
-        flat = torch.cat([torch.tensor([int(root)], device=top.device), top.reshape(-1)])  # [1 + depth*top_k]
         if self.heads.vocab is not None:
-            flat = torch.cat([flat[:1], self.heads.vocab.to_target(flat[1:])])
+            top = self.heads.vocab.to_target(top)
+        flat = torch.cat([torch.tensor([int(root)], device=top.device), top.reshape(-1)])  # [1 + depth*top_k]
         tokens = flat[self.tree_indices.to(flat.device)].to(torch.int64).cpu()  # [num_nodes]
         return Draft(self.tree, tokens, Proposal.DETERMINISTIC)
 
