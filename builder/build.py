@@ -2,7 +2,9 @@
 
 Everything is written into a fresh temporary directory next to the output and renamed into place at the end, so
 an interrupted or failing build never leaves a partial directory where a good one was (with --force the old
-engine is moved aside, the new one renamed in, and only then the old one deleted).
+engine is moved aside, the new one renamed in, and only then the old one deleted). A build that was killed (SIGKILL,
+power loss) cannot clean up after itself: the next build of the same output removes what it left (the temporary
+siblings whose process is gone; a moved-aside old engine only once a new one is in place).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from runtime.engine import (
     MANIFEST,
     ONNX_FILE,
     PLAN_FILE,
+    TARGET_FILE,
     TRTLLM_DIR,
     is_engine_dir,
     iter_files,
@@ -41,6 +43,7 @@ from runtime.engine import (
     sha256_file,
 )
 from runtime.errors import SpectreeError
+from runtime.files import remove_stale_work_dirs, work_dir
 
 TOOL = "spectree-builder"
 MODEL_FILES = ("config.json", "generation_config.json")
@@ -50,6 +53,9 @@ TOKENIZER_FILES = (
 )
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 EAGLE_WEIGHTS = "model.safetensors"
+
+
+BUILDING, REPLACED = "building", "replaced"  # the work_dir tags: the engine being built, the one it replaces
 
 
 class BuildError(SpectreeError, RuntimeError):
@@ -100,7 +106,10 @@ def build_engine(config: BuildConfig, force: bool = False, progress: Progress | 
     output = plan.output
     _check_output(output, force)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.building-{os.getpid()}-{secrets.token_hex(4)}"
+    remove_stale_work_dirs(output, BUILDING)
+    if output.exists():
+        remove_stale_work_dirs(output, REPLACED)
+    tmp = work_dir(output, BUILDING)
     tmp.mkdir()
     try:
         manifest = _build_into(tmp, plan, progress, record)
@@ -127,7 +136,7 @@ def _install(tmp: Path, output: Path, force: bool) -> None:
         os.rename(tmp, output)
         return
     _check_output(output, force)
-    backup = output.parent / f".{output.name}.replaced-{secrets.token_hex(4)}"
+    backup = work_dir(output, REPLACED)
     os.rename(output, backup)
     try:
         os.rename(tmp, output)
@@ -165,7 +174,19 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
         ckpt_config = trtllm.checkpoint_config(plan, eagle_cfg)
         trtllm.write_checkpoint(tmp, ckpt_config, trt_tensors, layout, tp, on_rank=lambda r: advance(1))
         del trt_tensors
-    record("trtllm", "done", f"{ckpt_config['architecture']}, {tp} rank file(s)", t0)
+    dtype_note = trtllm.dtype_note(plan.dtype)
+    progress.note(dtype_note)
+    record("trtllm", "done", f"{ckpt_config['architecture']}, {tp} rank file(s); {dtype_note}", t0)
+    if trtllm.trtllm_dtype(plan.dtype) != plan.dtype:
+        # The runtime keeps its own dtype: its weights go beside the TensorRT-LLM checkpoint (runtime/engine.py).
+        t0 = time.perf_counter()
+        with progress.stage(f"runtime weights ({plan.dtype})"):
+            from safetensors.torch import save_file
+
+            (tmp / TARGET_FILE).parent.mkdir()
+            save_file({n: t.contiguous().clone() for n, t in tensors.items()}, str(tmp / TARGET_FILE),
+                      metadata={"format": "pt"})
+        record("target", "done", f"{TARGET_FILE} ({plan.dtype})", t0)
 
     draft_path = None
     if plan.method in ("medusa", "eagle"):
@@ -207,10 +228,14 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
             "version": trtllm.TRTLLM_VERSION,
             "checkpoint": TRTLLM_DIR,
             "architecture": ckpt_config["architecture"],
+            "dtype": ckpt_config["dtype"],
+            "dtype_note": dtype_note,
             "tp_size": tp,
             "build_script": BUILD_SCRIPT,
             "build_command": ["trtllm-build", *trtllm.build_args(plan)],
             "run_args": trtllm.run_args(plan),
+            "run_launcher": trtllm.run_launcher(plan).strip(),
+            "engine_dir": trtllm.TRTLLM_ENGINE_DIR,
             "choices": None if plan.tree is None or plan.method not in ("medusa", "eagle")
             else trtllm.choices_string(plan.tree),
         },

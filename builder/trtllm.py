@@ -1,8 +1,9 @@
 """TensorRT-LLM 1.2 outputs: the unified checkpoint (config.json + rank{N}.safetensors) and the trtllm-build commands.
 
 TensorRT-LLM is not a dependency: this writes what its docs and converters produce (reference-facts section 6,
-examples/{medusa,eagle,prompt_lookup} of TensorRT-LLM) so that `trtllm-build` 1.2.x builds from it. The tensor
-names and sharding rules live in runtime/engine.py, next to their inverse the runtime reads back.
+examples/{medusa,eagle,ngram} of TensorRT-LLM) so that `trtllm-build` 1.2.x builds from it. The tensor names and
+sharding rules live in runtime/engine.py, next to their inverse the runtime reads back. Every config key, flag and
+value written here is traced to its TensorRT-LLM source in ARCHITECTURE.md ("TensorRT-LLM export: sources").
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 import torch
 
 from builder.config import BuildPlan
-from runtime.config import ModelConfig
+from runtime.config import DTYPES, ModelConfig
+from runtime.errors import ConfigError
 from runtime.engine import (
+    TARGET_FILE,
     TRTLLM_CONFIG,
     TRTLLM_DIR,
     QKVLayout,
@@ -30,7 +33,35 @@ from runtime.engine import (
 )
 from runtime.tree import Tree
 
+TRTLLM_ENGINE_DIR = "trtllm_engine"  # trtllm-build.sh's default output, inside the engine directory
 TRTLLM_VERSION = "1.2"  # the last TensorRT-LLM line with the TensorRT-engine backend (trtllm-build)
+
+# The dtypes TensorRT-LLM supports for the models and decoding modes we export: the support matrices of
+# examples/medusa/README.md ("FP16, BF16"), examples/eagle/README.md ("FP16/BF16"), examples/ngram/README.md
+# ("FP16 / BF16 / FP8") and examples/models/core/qwen/README.md (the "FP16/BF16" column). One rule for every export:
+# the runtime's dtype when it is one of these, else float16 (more mantissa than bfloat16 for weights of ordinary
+# magnitude; a weight beyond float16's range stops the build and names the tensor).
+TRTLLM_DTYPES = ("float16", "bfloat16")
+TRTLLM_FALLBACK_DTYPE = "float16"
+# QWenConfig.from_hugging_face (tensorrt_llm/models/qwen/config.py) writes seq_length = the HF config's seq_length,
+# else 8192, and a Qwen checkpoint without it fails trtllm-build ("'QWenConfig' object has no attribute
+# 'seq_length'", NVIDIA/TensorRT-LLM issue #3105). Qwen2 HF configs have no seq_length: the converter's default.
+QWEN_SEQ_LENGTH = 8192
+
+
+def trtllm_dtype(runtime_dtype: str) -> str:
+    """The dtype of the TensorRT-LLM checkpoint for a build whose runtime dtype is `runtime_dtype`."""
+    return runtime_dtype if runtime_dtype in TRTLLM_DTYPES else TRTLLM_FALLBACK_DTYPE
+
+
+def dtype_note(runtime_dtype: str) -> str:
+    """One line for the manifest and the build log: which dtype TensorRT-LLM gets, and why."""
+    export = trtllm_dtype(runtime_dtype)
+    if export == runtime_dtype:
+        return f"TensorRT-LLM checkpoint in {export} (the runtime dtype; supported by TensorRT-LLM)"
+    return (f"TensorRT-LLM checkpoint in {export}: TensorRT-LLM supports {' / '.join(TRTLLM_DTYPES)} for these models "
+            f"and decoding modes, not {runtime_dtype}; the runtime keeps its {runtime_dtype} weights in "
+            f"{TARGET_FILE}")
 
 
 def rotary_scaling(config: ModelConfig) -> dict[str, Any] | None:
@@ -89,9 +120,12 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
     """trtllm_checkpoint/config.json."""
     m = plan.model
     tp = plan.config.build.tp_size
-    cfg: dict[str, Any] = {"architecture": m.architecture, **_decoder_fields(m, plan.dtype, tp)}
+    dtype = trtllm_dtype(plan.dtype)
+    cfg: dict[str, Any] = {"architecture": m.architecture, **_decoder_fields(m, dtype, tp)}
     if m.architecture == "Qwen2ForCausalLM":
-        cfg.update(qwen_type="qwen2", model_type="qwen2")  # MedusaConfig picks its Qwen base from model_type
+        # MedusaConfig picks QWenConfig as its base when "qwen" is in model_type (tensorrt_llm/models/medusa/
+        # config.py); QWenDecoderLayer branches on qwen_type; seq_length: see QWEN_SEQ_LENGTH.
+        cfg.update(qwen_type="qwen2", model_type="qwen2", seq_length=QWEN_SEQ_LENGTH)
     if plan.method == "medusa":
         cfg.update(
             architecture="MedusaForCausalLM",
@@ -101,7 +135,7 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
         )
     elif plan.method == "eagle":
         assert eagle_head is not None
-        net = {"architecture": "LlamaForCausalLM", **_decoder_fields(eagle_head, plan.dtype, tp)}
+        net = {"architecture": "LlamaForCausalLM", **_decoder_fields(eagle_head, dtype, tp)}
         net.update(tie_word_embeddings=False, mlp_bias=False, head_dim=eagle_head.head_dim)
         cfg.update(
             architecture="EagleForCausalLM",
@@ -118,7 +152,8 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
 def checkpoint_tensors(
     plan: BuildPlan, target: Mapping[str, torch.Tensor], drafter: Any
 ) -> tuple[dict[str, torch.Tensor], TPLayout]:
-    """Full (unsharded) TensorRT-LLM tensors of the target (+ draft heads) in the build dtype, and their layout.
+    """Full (unsharded) TensorRT-LLM tensors of the target (+ draft heads) in `trtllm_dtype(plan.dtype)`, and their
+    layout. ConfigError, naming the tensor, when a weight does not fit that dtype's range.
 
     target: the target's validated HF tensors; drafter: the runtime drafter built for this plan (its weights
     were validated by runtime/drafters/ loaders).
@@ -148,8 +183,16 @@ def checkpoint_tensors(
                 tensors["lm_head.weight"],
             )
         )
-    dtype = plan.model.torch_dtype
-    return {n: t.to(dtype) for n, t in tensors.items()}, TPLayout(plan.model.vocab_size, QKVLayout.of(plan.model), eagle)
+    name = trtllm_dtype(plan.dtype)
+    dtype = DTYPES[name]
+    limit = torch.finfo(dtype).max
+    out = {}
+    for n, t in tensors.items():
+        if t.dtype != dtype and t.is_floating_point() and t.numel() and float(t.abs().max()) > limit:
+            raise ConfigError(f"TensorRT-LLM export: {n} has a weight of magnitude {float(t.abs().max()):.4g}, beyond "
+                              f"{name}'s range ({limit:.4g}); build with dtype bfloat16")
+        out[n] = t.to(dtype)
+    return out, TPLayout(plan.model.vocab_size, QKVLayout.of(plan.model), eagle)
 
 
 def write_checkpoint(
@@ -191,7 +234,8 @@ def build_args(plan: BuildPlan) -> list[str]:
     args = [
         "--checkpoint_dir", "$CKPT",
         "--output_dir", "$OUT",
-        "--gemm_plugin", "auto",
+        # the README builds' spelling (e.g. examples/eagle/README.md); a dtype is accepted by every 1.x plugin parser
+        "--gemm_plugin", trtllm_dtype(plan.dtype),
         "--max_batch_size", str(b.max_batch_size),
         "--max_input_len", str(plan.max_seq_len - 1),
         "--max_seq_len", str(plan.max_seq_len),
@@ -209,41 +253,55 @@ def build_args(plan: BuildPlan) -> list[str]:
 
 
 def run_args(plan: BuildPlan) -> list[str]:
-    """Extra arguments of TensorRT-LLM's examples/run.py for this drafter."""
+    """Extra arguments of TensorRT-LLM 1.2's examples/run.py for this drafter (flags of examples/utils.py
+    add_common_args; the checks quoted are run.py's own)."""
     if plan.method == "medusa":
         assert plan.tree is not None
-        # TensorRT-LLM runs Medusa greedily only (its typical acceptance is lossy).
-        return [f"--medusa_choices={choices_string(plan.tree)}", "--temperature=0.0", "--use_py_session"]
+        # run.py asserts `args.temperature == 1.0, "Medusa should use temperature == 1.0"`; greedy is top-k 1 (its
+        # default). TensorRT-LLM runs Medusa greedily only (its typical acceptance is lossy).
+        return [f"--medusa_choices={choices_string(plan.tree)}", "--temperature=1.0", "--top_k=1", "--use_py_session"]
     if plan.method == "eagle":
+        # run.py asserts `not args.use_py_session, "Eagle does not support py session"`.
         if plan.tree is not None:
             return [f"--eagle_choices={choices_string(plan.tree)}"]
         return ["--eagle_use_dynamic_tree", f"--eagle_dynamic_tree_max_top_k={plan.dynamic.top_k}"]
     if plan.method == "lookup":
+        # --ngram_config [max_draft_len, max_matching_ngram_size, device_list] (1.x; pre-1.0 --prompt_lookup_config);
+        # the device list has one GPU per rank (examples/ngram/README.md), and run.py asserts
+        # kv_cache_enable_block_reuse and not use_py_session for it.
         lk = plan.lookup
-        return [f"--prompt_lookup_config=[{lk.num_draft_tokens},{lk.max_ngram},[0]]", "--kv_cache_enable_block_reuse"]
+        devices = ",".join(str(r) for r in range(plan.config.build.tp_size))
+        return [f"--ngram_config=[{lk.num_draft_tokens},{lk.max_ngram},[{devices}]]", "--kv_cache_enable_block_reuse"]
     return []
+
+
+def run_launcher(plan: BuildPlan) -> str:
+    """What runs examples/run.py: mpirun with one process per rank, except for NGram, whose run.py path
+    (examples/ngram/run_dtm_ngram.py) is orchestrator mode and spreads ranks over its device list itself."""
+    tp = plan.config.build.tp_size
+    return f"mpirun -n {tp} --allow-run-as-root " if tp > 1 and plan.method != "lookup" else ""
 
 
 def build_script(plan: BuildPlan, header: str) -> str:
     """trtllm-build.sh: builds the TensorRT-LLM engine from trtllm_checkpoint/ (convert is already done)."""
-    tp = plan.config.build.tp_size
-    build = " \\\n    ".join(["trtllm-build"] + [" ".join(_quote(a) for a in pair) for pair in _pairs(build_args(plan))])
+    pairs = [" ".join(_quote(a) for a in pair) for pair in _pairs(build_args(plan))]
+    build = " \\\n    ".join(["trtllm-build", *pairs])
     run = ["python3", "examples/run.py", "--engine_dir", '"$OUT"', "--tokenizer_dir", '"$HERE"', "--max_output_len=128"]
     run += [shlex.quote(a) for a in run_args(plan)]
-    launcher = f"mpirun -n {tp} --allow-run-as-root " if tp > 1 else ""
     return f"""#!/usr/bin/env bash
 # {header}
 # TensorRT-LLM {TRTLLM_VERSION}.x: builds the TensorRT-LLM engine from the converted checkpoint in
 # {TRTLLM_DIR}/ (config.json + one rank file per tensor-parallel rank). Usage: ./trtllm-build.sh [OUTPUT_DIR]
+# {dtype_note(plan.dtype)}.
 set -euo pipefail
 HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 CKPT="$HERE/{TRTLLM_DIR}"
-OUT="${{1:-$HERE/trtllm_engine}}"
+OUT="${{1:-$HERE/{TRTLLM_ENGINE_DIR}}}"
 
 {build}
 
 # Run it from a TensorRT-LLM {TRTLLM_VERSION} checkout:
-#   {launcher}{" ".join(run)}
+#   {run_launcher(plan)}{" ".join(run)}
 """
 
 
@@ -262,6 +320,7 @@ def _quote(arg: str) -> str:
 
 
 __all__ = [
-    "TRTLLM_VERSION", "checkpoint_config", "checkpoint_tensors", "write_checkpoint", "build_args", "run_args",
-    "build_script", "choices_string", "max_non_leaves_per_layer", "rotary_scaling",
+    "QWEN_SEQ_LENGTH", "TRTLLM_DTYPES", "TRTLLM_ENGINE_DIR", "TRTLLM_VERSION", "build_args", "build_script",
+    "checkpoint_config", "checkpoint_tensors", "choices_string", "dtype_note", "max_non_leaves_per_layer",
+    "rotary_scaling", "run_args", "run_launcher", "trtllm_dtype", "write_checkpoint",
 ]

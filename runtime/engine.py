@@ -1,21 +1,25 @@
 """Engine directories: what `python -m builder build` writes and `runtime.load(engine_dir)` serves.
 
-Layout (FORMAT_VERSION 1; every file except engine.json is listed in engine.json["files"] with its sha256):
+Layout (FORMAT_VERSION 2; every file except engine.json is listed in engine.json["files"] with its sha256):
 
     engine.json                  the manifest: format version, model config, dtype, drafter (kind, config,
                                  tree), limits, TensorRT-LLM / ONNX / TensorRT stage records, provenance, files
     config.json                  the target's Hugging Face config.json (and generation_config.json), verbatim
     tokenizer.json ...           the tokenizer files, verbatim
-    trtllm_checkpoint/           TensorRT-LLM unified checkpoint: config.json + rank{N}.safetensors
+    trtllm_checkpoint/           TensorRT-LLM unified checkpoint: config.json + rank{N}.safetensors, in a dtype
+                                 TensorRT-LLM supports (float16 / bfloat16; engine.json "trtllm"."dtype")
+    target/model.safetensors     the target's weights (Hugging Face names) in the runtime dtype, only when that is
+                                 not the TensorRT-LLM checkpoint's dtype (a float32 runtime)
     draft/                       drafter weights in their public format (Medusa: FasterDecoding,
                                  EAGLE: SafeAILab), in the engine dtype, read by runtime/drafters/
     model.onnx (+ .data)         the target's verification step, attention as the tree-attention plugin node
     trtllm-build.sh              the TensorRT-LLM 1.2 build commands for trtllm_checkpoint/
     model.plan                   serialized TensorRT engine (only where TensorRT was importable at build time)
 
-The torch backend reads the target's weights back from trtllm_checkpoint/ (re-assembling tensor-parallel
-shards exactly), so that checkpoint is what was tested. Every file is checked against its sha256 when it is
-read; a tampered or truncated file raises EngineChecksumError.
+The torch backend reads the target's weights back from trtllm_checkpoint/ (re-assembling tensor-parallel shards
+exactly) when it is in the runtime dtype, so that checkpoint is what was tested; otherwise from target/. Format 1
+(no target/, TensorRT-LLM checkpoint always in the runtime dtype) is still read. Every file is checked against its
+sha256 when it is read; a tampered or truncated file raises EngineChecksumError.
 
 TensorRT-LLM checkpoint layout (reference-facts section 6). Linear weights are [out_features, in_features].
     HF (Llama family)                          TensorRT-LLM
@@ -53,11 +57,14 @@ from runtime.config import ModelConfig
 from runtime.errors import CheckpointError, ConfigError
 
 FORMAT = "spectree-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "engine.json"
 TRTLLM_DIR = "trtllm_checkpoint"
 TRTLLM_CONFIG = "config.json"
 DRAFT_DIR = "draft"
+TARGET_DIR = "target"
+TARGET_FILE = f"{TARGET_DIR}/model.safetensors"
 ONNX_FILE = "model.onnx"
 PLAN_FILE = "model.plan"
 BUILD_SCRIPT = "trtllm-build.sh"
@@ -529,10 +536,22 @@ class Engine:
         return unshard(ranks, TPLayout(config.vocab_size, QKVLayout.of(config), eagle))
 
     def load_target(self, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"):
-        """The target model, weights read back from trtllm_checkpoint/ (a runtime.model.TargetModel)."""
+        """The target model (a runtime.model.TargetModel): weights from target/ when the engine has it (its
+        TensorRT-LLM checkpoint is in another dtype than the runtime's), else read back from trtllm_checkpoint/."""
         from runtime.model import TargetModel
 
         config = self.model_config(dtype)
+        if self.has(TARGET_FILE):
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+
+            path = self.path(TARGET_FILE)
+            try:
+                tensors = load_file(str(path))
+            except (SafetensorError, OSError) as exc:
+                raise EngineError(f"cannot read {path}: {exc}") from exc
+            tensors = {name: t.to(device) for name, t in tensors.items()}
+            return TargetModel.from_state(config, tensors, source=f"{self.root}/{TARGET_FILE}")
         # Draft-head tensors are TensorRT-LLM's copy; the runtime's drafters read draft/.
         tensors = target_from_trtllm(config, self.read_trtllm_tensors(include=is_target_tensor))
         tensors = {name: t.to(device) for name, t in tensors.items()}
@@ -604,8 +623,9 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
         raise EngineError(f"{path}: not a {FORMAT} manifest (format {manifest.get('format')!r})"
                           if isinstance(manifest, dict) else f"{path}: expected a JSON object")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise EngineError(f"{path}: format_version {version!r} is not supported (this runtime reads {FORMAT_VERSION})")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise EngineError(f"{path}: format_version {version!r} is not supported (this runtime reads "
+                          f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
     for key in ("model", "dtype", "draft", "limits", "files"):
         if key not in manifest:
             raise EngineError(f"{path}: missing key {key!r}")
@@ -656,7 +676,8 @@ def iter_files(root: Path) -> Iterable[str]:
 
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "MANIFEST", "TRTLLM_DIR", "DRAFT_DIR", "ONNX_FILE", "PLAN_FILE", "BUILD_SCRIPT",
+    "FORMAT", "FORMAT_VERSION", "READABLE_FORMAT_VERSIONS", "MANIFEST", "TRTLLM_DIR", "DRAFT_DIR", "TARGET_DIR",
+    "TARGET_FILE", "ONNX_FILE", "PLAN_FILE", "BUILD_SCRIPT",
     "EngineError", "EngineChecksumError", "QKVLayout", "TPLayout", "Engine", "DraftSpec", "Limits",
     "pad_vocab_size", "shard", "shard_rank", "unshard", "shard_rule", "target_to_trtllm", "target_from_trtllm",
     "layers_to_trtllm", "layers_from_trtllm", "is_target_tensor", "medusa_to_trtllm", "eagle_to_trtllm", "open_engine",

@@ -31,4 +31,23 @@ class RequestError(SpectreeError, ValueError):
     """A generation request (prompt, sampling parameters, limits) is invalid."""
 
 
-__all__ = ["SpectreeError", "ConfigError", "CheckpointError", "TokenizerError", "CacheError", "RequestError"]
+class OverloadedError(SpectreeError, RuntimeError):
+    """The scheduler's queue is full: the request was not accepted; retrying later may succeed (serve it as HTTP
+    429 / 503 or gRPC UNAVAILABLE, not as bad input)."""
+
+
+class SchedulerStopped(SpectreeError, RuntimeError):
+    """The scheduler was shut down or its loop failed (its __cause__ is the failure): the request did not run or
+    did not finish."""
+
+
+__all__ = [
+    "SpectreeError",
+    "ConfigError",
+    "CheckpointError",
+    "TokenizerError",
+    "CacheError",
+    "RequestError",
+    "OverloadedError",
+    "SchedulerStopped",
+]

@@ -1,10 +1,15 @@
-"""Preallocated KV cache with tree compaction.
+"""KV cache with tree compaction, allocated as it fills.
 
 Slots [0, length) hold the committed sequence. A forward pass writes its N new tokens (a causal chunk or a
 draft tree) at slots [length, length + N) without advancing `length`; the caller then keeps some of them
 with `commit`. For a tree, the kept nodes are one root-to-node path: each node was written with RoPE at
 position length + depth, and the path's i-th node has depth i, so moving it to slot length + i puts it
 exactly where a plain causal pass would have put it. No RoPE recompute is needed.
+
+Memory: `max_len` is the most positions the cache may ever hold; `capacity` is how many slots are allocated now.
+A cache made with a smaller `capacity` grows (geometrically, so a sequence of n tokens is copied O(n) times in
+total) whenever a write or `reserve` needs more slots, never beyond max_len. Slots are not zero-filled: only slots
+[0, length + N) that were written are ever read.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from runtime.errors import CacheError
 
 
 class KVCache:
-    """k, v  # [num_layers, B, Hkv, max_len, D]; `k[layer]` is that layer's # [B, Hkv, max_len, D]."""
+    """k, v  # [num_layers, B, Hkv, capacity, D]; `k[layer]` is that layer's # [B, Hkv, capacity, D]."""
 
     def __init__(
         self,
@@ -28,7 +33,9 @@ class KVCache:
         batch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        capacity: int | None = None,
     ) -> None:
+        """capacity: slots allocated now (None: max_len, all of them up front); more are allocated on demand."""
         for name, value in (
             ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
@@ -38,9 +45,13 @@ class KVCache:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise CacheError(f"KVCache {name} must be a positive int, got {value!r}")
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        capacity = max_len if capacity is None else capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity <= max_len:
+            raise CacheError(f"KVCache capacity must be an int in [1, max_len={max_len}], got {capacity!r}")
+        self._max_len = max_len
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self._length = 0
         self._written = 0  # end of the slots written since `length` last changed
 
@@ -51,7 +62,25 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
+        """The most positions this cache may hold (committed + written)."""
+        return self._max_len
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated now (<= max_len)."""
         return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V allocated now."""
+        return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def bytes_for(
+        num_layers: int, num_kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype, batch: int = 1
+    ) -> int:
+        """Bytes of K and V for `slots` positions of a cache with this layout."""
+        return 2 * num_layers * batch * num_kv_heads * slots * head_dim * dtype.itemsize
 
     @property
     def num_layers(self) -> int:
@@ -88,6 +117,22 @@ class KVCache:
                 f"KV cache overflow: {self._length} committed + {num_new} new tokens exceeds max_len {self.max_len}"
             )
 
+    def reserve(self, total: int) -> None:
+        """Make slots [0, total) allocated (total <= max_len): grow to max(total, 2 x capacity), capped at max_len,
+        keeping every written slot. A no-op when they already are."""
+        if total <= self.capacity:
+            return
+        if total > self._max_len:
+            raise CacheError(f"KV cache reserve({total}) exceeds max_len {self._max_len}")
+        new = min(self._max_len, max(total, 2 * self.capacity))
+        shape = (*self.k.shape[:3], new, self.k.shape[4])
+        keep = self._written
+        k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty(shape, dtype=self.v.dtype, device=self.v.device)
+        k[:, :, :, :keep] = self.k[:, :, :, :keep]
+        v[:, :, :, :keep] = self.v[:, :, :, :keep]
+        self.k, self.v = k, v
+
     def write(
         self,
         layer: int,
@@ -106,6 +151,7 @@ class KVCache:
         n = k_new.shape[2]
         self.check_room(n)
         end = self._length + n
+        self.reserve(end)
         self.k[layer, :, :, self._length : end] = k_new
         self.v[layer, :, :, self._length : end] = v_new
         self._written = max(self._written, end)

@@ -10,11 +10,19 @@ One forward pass = N new tokens (a causal chunk of a prompt, or a draft tree) on
 The committed prefix [0, cache.length) is always fully visible. For a causal chunk the mask is lower
 triangular and positions are cache.length + arange(N); for a tree, positions are cache.length + depth and
 the mask is ancestor-or-self.
+
+Ragged batches (`forward_segments`, used by the in-flight batching scheduler): several sequences, each with its
+own cache, prefix length and N_i new tokens (a draft tree or a prompt chunk), in ONE forward. Every token-wise
+layer (embedding, q/k/v, o, MLP, norms, lm_head: where the weights are read) runs over the packed rows
+[sum of N_i, H]; attention runs per sequence against its own cache with the unchanged tree-attention op (B = 1),
+as vLLM packs variable-length sequences.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +95,7 @@ class _Fused(nn.Module):
 
     def fused(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x # [..., in] -> each projection's output, from one matmul."""
-        return F.linear(x, self.fused_weight, self.fused_bias).split(self.fused_sizes, dim=-1)
+        return linear(x, self.fused_weight, self.fused_bias).split(self.fused_sizes, dim=-1)
 
 
 class Attention(_Fused):
@@ -122,9 +130,114 @@ class Attention(_Fused):
         v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        k_all, v_all = cache.write(cache_layer, k, v)  # [B, Hkv, L + N, D]
-        out = torch.ops.spectree.tree_attention(q, k_all, v_all, tree_mask, self.scale)  # [B, Hq, N, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+        if isinstance(cache, SegmentCaches):
+            out = cache.attend(cache_layer, q, k, v, self.scale)
+        else:
+            out = attend(cache, cache_layer, q, k, v, tree_mask, self.scale)  # [B, Hq, N, D]
+        o = self.o_proj
+        return linear(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), o.weight, o.bias)
+
+
+def attend(
+    cache: Any,
+    layer: int,
+    q: torch.Tensor,  # [B, Hq, N, D]
+    k: torch.Tensor,  # [B, Hkv, N, D]
+    v: torch.Tensor,  # [B, Hkv, N, D]
+    tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, N, D]
+    """Store the N new tokens' K/V in `cache` (anything with KVCache's `write`) and attend over prefix + tree, in
+    the cache's dtype (see `kv_dtype`); the output comes back in q's dtype."""
+    k_all, v_all = cache.write(layer, k, v)  # [B, Hkv, L + N, D], in the cache's dtype
+    return torch.ops.spectree.tree_attention(q.to(k_all.dtype), k_all, v_all, tree_mask, scale).to(q.dtype)
+
+
+# ---- batch invariance ------------------------------------------------------------------------------------
+# Greedy speculative output equals plain greedy output only if a token's logits do not depend on how many other
+# rows share its forward or which cache slots are masked: a tree step (or a packed batch of requests) must
+# reproduce, bit for bit, the token-by-token pass of plain decoding. Kernels reduce in shape-dependent orders;
+# float32 moves results by ~1e-7 relative, too fine to show in greedy output, but a bfloat16 model rounds them to
+# its 8-bit mantissa: measured on SmolLM2-135M in bf16 on CPU, a tree step's logits differed from the sequential
+# pass's by up to 0.375 and greedy text diverged within 6-60 tokens. So bf16 weights on CPU run batch-invariant:
+# - attention in float64 (`kv_dtype`): the order effects shrink to ~1e-16 relative, ~13 orders below a bf16
+#   rounding step, so the rounded outputs agree;
+# - weight matmuls in blocks of at most INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a row the same
+#   result at every row count up to 32 and switches kernels beyond (measured: 2-182 elements of a row differ at
+#   48 or 64 rows, none at 1-32).
+# float16 on CPU gains nothing (its matmuls differ from 2 rows on, measured), float32 needs nothing, and CUDA
+# computes in the weights' dtype; all of them run unchanged. Checked, with negative controls, in
+# tests/test_batch_invariance.py.
+INVARIANT_ROWS = 32
+
+
+def batch_invariant(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether weights of `dtype` on `device` run batch-invariant (see above)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a target model's KV cache is kept and its attention computed in, for weights in `dtype`."""
+    return torch.float64 if batch_invariant(dtype, device) else dtype
+
+
+def linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:  # [..., out]
+    """F.linear, in blocks of INVARIANT_ROWS rows when the weights run batch-invariant."""
+    if not batch_invariant(weight.dtype, weight.device):  # first: a static test, no guard on traced shapes
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    if rows <= INVARIANT_ROWS:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = torch.cat([F.linear(block, weight, bias) for block in flat.split(INVARIANT_ROWS)])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a ragged forward: N new tokens on top of its own cache (B = 1)."""
+
+    cache: KVCache
+    tokens: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    tree_mask: torch.Tensor  # [N, ceil(N / 32)] int32 packed
+    logits_from: int = 0  # lm_head runs on rows [logits_from, N) only (a prompt chunk needs at most its last row)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class SegmentCaches:
+    """The caches of a ragged forward's segments, standing in for one cache: `attend` splits the packed rows by
+    segment and runs the op once per segment against that segment's cache."""
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        self.segments = tuple(segments)
+        bounds, start = [], 0
+        for seg in self.segments:
+            bounds.append((start, start + seg.size))
+            start += seg.size
+        self.bounds = tuple(bounds)
+        self.masks = tuple(seg.tree_mask[None] for seg in self.segments)  # each [1, N_i, words_i]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [1, Hq, T, D], T = sum of N_i
+        k: torch.Tensor,  # [1, Hkv, T, D]
+        v: torch.Tensor,  # [1, Hkv, T, D]
+        scale: float,
+    ) -> torch.Tensor:  # [1, Hq, T, D]
+        outs = [
+            attend(seg.cache, layer, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask, scale)
+            for seg, (a, b), mask in zip(self.segments, self.bounds, self.masks)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class MLP(_Fused):
@@ -142,7 +255,7 @@ class MLP(_Fused):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused(x)
-        return self.down_proj(F.silu(gate) * up)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -244,8 +357,9 @@ class TargetModel(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        """An empty cache for up to max_len positions (at most config.max_context), on the model's device."""
+    def new_cache(self, max_len: int, batch: int = 1, capacity: int | None = None) -> KVCache:
+        """An empty cache for up to max_len positions (at most config.max_context), on the model's device, in the
+        dtype `kv_dtype`; capacity: slots allocated now (None: all max_len; the cache grows on demand, see KVCache)."""
         c = self.config
         if isinstance(max_len, bool) or not isinstance(max_len, int) or not 0 < max_len <= c.max_context:
             raise CacheError(
@@ -253,8 +367,14 @@ class TargetModel(nn.Module):
                 f"{', capped by sliding_window' if c.sliding_window else ''}), got {max_len!r}"
             )
         return KVCache(
-            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, batch, c.torch_dtype, self.device
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, batch, self.kv_dtype, self.device,
+            capacity,
         )
+
+    def cache_bytes(self, slots: int) -> int:
+        """Bytes of a batch-1 cache (`new_cache`) holding `slots` positions."""
+        c = self.config
+        return KVCache.bytes_for(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, slots, self.kv_dtype)
 
     @property
     def device(self) -> torch.device:
@@ -263,6 +383,11 @@ class TargetModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's and attention's dtype (`kv_dtype`)."""
+        return kv_dtype(self.dtype, self.device)
 
     # ---- compute ------------------------------------------------------------------------------------
 
@@ -277,7 +402,7 @@ class TargetModel(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden # [..., H] (final-norm output) -> logits # [..., V] float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
     def forward(
@@ -296,12 +421,51 @@ class TargetModel(nn.Module):
 
         `cache` is anything with KVCache's `write(layer, k_new, v_new) -> (k_all, v_all)`.
         """
+        hidden = self.hidden_states(tokens, positions, cache, tree_mask)
+        return self.lm_head(hidden), hidden
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any,
+                      tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder stack up to the final norm: # [B, N, H] (tree_mask is None for SegmentCaches)."""
         cos_sin = self.rotary(positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, cache, i, tree_mask, cos_sin)
-        hidden = self.model.norm(x)
-        return self.lm_head(hidden), hidden
+        return self.model.norm(x)
+
+    @torch.no_grad()
+    def forward_segments(self, segments: Sequence[Segment],
+                         check: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward over several sequences (see the module docstring); per segment, in order,
+        (logits # [N - logits_from, V] float32, hidden # [N, H]). Writes each segment's K/V at
+        [cache.length, +N) of its cache, advances none of them. check=False skips `check_segment` (for a caller
+        that ran it on each segment already)."""
+        if not segments:
+            raise RequestError("forward_segments needs at least one segment")
+        if check:
+            for seg in segments:
+                self.check_segment(seg)
+        tokens = torch.cat([seg.tokens for seg in segments])[None]  # [1, T]
+        positions = torch.cat([seg.positions for seg in segments])[None]  # [1, T]
+        caches = SegmentCaches(segments)
+        hidden = self.hidden_states(tokens, positions, caches, None)[0]  # [T, H]
+        rows = [hidden[a + seg.logits_from:b] for seg, (a, b) in zip(segments, caches.bounds)]
+        wanted = [r.shape[0] for r in rows]
+        picked = hidden if all(seg.logits_from == 0 for seg in segments) else torch.cat(rows)  # [sum wanted, H]
+        logits = self.lm_head(picked).split(wanted)
+        return [(lg, hidden[a:b]) for lg, (a, b) in zip(logits, caches.bounds)]
+
+    def check_segment(self, seg: Segment) -> None:
+        """RequestError / CacheError unless `seg` fits this model (the checks of `forward`, for one sequence)."""
+        if seg.tokens.ndim != 1 or seg.positions.ndim != 1 or seg.tree_mask.ndim != 2:
+            raise RequestError(
+                f"a segment takes tokens [N], positions [N] and tree_mask [N, words], got "
+                f"{tuple(seg.tokens.shape)}, {tuple(seg.positions.shape)}, {tuple(seg.tree_mask.shape)}"
+            )
+        n = seg.size
+        if isinstance(seg.logits_from, bool) or not isinstance(seg.logits_from, int) or not 0 <= seg.logits_from <= n:
+            raise RequestError(f"segment logits_from must be an int in [0, {n}], got {seg.logits_from!r}")
+        self._check_inputs(seg.tokens[None], seg.positions[None], seg.cache, seg.tree_mask[None])
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal pass over tokens # [B, P] at positions cache.length.. and commit them all.
@@ -334,7 +498,7 @@ class TargetModel(nn.Module):
                 f"tree_mask must be packed int32 of shape {expected_mask}, "
                 f"got {tree_mask.dtype} {tuple(tree_mask.shape)}"
             )
-        layout = (c.num_hidden_layers, b, c.num_key_value_heads, c.head_dim, self.dtype)
+        layout = (c.num_hidden_layers, b, c.num_key_value_heads, c.head_dim, self.kv_dtype)
         got = (cache.num_layers, cache.batch, cache.num_kv_heads, cache.head_dim, cache.dtype)
         if got != layout:
             raise CacheError(
@@ -346,4 +510,7 @@ class TargetModel(nn.Module):
         if lo < 0 or hi >= c.vocab_size:
             raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {c.vocab_size})")
 
-__all__ = ["RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "causal_mask"]
+__all__ = [
+    "RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "Segment", "SegmentCaches", "attend",
+    "causal_mask", "kv_dtype", "batch_invariant", "linear", "INVARIANT_ROWS",
+]

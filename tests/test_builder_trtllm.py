@@ -1,13 +1,18 @@
-"""The TensorRT-LLM checkpoint in an engine directory, checked tensor by tensor against the Hugging Face weights.
+"""The TensorRT-LLM checkpoint in an engine directory, checked tensor by tensor against the Hugging Face weights,
+and the export's fidelity rules, each stated with the TensorRT-LLM source it comes from.
 
 Expected names, fusions and shardings are written out here from reference-facts section 6 (and TensorRT-LLM's
-converters), independently of runtime/engine.py; both sides are read with safetensors directly.
+converters), independently of runtime/engine.py; both sides are read with safetensors directly. The command-line
+rules are checked by parsing our trtllm-build / run.py lines with argparse parsers written out here from
+TensorRT-LLM's own (files and commits named on each), not from builder/trtllm.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,6 +25,7 @@ from builder.build import build_engine
 from builder.config import parse_config
 from builder.trtllm import max_non_leaves_per_layer
 from runtime.engine import EngineError, QKVLayout, TPLayout, open_engine, shard, unshard
+from runtime.errors import ConfigError
 from runtime.tree import Tree
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
@@ -27,6 +33,12 @@ from tests.tiny import make_checkpoint
 VOCAB = 421  # odd: a 2-way vocab-parallel lm_head needs one padding row
 H, I, HEADS, KV, D, LAYERS = 64, 128, 4, 2, 16, 2
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+# The tiny checkpoints are float32: the TensorRT-LLM export of a float32 build is float16 (the dtype rule, below).
+EXPORT = torch.float16
+
+
+def export(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.to(EXPORT) for n, t in tensors.items()}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +50,8 @@ def src(tmp_path_factory):
         "ck": ck,
         "medusa": write_medusa_head(root / "medusa", H, VOCAB, num_heads=3, num_layers=2),
         "eagle": write_eagle_head(root / "eagle", ck),
-        "hf": load_file(str(ck / "model.safetensors")),
+        "hf": export(load_file(str(ck / "model.safetensors"))),
+        "hf_float32": load_file(str(ck / "model.safetensors")),
     }
 
 
@@ -63,7 +76,7 @@ def trt_config(engine: Path) -> dict:
 
 
 def medusa_hf(src) -> dict[str, torch.Tensor]:
-    return load_file(str(src["medusa"] / "medusa_lm_head.safetensors"))
+    return export(load_file(str(src["medusa"] / "medusa_lm_head.safetensors")))
 
 
 def expected_full(src) -> dict[str, torch.Tensor]:
@@ -93,7 +106,7 @@ def expected_full(src) -> dict[str, torch.Tensor]:
 def test_config_json_fields(src, medusa_engines):
     cfg = trt_config(medusa_engines[2])
     expected = {
-        "architecture": "MedusaForCausalLM", "dtype": "float32", "logits_dtype": "float32", "vocab_size": VOCAB,
+        "architecture": "MedusaForCausalLM", "dtype": "float16", "logits_dtype": "float32", "vocab_size": VOCAB,
         "hidden_size": H, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV,
         "intermediate_size": I, "hidden_act": "silu", "max_position_embeddings": 512, "norm_epsilon": 1e-5,
         "position_embedding_type": "rope_gpt_neox", "rotary_base": 10000.0, "rotary_scaling": None, "head_size": D,
@@ -141,7 +154,7 @@ def test_tp2_shards_follow_section_6(src, medusa_engines):
         assert torch.equal(got["transformer.vocab_embedding.weight"], hf["model.embed_tokens.weight"])
         assert torch.equal(got["transformer.ln_f.weight"], hf["model.norm.weight"])
         # Vocabulary padded 421 -> 422 rows, then split on dim 0; the padding row is zero.
-        padded = torch.cat([hf["lm_head.weight"], torch.zeros(1, H)])
+        padded = torch.cat([hf["lm_head.weight"], torch.zeros(1, H, dtype=EXPORT)])
         assert got["lm_head.weight"].shape == (211, H)
         assert torch.equal(got["lm_head.weight"], half(padded, 0))
         m = medusa_hf(src)
@@ -150,7 +163,7 @@ def test_tp2_shards_follow_section_6(src, medusa_engines):
                 pre = f"medusa_heads.{h}.medusa_layers.{layer}.linear."
                 assert torch.equal(got[pre + "weight"], half(m[f"{h}.{layer}.linear.weight"], 0))
                 assert torch.equal(got[pre + "bias"], half(m[f"{h}.{layer}.linear.bias"], 0))
-            lm = torch.cat([m[f"{h}.2.weight"], torch.zeros(1, H)])
+            lm = torch.cat([m[f"{h}.2.weight"], torch.zeros(1, H, dtype=EXPORT)])
             assert torch.equal(got[f"medusa_heads.{h}.lm_head.weight"], half(lm, 0))
     assert torch.all(ranks[1]["lm_head.weight"][-1] == 0)
 
@@ -224,7 +237,7 @@ def test_eagle_checkpoint(src):
     assert net["architecture"] == "LlamaForCausalLM" and net["num_hidden_layers"] == 1
     assert (net["hidden_size"], net["num_attention_heads"], net["vocab_size"]) == (H, HEADS, VOCAB)
     assert net["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
-    head = torch.load(src["eagle"] / "pytorch_model.bin", weights_only=True)
+    head = export(torch.load(src["eagle"] / "pytorch_model.bin", weights_only=True))
     hf = src["hf"]
     full = open_engine(engine).read_trtllm_tensors()  # both ranks, re-assembled (EAGLE layout from config.json)
     for d in range(3):
@@ -266,3 +279,169 @@ def test_build_scripts(src, medusa_engines):
     assert trt_config(lookup)["architecture"] == "LlamaForCausalLM"
     plain = build(src, "plain", {"method": "none"})
     assert "--speculative_decoding_mode" not in (plain / "trtllm-build.sh").read_text()
+
+
+# ---- fidelity rules, each with its TensorRT-LLM source -----------------------------------------------------------
+
+
+def test_export_dtype_rule(src, medusa_engines):
+    """TensorRT-LLM's support matrices list FP16 / BF16 for Medusa (examples/medusa/README.md @0f041b7), EAGLE
+    (examples/eagle/README.md @585c756, 1.x) and NGram (examples/ngram/README.md @585c756), never FP32: a float32
+    build exports float16, says so, and the runtime keeps its exact float32 weights in target/."""
+    engine = medusa_engines[2]
+    manifest = json.loads((engine / "engine.json").read_text())
+    assert manifest["dtype"] == "float32"
+    assert manifest["trtllm"]["dtype"] == "float16" == trt_config(engine)["dtype"]
+    assert "float16" in manifest["trtllm"]["dtype_note"] and "float32" in manifest["trtllm"]["dtype_note"]
+    assert manifest["trtllm"]["dtype_note"] in (engine / "trtllm-build.sh").read_text()
+    for r in range(2):
+        assert {t.dtype for t in rank(engine, r).values()} == {torch.float16}
+    runtime_weights = load_file(str(engine / "target" / "model.safetensors"))
+    assert set(runtime_weights) == set(src["hf_float32"])
+    assert all(torch.equal(runtime_weights[n], t) for n, t in src["hf_float32"].items())
+    # A bfloat16 build exports bfloat16 (supported) and needs no second copy of the weights.
+    bf16 = build(src, "medusa_bf16", {"method": "medusa", "checkpoint": str(src["medusa"]), "tree": {"choices": TREE}},
+                 dtype="bfloat16")
+    assert trt_config(bf16)["dtype"] == "bfloat16" and not (bf16 / "target").exists()
+    assert {t.dtype for t in rank(bf16, 0).values()} == {torch.bfloat16}
+    eagle = build(src, "eagle_f32", {"method": "eagle", "checkpoint": str(src["eagle"]), "tree": {"preset": "chain-2"}})
+    assert trt_config(eagle)["eagle_net_config"]["dtype"] == "float16"
+
+
+def test_export_refuses_weights_beyond_float16(src, tmp_path):
+    ck = tmp_path / "big"
+    shutil.copytree(src["ck"], ck)
+    tensors = load_file(str(ck / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = 1e6
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    data = {"model": {"checkpoint": str(ck)}, "draft": {"method": "none"},
+            "build": {"output": str(tmp_path / "out"), "onnx": False, "max_draft_len": 0}}
+    with pytest.raises(ConfigError, match=r"transformer\.layers\.1\.mlp\.proj\.weight .*float16.*bfloat16"):
+        build_engine(parse_config(data, tmp_path, "big.yaml"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen2_checkpoints_carry_seq_length(tmp_path):
+    """QWenConfig.from_hugging_face (tensorrt_llm/models/qwen/config.py @0428c18) writes seq_length (the HF config's,
+    else 8192); a Qwen checkpoint without it fails trtllm-build with "'QWenConfig' object has no attribute
+    'seq_length'" (NVIDIA/TensorRT-LLM issue #3105). MedusaConfig (tensorrt_llm/models/medusa/config.py @a4817fb)
+    builds its base from QWenConfig when "qwen" is in model_type, so the Medusa export needs it too."""
+    qwen = make_checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=VOCAB, tie=True)
+    medusa = write_medusa_head(tmp_path / "heads", H, VOCAB, num_heads=2, num_layers=1)
+    drafts = {"plain": {"method": "none"}, "lookup": {"method": "lookup", "lookup": {"num_draft_tokens": 4}},
+              "medusa": {"method": "medusa", "checkpoint": str(medusa), "tree": {"preset": "chain-2"}}}
+    for name, draft in drafts.items():
+        data = {"model": {"checkpoint": str(qwen)}, "draft": draft,
+                "build": {"output": str(tmp_path / "engines" / name), "onnx": False, "max_draft_len": 8}}
+        cfg = trt_config(build_engine(parse_config(data, tmp_path, f"{name}.yaml")).output)
+        assert cfg["seq_length"] == 8192, name
+        assert (cfg["qwen_type"], cfg["model_type"]) == ("qwen2", "qwen2"), name
+        assert cfg["tie_word_embeddings"] is True and cfg["attn_bias"] is True, name
+
+
+def trtllm_build_parser() -> argparse.ArgumentParser:
+    """The trtllm-build flags we emit, as TensorRT-LLM declares them: tensorrt_llm/commands/build.py @65f1d15
+    parse_arguments, and add_plugin_argument of tensorrt_llm/plugin/plugin.py @035b99e (str plugins take
+    float16 / float32 / bfloat16 / disable, bool features enable / disable)."""
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    for flag in ("--checkpoint_dir", "--output_dir"):
+        p.add_argument(flag, type=str, required=True)
+    for flag in ("--max_batch_size", "--max_input_len", "--max_seq_len", "--workers", "--max_draft_len"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--speculative_decoding_mode", default=None, choices=[
+        "draft_tokens_external", "lookahead_decoding", "medusa", "explicit_draft_tokens", "eagle"])
+    p.add_argument("--gemm_plugin", type=str, choices=["float16", "float32", "bfloat16", "disable"])
+    p.add_argument("--use_paged_context_fmha", type=str, default="disable", choices=["enable", "disable"])
+    return p
+
+
+def run_py_parser() -> argparse.ArgumentParser:
+    """The examples/run.py flags we emit, as TensorRT-LLM 1.x declares them: parse_arguments of examples/run.py
+    @640403b and add_common_args of examples/utils.py @1b17f9d (1.x: --ngram_config; --prompt_lookup_config is
+    gone)."""
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    p.add_argument("--max_output_len", type=int, required=True)
+    p.add_argument("--engine_dir", type=str, default="engine_outputs")
+    p.add_argument("--tokenizer_dir", default=None)
+    p.add_argument("--num_beams", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=1)
+    p.add_argument("--use_py_session", default=False, action="store_true")
+    p.add_argument("--ngram_config", type=str, default=None)
+    p.add_argument("--medusa_choices", type=str, default=None)
+    p.add_argument("--eagle_choices", type=str, default=None)
+    p.add_argument("--eagle_use_dynamic_tree", action="store_true")
+    p.add_argument("--eagle_dynamic_tree_max_top_k", default=None, type=int)
+    p.add_argument("--kv_cache_enable_block_reuse", default=True, action=argparse.BooleanOptionalAction)
+    return p
+
+
+def run_py_checks(args: argparse.Namespace, tp: int) -> None:
+    """examples/run.py @640403b main()'s own assertions for these modes, and examples/ngram/README.md @585c756's
+    device-list rule (one GPU per target rank)."""
+    if args.medusa_choices is not None:
+        ast.literal_eval(args.medusa_choices)
+        assert args.temperature == 1.0, "Medusa should use temperature == 1.0"
+        assert args.num_beams == 1
+    if args.eagle_choices is not None or args.eagle_use_dynamic_tree:
+        assert not args.use_py_session, "Eagle does not support py session"
+        if args.eagle_use_dynamic_tree:
+            assert args.eagle_dynamic_tree_max_top_k is not None and args.eagle_dynamic_tree_max_top_k > 0
+            assert args.eagle_choices is None
+    if args.ngram_config is not None:
+        assert args.kv_cache_enable_block_reuse and not args.use_py_session
+        max_draft_len, max_ngram, devices = ast.literal_eval(args.ngram_config)
+        assert max_draft_len >= 1 and max_ngram >= 1 and devices == list(range(tp))
+
+
+def script_lines(engine: Path) -> tuple[list[str], list[str]]:
+    """(trtllm-build arguments, run.py arguments) of an engine's trtllm-build.sh, shell-parsed."""
+    text = (engine / "trtllm-build.sh").read_text()
+    env = {"$CKPT": "/ckpt", "$OUT": "/out", "$HERE": "/here"}
+    build = text.split("trtllm-build \\\n", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
+    run = text.split("examples/run.py", 1)[1].split("\n", 1)[0]
+    return ([env.get(a, a) for a in shlex.split(build)], [env.get(a, a) for a in shlex.split(run)])
+
+
+def test_build_and_run_lines_parse_with_trtllm_argparse(src, medusa_engines, tmp_path):
+    """Every trtllm-build.sh line parses with TensorRT-LLM 1.2's argparse (flag names and allowed values) and
+    passes run.py's mode checks: Medusa at temperature 1.0 with top-k 1 (greedy), EAGLE without the Python
+    session, NGram through --ngram_config with one device per rank and KV-cache block reuse."""
+    lookup_tp2 = build(src, "lookup_tp2", {"method": "lookup", "lookup": {"num_draft_tokens": 6, "max_ngram": 3}},
+                       tp_size=2)
+    engines = {
+        "medusa": medusa_engines[2],
+        "eagle": build(src, "eagle_lines", {"method": "eagle", "checkpoint": str(src["eagle"]),
+                                            "tree": {"preset": "chain-3"}}),
+        "eagle2": build(src, "eagle2_lines", {"method": "eagle", "checkpoint": str(src["eagle"]),
+                                              "tree": {"dynamic": {"total_tokens": 8, "depth": 3, "top_k": 2}}}),
+        "lookup": lookup_tp2,
+        "plain": build(src, "plain_lines", {"method": "none"}),
+    }
+    modes = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "lookup": "draft_tokens_external", "plain": None}
+    for name, engine in engines.items():
+        build_argv, run_argv = script_lines(engine)
+        b = trtllm_build_parser().parse_args(build_argv)
+        assert b.speculative_decoding_mode == modes[name], name
+        assert b.gemm_plugin == "float16", name  # the export dtype (float32 build)
+        if modes[name] in ("eagle", "draft_tokens_external"):  # both READMEs: paged context FMHA on
+            assert b.use_paged_context_fmha == "enable", name
+        r = run_py_parser().parse_args(run_argv)
+        run_py_checks(r, json.loads((engine / "engine.json").read_text())["limits"]["tp_size"])
+        manifest_run = json.loads((engine / "engine.json").read_text())["trtllm"]["run_args"]
+        assert run_py_parser().parse_args(["--max_output_len=1", *manifest_run]) is not None
+    medusa_run = run_py_parser().parse_args(script_lines(engines["medusa"])[1])
+    assert (medusa_run.temperature, medusa_run.top_k) == (1.0, 1)
+    assert ast.literal_eval(run_py_parser().parse_args(script_lines(lookup_tp2)[1]).ngram_config) == [6, 3, [0, 1]]
+    assert "mpirun" not in (lookup_tp2 / "trtllm-build.sh").read_text()  # NGram's run.py path is orchestrator mode
+    assert "--prompt_lookup_config" not in (lookup_tp2 / "trtllm-build.sh").read_text()
+    # The pre-fix lines fail these checks (the rules can fail).
+    with pytest.raises(AssertionError, match="temperature == 1.0"):
+        run_py_checks(run_py_parser().parse_args(["--max_output_len=1", "--medusa_choices=[[0]]",
+                                                  "--temperature=0.0"]), 1)
+    with pytest.raises(SystemExit):
+        run_py_parser().parse_args(["--max_output_len=1", "--prompt_lookup_config=[6,3,[0]]"])
+    with pytest.raises(SystemExit):
+        trtllm_build_parser().parse_args(["--checkpoint_dir", "c", "--output_dir", "o", "--gemm_plugin", "auto"])

@@ -63,6 +63,7 @@ def engines(src):
         "eagle_static": config(src, "eagle_static", draft=eagle_static),
         "lookup": config(src, "lookup", draft=lookup),
         "qwen_bf16": config(src, "qwen_bf16", model="qwen", dtype="bfloat16"),
+        "medusa_bf16": config(src, "medusa_bf16", draft=medusa, dtype="bfloat16"),
     }.items():
         out[name] = build_engine(cfg).output
     return out
@@ -134,10 +135,14 @@ def copy_engine(engines, name, tmp_path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("victim", ["trtllm_checkpoint/rank1.safetensors", "tokenizer.json", "config.json",
-                                    "draft/medusa_lm_head.safetensors", "trtllm_checkpoint/config.json"])
-def test_tampered_file_is_caught_at_load(engines, tmp_path, victim):
-    eng = copy_engine(engines, "medusa_tp2", tmp_path)
+# A float32 engine's runtime weights are target/ (its TensorRT-LLM checkpoint is float16); a bfloat16 engine's are
+# its TensorRT-LLM rank files.
+@pytest.mark.parametrize("name, victim", [
+    ("medusa_tp2", "target/model.safetensors"), ("medusa_tp2", "tokenizer.json"), ("medusa_tp2", "config.json"),
+    ("medusa_tp2", "draft/medusa_lm_head.safetensors"), ("qwen_bf16", "trtllm_checkpoint/config.json"),
+    ("qwen_bf16", "trtllm_checkpoint/rank0.safetensors")])
+def test_tampered_file_is_caught_at_load(engines, tmp_path, name, victim):
+    eng = copy_engine(engines, name, tmp_path)
     data = bytearray((eng / victim).read_bytes())
     data[len(data) // 2] ^= 0x01
     (eng / victim).write_bytes(bytes(data))
@@ -146,31 +151,35 @@ def test_tampered_file_is_caught_at_load(engines, tmp_path, victim):
 
 
 def test_missing_or_truncated_file_is_caught(engines, tmp_path):
-    eng = copy_engine(engines, "medusa", tmp_path)
+    eng = copy_engine(engines, "medusa_bf16", tmp_path)
     (eng / "trtllm_checkpoint" / "rank0.safetensors").unlink()
     with pytest.raises(EngineChecksumError, match="rank0.safetensors: listed in engine.json but missing"):
         runtime.load(eng)
     eng = copy_engine(engines, "lookup", tmp_path / "b")
-    path = eng / "trtllm_checkpoint" / "rank0.safetensors"
+    path = eng / "target" / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(EngineChecksumError, match="size"):
         runtime.load(eng)
 
 
-def test_weights_are_read_from_the_trtllm_checkpoint(src, engines, tmp_path):
-    """Edit a weight in rank0.safetensors (and re-record its checksum): the served model changes accordingly."""
-    original = runtime.load(engines["medusa"]).generate(PROMPT, GREEDY).token_ids
-    eng = copy_engine(engines, "medusa", tmp_path)
-    path = eng / "trtllm_checkpoint" / "rank0.safetensors"
+@pytest.mark.parametrize("name, rel, tensor, dtype", [
+    ("medusa_bf16", "trtllm_checkpoint/rank0.safetensors", "lm_head.weight", "bfloat16"),  # in the runtime dtype
+    ("medusa", "target/model.safetensors", "lm_head.weight", "float32"),  # float32: TensorRT-LLM gets float16
+])
+def test_weights_are_read_from_the_recorded_file(src, engines, tmp_path, name, rel, tensor, dtype):
+    """Edit a weight of the runtime's weight file (and re-record its checksum): the served model changes."""
+    original = runtime.load(engines[name]).generate(PROMPT, GREEDY).token_ids
+    eng = copy_engine(engines, name, tmp_path)
+    path = eng / rel
     state = load_file(str(path))
-    state["lm_head.weight"][5] = 0.5
+    state[tensor][5] = 0.5
     save_file(state, str(path), metadata={"format": "pt"})
     manifest = json.loads((eng / "engine.json").read_text())
-    manifest["files"]["trtllm_checkpoint/rank0.safetensors"] = {"size": path.stat().st_size,
-                                                                 "sha256": sha256_file(path)}
+    manifest["files"][rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     (eng / "engine.json").write_text(json.dumps(manifest))
     dec = runtime.load(eng)
-    ref = runtime.load(src["llama"], draft="medusa", draft_model=src["medusa"], tree=json.dumps(TREE), max_draft_len=16)
+    ref = runtime.load(src["llama"], draft="medusa", draft_model=src["medusa"], tree=json.dumps(TREE), max_draft_len=16,
+                       dtype=dtype)
     ref.model.lm_head_weight[5] = 0.5  # the same edit, made on the HF-loaded model
     same_outputs(dec, ref)
     assert dec.generate(PROMPT, GREEDY).token_ids != original
@@ -178,7 +187,7 @@ def test_weights_are_read_from_the_trtllm_checkpoint(src, engines, tmp_path):
 
 def test_engine_json_records_the_build(src, engines):
     m = json.loads((engines["eagle_dynamic"] / "engine.json").read_text())
-    assert (m["format"], m["format_version"]) == ("spectree-engine", 1)
+    assert (m["format"], m["format_version"]) == ("spectree-engine", 2)
     assert m["dtype"] == "float32" and m["model"]["architecture"] == "LlamaForCausalLM"
     assert m["draft"]["method"] == "eagle" and m["draft"]["path"] == "draft"
     assert m["draft"]["tree"] == {"kind": "dynamic", "total_tokens": 12, "depth": 3, "top_k": 3}

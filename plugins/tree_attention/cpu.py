@@ -12,26 +12,34 @@ import torch.nn.functional as F
 
 from plugins.tree_attention.mask import unpack_mask
 
-# The model hands the same packed mask to every layer of one forward: unpack it once. A single-entry memo keyed on
-# the packed tensor's identity and version (a write to it bumps the version) and the key length; it holds that
-# tensor, so its storage cannot be reused by another mask while cached. Replaced atomically (one tuple), so
-# concurrent requests in threads can only miss, never read another request's mask.
-_last_visible: tuple[torch.Tensor, int, int, torch.Tensor | None] | None = None
+# SDPA's CPU kernels take these; float64 is what bf16 models attend in on CPU (runtime/model.py `kv_dtype`).
+SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# The model hands the same packed mask to every layer of one forward (a packed batch: one mask per request):
+# unpack each once. A small memo keyed on the packed tensor's identity, its version (a write bumps it) and the key
+# length; an entry holds its tensor, so that storage cannot be reused by another mask while cached. Rebound, never
+# cleared in place, when full: concurrent requests in threads can only miss, never read another request's mask.
+_MEMO_SIZE = 64
+_visible: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
 def attn_mask(tree_mask: torch.Tensor, n: int, s: int) -> torch.Tensor | None:  # [B, 1, N, L + N] bool
     """SDPA's mask for the packed tree mask over L + N = s keys; None when no mask is needed (one token that sees
     itself sees everything: plain decoding, SDPA's fastest path)."""
-    global _last_visible
-    last = _last_visible
-    if last is not None and last[0] is tree_mask and last[1] == tree_mask._version and last[2] == s:
-        return last[3]
+    global _visible
+    key = (id(tree_mask), tree_mask._version, s)
+    hit = _visible.get(key)
+    if hit is not None and hit[0] is tree_mask:
+        return hit[1]
     if n == 1 and bool(torch.all(tree_mask[:, 0, 0] & 1)):
         visible = None
     else:
         tree = unpack_mask(tree_mask, n)  # [B, N, N]
         visible = torch.cat([tree.new_ones(tree.shape[0], n, s - n), tree], dim=-1)[:, None]  # prefix visible
-    _last_visible = (tree_mask, tree_mask._version, s, visible)
+    memo = _visible
+    if len(memo) >= _MEMO_SIZE:
+        memo = _visible = {}
+    memo[key] = (tree_mask, visible)
     return visible
 
 

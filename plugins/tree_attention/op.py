@@ -3,8 +3,9 @@
 Registered with torch.library when this module is imported:
 - CUDA runs the Triton kernel (plugins/tree_attention/kernel.py, imported on first CUDA call) for fp16, bf16
   and fp32, and the torch reference for other floating dtypes (fp64 checks);
-- the CPU runs torch's fused SDPA under the unpacked mask (plugins/tree_attention/cpu.py) for fp16, bf16 and
-  fp32, and the reference for fp64; every other device runs the torch reference (CompositeExplicitAutograd);
+- the CPU runs torch's fused SDPA under the unpacked mask (plugins/tree_attention/cpu.py) for fp16, bf16, fp32
+  and fp64 (the KV dtype of bf16 models on CPU: runtime/model.py `kv_dtype`), the reference for other
+  dtypes; every other device runs the torch reference (CompositeExplicitAutograd);
 - the fake implementation gives torch.export / torch.compile the output's shape and dtype, so the op survives
   export and the ONNX exporter turns it into the plugin node (plugins/tree_attention/onnx_export.py).
 The op is inference-only (no autograd formula). It is defined with the low-level `torch.library.Library` API
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.tree_attention.cpu import tree_attention_sdpa
+from plugins.tree_attention.cpu import SDPA_DTYPES, tree_attention_sdpa
 from plugins.tree_attention.reference import tree_attention_reference
 from plugins.tree_attention.spec import KERNEL_DTYPES, TreeAttentionDtypeError, TreeAttentionShapeError, check_inputs
 
@@ -39,7 +40,7 @@ def _tree_attention_any(
 
 
 def _tree_attention_cpu(q, k, v, tree_mask, scale):
-    if q.dtype not in KERNEL_DTYPES:
+    if q.dtype not in SDPA_DTYPES:
         return _tree_attention_any(q, k, v, tree_mask, scale)
     check_inputs(q, k, v, tree_mask)
     return tree_attention_sdpa(q, k, v, tree_mask, scale)

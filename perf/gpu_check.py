@@ -1,0 +1,459 @@
+"""`python -m perf gpu-check`: every GPU measurement of the project in one prepared run (under 8 minutes on one
+GPU), written to perf/results/<date>-<gpu>/gpu_check.json and gpu_check.md.
+
+    kernel      the Triton tree-attention kernel against the fp64-accumulating reference on random trees and
+                shapes (perf/tree_attention_gpu.py's CHECK_SHAPES: GQA ratios, N not a power of two, N > 32,
+                prefixes up to 16K, KV-cache views), fp16 / bf16 / fp32, every output NaN-poisoned first
+    bandwidth   kernel time against the KV-read floor: the bytes the kernel must read and write (q, the K/V prefix
+                and tree, the mask, the output) over the card's measured copy bandwidth, for Llama-3-8B attention
+                (Hq 32, Hkv 8, D 128) at L in {512, 4096, 16384}, N in {1, 16, 64}
+    verify      verify(N) / verify(1) for N = 1..64, chain and random-tree masks, on a Llama-3-8B-shaped model with
+                random weights in bfloat16 (perf/verify_cost.py's inputs, schedule and summary)
+    e2e         the SmolLM2-135M-Instruct target on CUDA: speculative decoding with the drafter and tree of
+                configs/smollm2.yaml against plain decoding on held-out chat prompts, greedy; every speculative
+                output must equal plain decoding's token for token
+
+Exit status 1 when a kernel check fails or greedy identity breaks, 2 on bad settings or without CUDA. `--dry-run`
+runs every section on the CPU with tiny shapes (the kernel sections then exercise torch.ops.spectree.tree_attention's
+CPU path, not the Triton kernel) so CI checks the shapes and the files; its numbers mean nothing.
+
+On a lent GPU (the device tool), from the repository root:
+    python -m perf gpu-check --out perf/results/{date}-{machine}
+(the SmolLM2 checkpoint is imported first when missing: `python -m builder import-gguf --output DIR`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf.machine import expand_out, machine_info, now_iso, settings_dict
+from runtime.errors import ConfigError
+
+REPORT_FORMAT = "spectree-gpu-check"
+REPORT_VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUDGET_SECONDS = 480.0  # all sections together (the issue's "under 8 minutes")
+
+
+class GpuCheckError(ConfigError):
+    """A gpu-check setting is invalid, or the run cannot start (no CUDA outside --dry-run)."""
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Every size the run uses; `full()` on a GPU, `tiny()` for --dry-run."""
+
+    # (batch, q_heads, kv_heads, N, L, D, splits)
+    kernel_cases: tuple[tuple[int, int, int, int, int, int, int | None], ...]
+    kernel_dtypes: tuple[str, ...]
+    bench_heads: tuple[int, int, int]  # Hq, Hkv, D
+    bench_prefix: tuple[int, ...]
+    bench_tree: tuple[int, ...]
+    bench_dtypes: tuple[str, ...]
+    verify_model: dict[str, int]  # ModelConfig sizes of the random target
+    verify_sizes: tuple[int, ...]
+    verify_context: int
+    verify_dtype: str
+    verify_repeats: int
+    e2e_prompts: int
+    e2e_tokens: int
+
+    @classmethod
+    def full(cls) -> Shapes:
+        from perf.tree_attention_gpu import BENCH_PREFIX, BENCH_TREE, CHECK_SHAPES
+
+        return cls(kernel_cases=tuple(tuple(s) for s in CHECK_SHAPES), kernel_dtypes=("float16", "bfloat16", "float32"),
+                   bench_heads=(32, 8, 128), bench_prefix=BENCH_PREFIX, bench_tree=BENCH_TREE,
+                   bench_dtypes=("float16", "bfloat16"),
+                   verify_model=dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+                   verify_sizes=tuple(range(1, 65)), verify_context=2048, verify_dtype="bfloat16", verify_repeats=5,
+                   e2e_prompts=6, e2e_tokens=128)
+
+    @classmethod
+    def tiny(cls) -> Shapes:
+        return cls(kernel_cases=((1, 4, 2, 5, 9, 16, None), (2, 4, 4, 33, 40, 8, None), (1, 2, 1, 1, 0, 16, None)),
+                   kernel_dtypes=("float32", "bfloat16"), bench_heads=(4, 2, 16), bench_prefix=(32,), bench_tree=(1, 8),
+                   bench_dtypes=("float32",),
+                   verify_model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                   verify_sizes=(1, 2, 3, 4), verify_context=16, verify_dtype="bfloat16", verify_repeats=2,
+                   e2e_prompts=2, e2e_tokens=12)
+
+
+@dataclass(frozen=True)
+class GpuCheckConfig:
+    """Everything `python -m perf gpu-check` takes (its flags' defaults come from here)."""
+
+    out: str = "perf/results/{date}-{machine}"
+    dry_run: bool = False  # CPU, tiny shapes: checks the shapes and the files, measures nothing meaningful
+    smollm2: Path = REPO_ROOT / "models" / "smollm2-135m-instruct"  # imported from the GGUF when missing
+    smollm2_config: Path = REPO_ROOT / "configs" / "smollm2.yaml"  # the drafter, its weights and tree
+    e2e_draft: str | None = None  # override the drafter (e.g. lookup: no head weights needed)
+    prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
+    seed: int = 0
+    sections: tuple[str, ...] = ("kernel", "bandwidth", "verify", "e2e")  # a subset reruns only those
+    shapes: Shapes = field(default_factory=Shapes.full)
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise GpuCheckError("out: expected an output directory, got an empty string")
+        known = ("kernel", "bandwidth", "verify", "e2e")
+        if not self.sections or any(x not in known for x in self.sections):
+            raise GpuCheckError(f"sections: got {list(self.sections)}, expected a non-empty subset of "
+                                f"{', '.join(known)}")
+        if self.e2e_draft is not None and self.e2e_draft not in ("medusa", "eagle", "lookup", "none"):
+            raise GpuCheckError(f"e2e_draft: got {self.e2e_draft!r}, expected medusa, eagle, lookup or none")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu" if self.dry_run else "cuda")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of a call: triton's do_bench on CUDA, repeated perf_counter on the CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+    def cpu(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    return cpu
+
+
+def attention_inputs(case: tuple, dtype: torch.dtype, device: torch.device, seed: int, cache_extra: int = 0):
+    """Random q, k, v (views into a longer cache when cache_extra > 0), packed random-tree mask.
+
+    returns q [B, Hq, N, D], k / v [B, Hkv, L + N, D], mask [B, N, ceil(N / 32)] int32
+    """
+    from plugins.tree_attention import pack_mask
+    from plugins.tree_attention.mask import ancestor_mask, random_parents
+
+    batch, hq, hkv, n, prefix, d, _ = case
+    g = torch.Generator().manual_seed(seed)
+    tree = torch.stack([ancestor_mask(random_parents(n, g)) for _ in range(batch)])
+    total = prefix + n
+    q = torch.randn(batch, hq, n, d, generator=g).to(device, dtype)
+    k = torch.randn(batch, hkv, total + cache_extra, d, generator=g).to(device, dtype)[:, :, :total]
+    v = torch.randn(batch, hkv, total + cache_extra, d, generator=g).to(device, dtype)[:, :, :total]
+    return q, k, v, pack_mask(tree).to(device)
+
+
+def _kernel(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The attention under test: the Triton kernel on CUDA; on the CPU (dry run) the op's CPU path."""
+    if device.type == "cuda":
+        from plugins.tree_attention import kernel
+
+        def run(q, k, v, mask, scale, splits=None):
+            out = torch.full_like(q, float("nan"))  # poisoned: an unwritten element fails the check
+            kernel.tree_attention_triton(q, k, v, mask, scale, out=out, num_splits=splits)
+            return out
+
+        return run
+    import plugins.tree_attention  # noqa: F401  (registers torch.ops.spectree)
+
+    return lambda q, k, v, mask, scale, splits=None: torch.ops.spectree.tree_attention(q, k, v, mask, scale)
+
+
+def check_kernel(config: GpuCheckConfig) -> dict[str, Any]:
+    from perf.tree_attention_gpu import TOLERANCE, relative_error
+    from plugins.tree_attention import tree_attention_reference
+
+    device, s = config.device, config.shapes
+    run = _kernel(device)
+    rows = []
+    for dtype_name in s.kernel_dtypes:
+        dtype = _DTYPES[dtype_name]
+        for index, case in enumerate(s.kernel_cases):
+            for extra in (0, 37):
+                q, k, v, mask = attention_inputs(case, dtype, device, seed=config.seed + index, cache_extra=extra)
+                scale = 1 / math.sqrt(case[5])
+                out = run(q, k, v, mask, scale, case[6])
+                ref = tree_attention_reference(q, k, v, mask, scale)
+                err = relative_error(out, ref)
+                ok = bool(out.shape == q.shape and not out.isnan().any() and err <= TOLERANCE[dtype])
+                rows.append({"dtype": dtype_name, "shape": list(case[:6]), "splits": case[6], "kv_view": bool(extra),
+                             "rel_error": err, "tolerance": TOLERANCE[dtype], "ok": ok})
+    return {"rows": rows, "passed": sum(r["ok"] for r in rows), "failed": sum(not r["ok"] for r in rows)}
+
+
+def copy_bandwidth(device: torch.device, timer: Callable[[Callable[[], Any]], float]) -> float:
+    """GB/s of a device-to-device copy, read + write bytes."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def kernel_bandwidth(config: GpuCheckConfig) -> dict[str, Any]:
+    device, s = config.device, config.shapes
+    timer = _timer(device)
+    run = _kernel(device)
+    peak = copy_bandwidth(device, timer)
+    hq, hkv, d = s.bench_heads
+    rows = []
+    for dtype_name in s.bench_dtypes:
+        dtype = _DTYPES[dtype_name]
+        for prefix in s.bench_prefix:
+            for n in s.bench_tree:
+                q, k, v, mask = attention_inputs((1, hq, hkv, n, prefix, d, None), dtype, device, seed=prefix + n)
+                k, v = k.contiguous(), v.contiguous()
+                ms = timer(lambda: run(q, k, v, mask, 1 / math.sqrt(d)))
+                moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size() + mask.numel() * 4
+                floor_ms = moved / (peak * 1e9) * 1e3
+                rows.append({"dtype": dtype_name, "prefix": prefix, "tree": n, "kernel_ms": ms, "bytes": moved,
+                             "floor_ms": floor_ms, "floor_over_kernel": floor_ms / ms if ms > 0 else None})
+    return {"copy_gbps": peak, "rows": rows}
+
+
+def random_target(sizes: dict[str, int], dtype: str, device: torch.device, seed: int):
+    """A Llama-shaped TargetModel with random weights (N(0, 0.02), norms 1) on `device`."""
+    from runtime.checkpoint import expected_shapes
+    from runtime.config import ModelConfig
+    from runtime.model import TargetModel
+
+    config = ModelConfig(architecture="LlamaForCausalLM", max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, rope_scaling=None, attention_bias=False, o_proj_bias=False,
+                         mlp_bias=False, tie_word_embeddings=False, dtype=dtype, bos_token_id=None, eos_token_ids=(0,),
+                         max_context=8192, **sizes)
+    g = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_shapes(config).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=_DTYPES[dtype], device=device)
+        else:
+            tensors[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(_DTYPES[dtype])
+    return TargetModel.from_state(config, tensors, source="random Llama-shaped weights")
+
+
+def verify_ratios(config: GpuCheckConfig) -> dict[str, Any]:
+    from perf.verify_cost import MASKS, Case, schedule, summarize, time_cases, verify_input
+
+    device, s = config.device, config.shapes
+    model = random_target(s.verify_model, s.verify_dtype, device, config.seed)
+    c = model.config
+    need = s.verify_context + max(s.verify_sizes)
+    gen = torch.Generator().manual_seed(config.seed)
+    cache = model.new_cache(need)
+    model.prefill(torch.randint(0, c.vocab_size, (1, s.verify_context), generator=gen).to(device), cache)
+    inputs = {}
+    for m in MASKS:
+        for n in s.verify_sizes:
+            inp = verify_input(m, n, s.verify_context, c.vocab_size, gen)
+            inputs[(m, n)] = (inp.tokens.to(device), inp.positions.to(device), inp.mask.to(device))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def call(case: Case) -> None:
+        tokens, positions, mask = inputs[(case.mask, case.size)]
+        model.forward(tokens, positions, cache, mask)
+        sync()
+
+    cases = [Case(s.verify_dtype, m, n) for m in MASKS for n in s.verify_sizes]
+    time_cases(call, schedule(cases, 1, config.seed + 1))
+    rows = summarize(time_cases(call, schedule(cases, s.verify_repeats, config.seed)))
+    if cache.length != s.verify_context:
+        raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
+    params = sum(p.numel() for p in model.parameters())
+    del model, cache
+    return {"model": {**s.verify_model, "dtype": s.verify_dtype, "parameters": params, "context": s.verify_context},
+            "rows": [{k: r[k] for k in ("mask", "size", "median_ms", "min_ms", "ratio")} for r in rows]}
+
+
+def _smollm2(config: GpuCheckConfig) -> Path:
+    path = config.smollm2
+    if not (path / "config.json").is_file():
+        if config.dry_run:
+            raise GpuCheckError(f"smollm2: {path} has no config.json (a dry run does not import checkpoints)")
+        subprocess.run([sys.executable, "-m", "builder", "import-gguf", "--output", str(path)], check=True,
+                       cwd=REPO_ROOT)
+    return path
+
+
+def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
+    """Speculative vs plain decoding of the SmolLM2 target on the device, greedy, same prompts, interleaved."""
+    import yaml
+
+    import runtime
+    from perf.prompt_sets import load_prompts
+
+    s = config.shapes
+    path = _smollm2(config)
+    raw = yaml.safe_load(config.smollm2_config.read_text(encoding="utf-8"))
+    draft = raw.get("draft") or {}
+    dtype = (raw.get("build") or {}).get("dtype")
+    method = config.e2e_draft or draft.get("method", "none")
+    options: dict[str, Any] = {"device": str(config.device), "dtype": dtype}
+    if method in ("medusa", "eagle") and config.e2e_draft is None:
+        options["draft_model"] = str((config.smollm2_config.parent / draft["checkpoint"]).resolve())
+        tree = draft.get("tree") or {}
+        if "choices" in tree:
+            options["tree"] = json.dumps(tree["choices"])
+        elif "preset" in tree:
+            options["tree"] = tree["preset"]
+    spec = runtime.load(str(path), draft=method, **options)
+    plain = runtime.load(str(path), draft="none", device=str(config.device), dtype=dtype)
+    prompts = load_prompts([config.prompts], limit=s.e2e_prompts)
+    sync = torch.cuda.synchronize if config.device.type == "cuda" else (lambda: None)
+    rows = []
+    for decoder in (plain, spec):  # warm-up (kernels, caches)
+        decoder.generate(prompts[0].as_input(), max_tokens=8)
+    for p in prompts:
+        timed = {}
+        for name, decoder in (("plain", plain), ("speculative", spec)):
+            sync()
+            t0 = time.perf_counter()
+            result = decoder.generate(p.as_input(), max_tokens=s.e2e_tokens)
+            sync()
+            timed[name] = (time.perf_counter() - t0, result)
+        (tp, rp), (ts, rs) = timed["plain"], timed["speculative"]
+        rows.append({"prompt": p.key, "tokens": len(rs.token_ids), "identical": rp.token_ids == rs.token_ids,
+                     "plain_tok_s": len(rp.token_ids) / tp, "spec_tok_s": len(rs.token_ids) / ts,
+                     "speedup": tp / ts if ts > 0 else None, "tau": rs.stats.tau})
+    total_plain = sum(r["tokens"] / r["plain_tok_s"] for r in rows)
+    total_spec = sum(r["tokens"] / r["spec_tok_s"] for r in rows)
+    return {"target": str(path), "drafter": method, "tree": options.get("tree"), "dtype": dtype,
+            "rows": rows, "identical": all(r["identical"] for r in rows),
+            "speedup": total_plain / total_spec if total_spec else None}
+
+
+SECTIONS: dict[str, Callable[[GpuCheckConfig], dict[str, Any]]] = {
+    "kernel": check_kernel, "bandwidth": kernel_bandwidth, "verify": verify_ratios, "e2e": end_to_end,
+}
+
+
+def run_gpu_check(config: GpuCheckConfig, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    if not config.dry_run and not torch.cuda.is_available():
+        raise GpuCheckError("gpu-check needs a CUDA device (torch sees none here); --dry-run checks the script on "
+                            "the CPU")
+    started = time.perf_counter()
+    report: dict[str, Any] = {"format": REPORT_FORMAT, "format_version": REPORT_VERSION, "created": now_iso(),
+                              "dry_run": config.dry_run, "machine": machine_info(),
+                              "settings": {**settings_dict(config), "shapes": dataclasses.asdict(config.shapes)},
+                              "budget_seconds": BUDGET_SECONDS, "sections": {}}
+    for name, section in SECTIONS.items():
+        if name not in config.sections:
+            continue
+        t0 = time.perf_counter()
+        log(f"{name} ...")
+        result = section(config)
+        result["seconds"] = time.perf_counter() - t0
+        report["sections"][name] = result
+        log(f"{name}: {result['seconds']:.1f} s")
+        if config.device.type == "cuda":
+            torch.cuda.empty_cache()
+    report["seconds"] = time.perf_counter() - started
+    report["within_budget"] = report["seconds"] <= BUDGET_SECONDS
+    sections = report["sections"]
+    report["ok"] = sections.get("kernel", {}).get("failed", 0) == 0 and sections.get("e2e", {}).get("identical", True)
+    return report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["sections"]
+    m = report["machine"]
+    lines = [f"# gpu-check {'(DRY RUN: CPU, tiny shapes; not measurements)' if report['dry_run'] else ''}".rstrip(), "",
+             f"{report['created']}, {m.get('gpu') or m.get('cpu_model')}, torch {m['torch']}; "
+             f"{report['seconds']:.0f} s (budget {report['budget_seconds']:.0f} s)"]
+    if "kernel" in s:
+        lines += ["", f"## Tree-attention kernel vs reference: {s['kernel']['passed']} passed, "
+                  f"{s['kernel']['failed']} failed", "",
+                  "| dtype | B, Hq, Hkv, N, L, D | splits | KV view | rel. error | ok |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['shape']} | {r['splits']} | {r['kv_view']} | {r['rel_error']:.2e} | "
+                  f"{'yes' if r['ok'] else 'NO'} |" for r in s["kernel"]["rows"]]
+    if "bandwidth" in s:
+        b = s["bandwidth"]
+        lines += ["", f"## Kernel time vs KV-read floor (copy bandwidth {b['copy_gbps']:.0f} GB/s)", "",
+                  "| dtype | L | N | kernel ms | floor ms | floor / kernel |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['prefix']} | {r['tree']} | {r['kernel_ms']:.4f} | {r['floor_ms']:.4f} | "
+                  f"{r['floor_over_kernel']:.2f} |" for r in b["rows"]]
+    if "verify" in s:
+        lines += _verify_md(s["verify"])
+    if "e2e" in s:
+        lines += _e2e_md(s["e2e"])
+    return "\n".join(lines) + "\n"
+
+
+def _verify_md(v: dict[str, Any]) -> list[str]:
+    lines = ["", f"## verify(N) / verify(1), {v['model']['parameters'] / 1e9:.2f}B-parameter random Llama-3-8B-shaped "
+              f"model, {v['model']['dtype']}, context {v['model']['context']}", "",
+              "| N | chain ms | chain ratio | tree ms | tree ratio |", "|---|---|---|---|---|"]
+    by = {(r["mask"], r["size"]): r for r in v["rows"]}
+    for n in sorted({r["size"] for r in v["rows"]}):
+        c, t = by[("chain", n)], by[("tree", n)]
+        lines.append(f"| {n} | {c['median_ms']:.3f} | {c['ratio']:.3f} | {t['median_ms']:.3f} | {t['ratio']:.3f} |")
+    return lines
+
+
+def _e2e_md(e: dict[str, Any]) -> list[str]:
+    lines = ["", f"## End to end: {e['drafter']} vs plain decoding ({e['dtype']}), speedup {e['speedup']:.2f}x, "
+              f"greedy identical: {'yes' if e['identical'] else 'NO'}", "",
+              "| prompt | tokens | plain tok/s | speculative tok/s | speedup | tau | identical |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['prompt']} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+              f"{r['speedup']:.2f} | {r['tau']:.2f} | {'yes' if r['identical'] else 'NO'} |" for r in e["rows"]]
+    return lines
+
+
+def write_report(report: dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (out / "gpu_check.md").write_text(markdown(report), encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    defaults = GpuCheckConfig()
+    p = argparse.ArgumentParser(prog="python -m perf gpu-check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=defaults.out, help="output directory; {date} and {machine} are filled in")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks shapes and files only")
+    p.add_argument("--smollm2", type=Path, default=defaults.smollm2, help="the SmolLM2 checkpoint directory")
+    p.add_argument("--smollm2-config", type=Path, default=defaults.smollm2_config,
+                   help="builder YAML naming the drafter, its weights and tree")
+    p.add_argument("--e2e-draft", default=defaults.e2e_draft, help="override the drafter of the e2e section")
+    p.add_argument("--prompts", type=Path, default=defaults.prompts, help="JSON Lines prompt file of the e2e section")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--sections", default=",".join(defaults.sections),
+                   help="comma-separated subset of kernel,bandwidth,verify,e2e")
+    ns = p.parse_args(argv)
+    try:
+        config = GpuCheckConfig(out=ns.out, dry_run=ns.dry_run, smollm2=ns.smollm2, smollm2_config=ns.smollm2_config,
+                                e2e_draft=ns.e2e_draft, prompts=ns.prompts, seed=ns.seed,
+                                sections=tuple(x.strip() for x in ns.sections.split(",") if x.strip()),
+                                shapes=Shapes.tiny() if ns.dry_run else Shapes.full())
+        report = run_gpu_check(config, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = write_report(report, expand_out(config.out, report["machine"]))
+    print(f"wrote {out}/gpu_check.json, gpu_check.md ({report['seconds']:.0f} s; "
+          f"{'ok' if report['ok'] else 'FAILED'})")
+    return 0 if report["ok"] else 1
+
+
+__all__ = ["GpuCheckConfig", "GpuCheckError", "Shapes", "markdown", "run_gpu_check", "write_report"]

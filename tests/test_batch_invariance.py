@@ -1,0 +1,98 @@
+"""Batch invariance of the target's forward: a tree step reproduces, bit for bit, the token-by-token pass that
+plain decoding makes. Greedy speculative output is identical to plain greedy output only if this holds; in
+bfloat16 it holds because attention runs in float64 on CPU (runtime/model.py `kv_dtype`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import runtime.model
+from runtime.model import INVARIANT_ROWS, linear
+from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
+from runtime.model import TargetModel, causal_mask
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    built = {}
+
+    def get(variant, **overrides):
+        key = (variant, repr(sorted(overrides.items())))
+        if key not in built:
+            built[key] = make_checkpoint(tmp_path_factory.mktemp(variant), variant, seed=3, **overrides)
+        return built[key]
+
+    return get
+
+
+def _paths(parents: list[int]) -> list[list[int]]:
+    paths: list[list[int]] = []
+    for i, p in enumerate(parents):
+        paths.append([i] if p < 0 else paths[p] + [i])
+    return paths
+
+
+@torch.no_grad()
+def _mismatches(model: TargetModel, prefix_len: int, num_nodes: int, seed: int) -> int:
+    """Tree nodes whose logits differ (in any bit) from feeding their root-to-node path one token at a time."""
+    g = torch.Generator().manual_seed(seed)
+    v = model.config.vocab_size
+    prefix = torch.randint(3, v, (1, prefix_len), generator=g)
+    parents = random_parents(num_nodes, g)
+    tokens = torch.randint(3, v, (1, num_nodes), generator=g)
+    paths = _paths(parents)
+    depth = torch.tensor([[len(p) - 1 for p in paths]])
+
+    cache = model.new_cache(prefix_len + num_nodes)
+    model.prefill(prefix, cache)
+    tree_logits, _ = model(tokens, prefix_len + depth, cache, pack_mask(ancestor_mask(parents)[None]))
+
+    bad = 0
+    for node, path in enumerate(paths):
+        seq = model.new_cache(prefix_len + num_nodes)
+        model.prefill(prefix, seq)
+        for t in tokens[0, path].tolist():
+            logits, _ = model(torch.tensor([[t]]), torch.tensor([[seq.length]]), seq, causal_mask(1))
+            seq.advance(1)
+        bad += not torch.equal(logits[0, 0], tree_logits[0, node])
+    return bad
+
+
+@pytest.mark.parametrize(
+    "variant,overrides", [("llama3", {}), ("qwen2", {"num_key_value_heads": 4})], ids=["gqa", "mha"]
+)
+def test_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, variant, overrides):
+    model = TargetModel.from_pretrained(ckpts(variant, **overrides), dtype="bfloat16")
+    assert model.kv_dtype == torch.float64
+    # 40 and 70 nodes: more rows than one invariant matmul block (runtime.model.INVARIANT_ROWS)
+    for seed, (prefix_len, num_nodes) in enumerate([(40, 12), (97, 16), (130, 9), (30, 40), (60, 70)]):
+        assert _mismatches(model, prefix_len, num_nodes, seed) == 0
+
+
+def test_negative_control_attention_in_half_precision_is_not_invariant(ckpts, monkeypatch):
+    """Attending in the weights' bf16 (fused kernels reduce in shape-dependent order) breaks bit identity: the
+    test above can fail."""
+    monkeypatch.setattr(runtime.model, "kv_dtype", lambda dtype, device: dtype)
+    model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    assert model.kv_dtype == torch.bfloat16
+    assert sum(_mismatches(model, 40 + 30 * s, 16, s) for s in range(4)) > 0
+
+
+def test_only_bf16_on_cpu_attends_in_float64():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert runtime.model.kv_dtype(torch.bfloat16, cpu) == torch.float64
+    assert runtime.model.kv_dtype(torch.float16, cpu) == torch.float16  # its CPU matmuls are not row-invariant
+    assert runtime.model.kv_dtype(torch.float32, cpu) == torch.float32
+    assert runtime.model.kv_dtype(torch.bfloat16, cuda) == torch.bfloat16
+
+
+def test_linear_blocks_give_every_row_its_one_row_result():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(3072, 576, generator=g) * 0.05).bfloat16()
+    b = torch.randn(3072, generator=g).bfloat16()
+    x = torch.randn(3 * INVARIANT_ROWS + 5, 576, generator=g).bfloat16()
+    alone = torch.cat([torch.nn.functional.linear(row[None], w, b) for row in x])
+    assert torch.equal(linear(x, w, b), alone)
+    assert torch.equal(linear(x.view(1, -1, 576), w, b)[0], alone)

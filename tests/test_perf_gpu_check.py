@@ -1,0 +1,79 @@
+"""`python -m perf gpu-check --dry-run`: every section on the CPU with tiny shapes; the shapes of what it measures
+and the files it writes (the GPU run itself needs a lent GPU: see perf/README.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perf.__main__ import main
+from perf.gpu_check import GpuCheckConfig, GpuCheckError, Shapes, run_gpu_check
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_check")
+    ck = make_checkpoint(root / "llama", "llama3")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": text}) for i, text in enumerate(
+        ["The quick brown fox jumps over the lazy dog. The quick brown fox", "one two three one two three one"])) + "\n")
+    return {"root": root, "ck": ck, "prompts": prompts}
+
+
+def test_dry_run_writes_every_section(tiny, capsys):
+    out = tiny["root"] / "results" / "{date}-{machine}"
+    assert main(["gpu-check", "--dry-run", "--out", str(out), "--smollm2", str(tiny["ck"]), "--e2e-draft", "lookup",
+                 "--prompts", str(tiny["prompts"])]) == 0
+    written = list((tiny["root"] / "results").glob("*/gpu_check.json"))
+    assert len(written) == 1 and (written[0].parent / "gpu_check.md").is_file()
+    assert written[0].parent.name.endswith("-cpu-" + written[0].parent.name.split("-cpu-")[-1])  # {machine} filled
+    report = json.loads(written[0].read_text())
+    assert report["dry_run"] and report["ok"] and report["within_budget"]
+    s, shapes = report["sections"], Shapes.tiny()
+    kernel = s["kernel"]
+    assert kernel["failed"] == 0 and len(kernel["rows"]) == len(shapes.kernel_dtypes) * len(shapes.kernel_cases) * 2
+    assert {tuple(r["shape"]) for r in kernel["rows"]} == {c[:6] for c in shapes.kernel_cases}
+    bw = s["bandwidth"]
+    assert bw["copy_gbps"] > 0 and len(bw["rows"]) == len(shapes.bench_prefix) * len(shapes.bench_tree)
+    assert all(r["floor_ms"] > 0 and r["kernel_ms"] > 0 for r in bw["rows"])
+    verify = s["verify"]
+    assert sorted({r["size"] for r in verify["rows"]}) == list(shapes.verify_sizes)
+    assert {r["mask"] for r in verify["rows"]} == {"chain", "tree"}
+    assert all(r["ratio"] == 1.0 for r in verify["rows"] if r["size"] == 1)
+    assert verify["model"]["dtype"] == "bfloat16" and verify["model"]["parameters"] > 0
+    e2e = s["e2e"]
+    assert e2e["drafter"] == "lookup" and e2e["identical"] and len(e2e["rows"]) == 2
+    assert all(r["tokens"] > 0 for r in e2e["rows"])
+    md = (written[0].parent / "gpu_check.md").read_text()
+    assert "DRY RUN" in md and "verify(N) / verify(1)" in md and "greedy identical: yes" in md
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_full_shapes_are_the_issue_s(tmp_path):
+    full = Shapes.full()
+    assert full.verify_sizes == tuple(range(1, 65)) and full.verify_dtype == "bfloat16"
+    assert full.verify_model["hidden_size"] == 4096 and full.verify_model["num_hidden_layers"] == 32
+    assert full.verify_model["num_key_value_heads"] == 8  # GQA, as Llama-3-8B
+    assert any(c[1] != c[2] for c in full.kernel_cases) and max(c[4] for c in full.kernel_cases) >= 4096
+    with pytest.raises(GpuCheckError, match="e2e_draft"):
+        GpuCheckConfig(e2e_draft="beam")
+
+
+def test_needs_cuda_outside_dry_run(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(GpuCheckError, match="needs a CUDA device"):
+        run_gpu_check(GpuCheckConfig(out=str(tmp_path)))
+
+
+def test_sections_subset(tiny):
+    out = tiny["root"] / "subset"
+    assert main(["gpu-check", "--dry-run", "--sections", "kernel,verify", "--out", str(out)]) == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert set(report["sections"]) == {"kernel", "verify"} and report["ok"]
+    assert "End to end" not in (out / "gpu_check.md").read_text()
+    assert main(["gpu-check", "--dry-run", "--sections", "kernel,beam", "--out", str(out)]) == 2
