@@ -364,6 +364,21 @@ def at_key(source: str, key: str) -> Iterator[None]:
         raise BuildConfigError(f"{source}: {key}: {exc}") from exc
 
 
+def check_tokenizer(checkpoint: Path, model: ModelConfig) -> None:
+    """A checkpoint's tokenizer.json (when it has one: an engine without it serves token ids only) must load the
+    way the runtime loads it, and every id it can produce must be one the model embeds."""
+    if not (checkpoint / "tokenizer.json").is_file():
+        return
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(checkpoint)  # TokenizerError names the file and what is wrong
+    if tokenizer.vocab_size > model.vocab_size:
+        raise BuildConfigError(
+            f"{checkpoint / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but the model embeds only vocab_size "
+            f"{model.vocab_size}; expected a tokenizer of at most that many"
+        )
+
+
 def meta_target(config: ModelConfig):
     """A weightless TargetModel (meta device) of `config`: enough for the drafters' loaders to validate heads."""
     from runtime.model import TargetModel
@@ -404,6 +419,7 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
     b = config.build
     with at_key(source, "model.checkpoint"):
         model = ModelConfig.from_hf(config.model.checkpoint)
+        check_tokenizer(Path(config.model.checkpoint), model)
     model = model.with_dtype(b.dtype)
     if b.max_seq_len is not None and b.max_seq_len > model.max_context:
         raise BuildConfigError(

@@ -59,7 +59,7 @@ from builder.training.corpus import (
     load_tokens,
     split_corpus,
 )
-from builder.training.loop import optimise
+from builder.training.loop import LEGACY_STATE_SUFFIX, STATE_SUFFIX, optimise
 from runtime.drafters.draft_vocab import DraftVocab, top_frequent
 from runtime.files import shown_path
 
@@ -336,7 +336,8 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
     work = h.work_dir
     if fresh:
         for k in kinds:
-            (work / f"{k}-state.pt").unlink(missing_ok=True)
+            for suffix in (STATE_SUFFIX, LEGACY_STATE_SUFFIX):
+                (work / f"{k}-state{suffix}").unlink(missing_ok=True)
             (work / f"{k}_log.jsonl").unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     if config.corpus.source == "chat":
@@ -378,7 +379,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
             return metrics(fixed_windows(data.held_out, opt.eval_batches, opt.seq_len))
 
         steps, elapsed, loss, final = optimise(module, step_loss, evaluate, opt, data.train, opt.seq_len,
-                                               work / f"{kind}-state.pt", fp, work / f"{kind}_log.jsonl", kind, quiet)
+                                               work / f"{kind}-state{STATE_SUFFIX}", fp, work / f"{kind}_log.jsonl", kind, quiet)
         if kind == "medusa":
             save_medusa(module, section, h, target.config, work)
         else:
@@ -511,7 +512,7 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
                 return eagle_metrics(module, view, held_batches(opt))
 
         steps, elapsed, loss, final = optimise(module, step_loss, lambda step, metrics=metrics: metrics(), opt,
-                                               data.train, opt.seq_len, work / f"{kind}-state.pt", fp,
+                                               data.train, opt.seq_len, work / f"{kind}-state{STATE_SUFFIX}", fp,
                                                work / f"{kind}_log.jsonl", kind, quiet,
                                                start_fields={"draft_vocab_size": h.draft_vocab_size,
                                                              "draft_vocab_coverage": round(data.coverage, 4),

@@ -31,10 +31,10 @@ from builder.training.corpus import (
     split_corpus,
     train_tokenizer,
 )
-from builder.training.loop import optimise
+from builder.training.loop import STATE_SUFFIX, optimise
 from runtime.files import shown_path
 
-STATE_FILE = "state.pt"
+STATE_FILE = f"state{STATE_SUFFIX}"
 LOG_FILE = "training_log.jsonl"
 SUMMARY_FILE = "training_summary.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

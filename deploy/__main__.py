@@ -2,7 +2,14 @@
 
     serve   --repo REPO_DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002 --address 127.0.0.1]
             start tritonserver on a model repository, wait until it is ready, print the endpoints, and shut it
-            down cleanly on SIGINT / SIGTERM (exit status 0 after a clean shutdown)
+            down cleanly on SIGINT / SIGTERM (exit status 0 after a clean shutdown). It watches the server: when
+            tritonserver exits, or a model's python backend process dies (tritonserver 2.51 would keep reporting
+            that model ready while its requests hang), it says so, stops everything within seconds (in-flight
+            streams end with an error) and exits with status 3, for a supervisor (Kubernetes, systemd, compose)
+            to restart it. The shared-memory, model-repository, trace and logging APIs need the header
+            spectree-admin: TOKEN (--admin-token, or $SPECTREE_ADMIN_TOKEN; unset: those APIs are off).
+            --openai-port PORT also serves an OpenAI-compatible API (/v1/models, /v1/completions,
+            /v1/chat/completions, SSE streaming) on PORT over the gRPC endpoint (deploy/openai_api.py)
     client  --url HOST:GRPC_PORT --prompt TEXT [--chat [--system TEXT]] [--model ensemble] [--max-tokens N]
             [sampling options]
             stream a generation over gRPC, printing text as it arrives (--chat: the prompt is one user message,
@@ -10,13 +17,15 @@
     k8s     --output DIR [options]   render Kubernetes manifests (deployment.yaml, service.yaml)
     docker  --output DIR [options]   render a Dockerfile (FROM NVIDIA's Triton image) and compose.yaml
 
-Exit status: 0 on success, 2 on bad input, 1 when the server fails or a request is answered with an error.
+Exit status: 0 on success, 2 on bad input, 1 when the server fails to start or a request is answered with an
+error, 3 when a running server died or lost a model's process (serve).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -32,12 +41,19 @@ class _Shutdown(BaseException):
     """Raised by the SIGINT / SIGTERM handler to unwind into a clean shutdown."""
 
 
+EXIT_SERVER_LOST = 3  # serve: tritonserver exited, or one of its python backend processes died
+WATCH_INTERVAL_S = 0.5  # how often serve checks the server and its stubs
+LOST_STUB_GRACE_S = 3.0  # SIGTERM -> SIGKILL when a stub died (its in-flight requests would never finish)
+ADMIN_TOKEN_ENV = "SPECTREE_ADMIN_TOKEN"
+
+
 def _default(cls: type, name: str) -> Any:
     return cls.__dataclass_fields__[name].default
 
 
 def parser() -> argparse.ArgumentParser:
     from deploy.k8s import DeployConfig
+    from deploy.openai_api import OpenAIConfig
     from deploy.server import ServerConfig
 
     p = argparse.ArgumentParser(prog="python -m deploy", description="Serve spectree model repositories with Triton.")
@@ -55,6 +71,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--log-verbose", type=int, default=_default(ServerConfig, "log_verbose"))
     s.add_argument("--log-file", help="tritonserver's log (default: a temporary file)")
     s.add_argument("--tritonserver", help="tritonserver binary (default: PATH, then the nvidia-pytriton wheel)")
+    s.add_argument("--openai-port", type=int,
+                   help="also serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on "
+                        "this port, on --address, over the gRPC endpoint (deploy/openai_api.py)")
+    s.add_argument("--openai-model", default=_default(OpenAIConfig, "model"),
+                   help="the Triton model the OpenAI API sends requests to")
+    s.add_argument("--served-model-name", help="the model id the OpenAI API serves (default: the engine's name)")
+    s.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV),
+                   help="token for the restricted APIs (shared-memory, model-repository, trace, logging), sent as "
+                        f"the spectree-admin header (default: ${ADMIN_TOKEN_ENV}; unset: those APIs are off)")
 
     c = sub.add_parser("client", help="stream a generation over gRPC")
     c.add_argument("--url", required=True, help="gRPC endpoint, HOST:PORT")
@@ -63,8 +88,7 @@ def parser() -> argparse.ArgumentParser:
                    help="send the prompt as one user message (the messages input, through the chat template)")
     c.add_argument("--system", help="with --chat: a system message before the user message")
     c.add_argument("--model", default="ensemble",
-                   help="ensemble (default) or spec_decode. Ctrl-C stops the server-side generation only on "
-                        "spec_decode: tritonserver 2.51 does not forward a cancellation into a running ensemble step")
+                   help="ensemble (default) or spec_decode; Ctrl-C stops the server-side generation on either")
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--temperature", type=float)
     c.add_argument("--top-k", type=int)
@@ -92,7 +116,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
     config = ServerConfig(repo=ns.repo, http_port=ns.http_port, grpc_port=ns.grpc_port, metrics_port=ns.metrics_port,
                           address=ns.address, exit_timeout_s=ns.exit_timeout_s, ready_timeout_s=ns.ready_timeout_s,
-                          log_verbose=ns.log_verbose, tritonserver=ns.tritonserver)
+                          log_verbose=ns.log_verbose, tritonserver=ns.tritonserver, admin_token=ns.admin_token)
     server = TritonServer(config, log_path=Path(ns.log_file) if ns.log_file else None)
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -103,30 +127,57 @@ def _serve(ns: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    reason = "the server exited"
+    lost = None  # why the server can no longer serve, when it is lost
+    frontend = None  # the OpenAI API (--openai-port), started once tritonserver is ready
+
+    def stop_frontend() -> None:
+        if frontend is not None:
+            frontend.stop()
+
     try:
         print(f"starting tritonserver on {config.repo} ...", flush=True)
         server.start()
         models = sorted(p.parent.name for p in Path(config.repo).glob("*/config.pbtxt"))
+        openai_line = ""
+        if ns.openai_port is not None:  # up before "ready" is printed: a client reading it may connect at once
+            from deploy.openai_api import OpenAIConfig, OpenAIServer
+
+            frontend = OpenAIServer(OpenAIConfig(
+                grpc_url=f"{config.address}:{config.grpc_port}", repo=config.repo, port=ns.openai_port,
+                host=config.address, model=ns.openai_model, served_model_name=ns.served_model_name))
+            frontend.start()
+            openai_line = f"\n  openai   {frontend.url} (model {frontend.served.name!r})"
         print(f"ready (tritonserver pid {server.process.pid}, {server.install.kind} install)\n"
-              f"{endpoints_text(config, models)}", flush=True)
-        while server.process.poll() is None:
-            time.sleep(0.5)
+              f"{endpoints_text(config, models)}{openai_line}", flush=True)
+        while lost is None:
+            time.sleep(WATCH_INTERVAL_S)
+            if server.process.poll() is not None:
+                lost = f"tritonserver exited on its own with status {server.process.returncode}"
+            elif dead := server.dead_stubs():
+                lost = ("the python backend process of " + ", ".join(f"{d.instance} (pid {d.pid})" for d in dead)
+                        + " died; tritonserver 2.51 would keep reporting it ready while its requests hang")
     except _Shutdown as sig:
-        reason = f"{sig}"
+        print(f"shutting down ({sig}) ...", flush=True)
+        stop_frontend()
+        code = server.stop()
+        server.cleanup()
+        print(f"stopped (tritonserver exit status {code})", flush=True)
+        return 0 if code == 0 else 1
     except SpectreeError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        stop_frontend()
         server.stop()
         server.cleanup()
         return 1
-    print(f"shutting down ({reason}) ...", flush=True)
-    code = server.stop()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # nothing may interrupt the stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"error: {lost}; stopping the server (exit status {EXIT_SERVER_LOST}: restart it)", file=sys.stderr,
+          flush=True)
+    stop_frontend()
+    code = server.stop(grace_s=LOST_STUB_GRACE_S)
     server.cleanup()
-    if reason == "the server exited":
-        print(f"error: tritonserver exited on its own with status {code}", file=sys.stderr, flush=True)
-        return 1
     print(f"stopped (tritonserver exit status {code})", flush=True)
-    return 0 if code == 0 else 1
+    return EXIT_SERVER_LOST
 
 
 def _client(ns: argparse.Namespace) -> int:

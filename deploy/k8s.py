@@ -162,6 +162,9 @@ def compose(cfg: DeployConfig, context: str = ".", dockerfile_path: str = "Docke
         },
         "stop_signal": "SIGTERM",
         "stop_grace_period": "60s",
+        # `deploy serve` exits non-zero (3) when tritonserver lost a model's process; compose starts it again.
+        # (Kubernetes: a Deployment's pods always restart.)
+        "restart": "on-failure",
     }
     if cfg.gpus:
         service["deploy"] = {"resources": {"reservations": {"devices": [

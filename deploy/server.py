@@ -10,7 +10,19 @@ Where the server comes from (`find_installation`):
      bundled libraries (measured facts: /work/shared/notes/serving-on-cpu.md).
 
 The server binds loopback unless told otherwise, runs with model control off, and is stopped with SIGTERM
-(SIGKILL to its whole process group after a grace period), so its python stubs go with it.
+(SIGKILL to its whole process group after a grace period), so its python stubs go with it; the shared-memory
+regions of its stubs (every one seen while it ran) are removed afterwards.
+
+Restricted by default (tritonserver's --http-restricted-api / --grpc-restricted-protocol): the shared-memory,
+model-repository, trace and logging APIs answer only requests carrying the header ADMIN_HEADER (gRPC:
+triton-grpc-protocol-ADMIN_HEADER) with the admin token; without a configured token a random one is used and never
+shown, so those APIs are off. Left open: health, metadata, inference, model-config and statistics (clients and
+perf_analyzer use them).
+
+Health (`dead_stubs`): tritonserver 2.51 keeps a model "ready" after its python backend stub died (it restarts
+no stub of a decoupled model; measured: /v2/health/ready stays 200, the in-flight stream hangs, every new request
+fails). The server's watcher (`python -m deploy serve`) checks the stubs it saw at start and stops everything when
+one is gone.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -57,6 +70,9 @@ class ServerConfig:
     log_verbose: int = 0
     tritonserver: str | None = None  # explicit binary; None: PATH, then the nvidia-pytriton wheel
     extra_args: tuple[str, ...] = ()  # more tritonserver flags, passed through
+    # The token the restricted APIs (RESTRICTED_APIS) want in the ADMIN_HEADER header; None: a random one per start,
+    # never shown (those APIs are then unreachable).
+    admin_token: str | None = None
 
     def __post_init__(self) -> None:
         ports = {n: _port(getattr(self, n), n) for n in ("http_port", "grpc_port", "metrics_port")}
@@ -68,6 +84,9 @@ class ServerConfig:
             raise ConfigError("address: expected an IP address to bind, got an empty string")
         if isinstance(self.exit_timeout_s, bool) or not isinstance(self.exit_timeout_s, int) or self.exit_timeout_s < 0:
             raise ConfigError(f"exit_timeout_s: expected an int >= 0, got {self.exit_timeout_s!r}")
+        if self.admin_token is not None and not re.fullmatch(r"[A-Za-z0-9_\-]{16,}", self.admin_token):
+            raise ConfigError("admin_token: expected at least 16 letters, digits, '-' or '_' (it goes into an HTTP "
+                              "header and the server's command line)")
 
     @property
     def client_host(self) -> str:
@@ -152,7 +171,18 @@ def prepare_backends(install: Installation, into: Path) -> Path | None:
     return target
 
 
+RESTRICTED_APIS = ("shared-memory", "model-repository", "trace", "logging")
+ADMIN_HEADER = "spectree-admin"
+
+
+def restricted_api_args(admin_token: str) -> list[str]:
+    """tritonserver flags putting RESTRICTED_APIS behind the ADMIN_HEADER header, on HTTP and on gRPC."""
+    group = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={admin_token}"
+    return [f"--http-restricted-api={group}", f"--grpc-restricted-protocol={group}"]
+
+
 def command(config: ServerConfig, install: Installation, backend_dir: Path | None) -> list[str]:
+    """The tritonserver command line (the restricted APIs get config.admin_token, or a fresh random token)."""
     cmd = [
         str(install.binary),
         f"--model-repository={Path(config.repo).resolve()}",
@@ -168,6 +198,7 @@ def command(config: ServerConfig, install: Installation, backend_dir: Path | Non
         "--allow-gpu-metrics=false" if install.kind == "wheel" else "--allow-gpu-metrics=true",
         f"--exit-timeout-secs={config.exit_timeout_s}",
         f"--log-verbose={config.log_verbose}",
+        *restricted_api_args(config.admin_token or secrets.token_urlsafe(24)),
     ]
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")
@@ -224,14 +255,30 @@ def group_members(pgid: int) -> list[int]:
 
 def shm_regions(pids: Sequence[int]) -> list[str]:
     """Shared-memory region names the python backend stubs among pids were started with."""
-    regions = []
+    return [stub.region for stub in python_stubs(pids).values()]
+
+
+@dataclass(frozen=True)
+class Stub:
+    """A python backend stub process: `triton_python_backend_stub MODEL_PATH SHM_REGION SHM_SIZE SHM_GROWTH
+    PARENT_PID BACKEND_DIR IPC_HANDLE INSTANCE_NAME ...` (python_backend's stub_launcher.cc, 2.51)."""
+
+    pid: int
+    instance: str  # Triton's model instance name, e.g. spec_decode_0_0
+    region: str  # its shared-memory region in /dev/shm
+
+
+def python_stubs(pids: Sequence[int]) -> dict[int, Stub]:
+    """The python backend stubs among pids."""
+    out = {}
     for pid in pids:
         try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
         except OSError:
             continue
-        regions += [a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region_")]
-    return regions
+        if len(args) > 8 and args[0].endswith("triton_python_backend_stub"):
+            out[pid] = Stub(pid=pid, instance=args[8], region=args[2])
+    return out
 
 
 def pid_alive(pid: int) -> bool:
@@ -251,6 +298,8 @@ class TritonServer:
     log_path: Path | None = None  # server output; None: a file in the server's temporary directory
     process: subprocess.Popen | None = field(default=None, init=False)
     install: Installation | None = field(default=None, init=False)
+    stubs: dict[int, Stub] = field(default_factory=dict, init=False)  # the python stubs seen once it was ready
+    _regions: set[str] = field(default_factory=set, init=False)  # every stub's shared-memory region seen
     _tmp: Path | None = field(default=None, init=False)
     _log_file: object = field(default=None, init=False)
 
@@ -280,7 +329,13 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        self.stubs = python_stubs(child_pids(self.process.pid))
+        self._regions.update(stub.region for stub in self.stubs.values())
         return self
+
+    def dead_stubs(self) -> list[Stub]:
+        """The python stubs seen at start that are gone now (their models cannot answer any more)."""
+        return [stub for pid, stub in self.stubs.items() if not pid_alive(pid)]
 
     def log_tail(self, lines: int = 15) -> str:
         """The server log's error lines, then its last lines."""
@@ -316,7 +371,7 @@ class TritonServer:
         if proc is None:
             return None
         grace = self.config.exit_timeout_s + 15 if grace_s is None else grace_s
-        regions = shm_regions(group_members(proc.pid))
+        regions = self._regions | set(shm_regions(group_members(proc.pid)))
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -362,6 +417,8 @@ def endpoints_text(config: ServerConfig, models: Sequence[str]) -> str:
 
 
 __all__ = [
+    "ADMIN_HEADER",
+    "RESTRICTED_APIS",
     "Installation",
     "ServerConfig",
     "ServerError",
@@ -377,5 +434,8 @@ __all__ = [
     "prepare_backends",
     "project_root",
     "server_environment",
+    "python_stubs",
+    "restricted_api_args",
     "shm_regions",
+    "Stub",
 ]

@@ -1,11 +1,15 @@
 """python -m model_repo {render,check}
 
-    render --engine ENGINE_DIR --output REPO_DIR [--config OPTIONS.yaml] [options]
-           write a Triton model repository (ensemble, preprocessing, spec_decode) for an engine directory
+    render --engine ENGINE_DIR --output REPO_DIR [--backend python|tensorrtllm] [--config OPTIONS.yaml] [options]
+           write a Triton model repository for an engine directory: python (default) serves our runtime
+           (ensemble, preprocessing, spec_decode); tensorrtllm serves the built TensorRT-LLM engine with NVIDIA's
+           tensorrtllm backend in the inflight_batcher_llm layout plus our verification stage
+           (model_repo/tensorrtllm.py)
     check  REPO_DIR    parse every config.pbtxt of a repository back (strict) and list its models
 
-Options are the fields of `model_repo.render.RepoOptions`: flags override the YAML file's keys; unknown flags or
-keys fail. Exit status 0 on success, 2 on bad input.
+Options are the fields of `model_repo.render.RepoOptions` (python) or `model_repo.tensorrtllm.TrtllmRepoOptions`
+(tensorrtllm): flags override the YAML file's keys; unknown flags or keys, or another backend's options, fail. Exit
+status 0 on success, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from model_repo.render import RenderError, RepoOptions, read_repo, render
+from model_repo.tensorrtllm import BACKENDS, TrtllmRepoOptions, render_tensorrtllm
 from runtime.errors import SpectreeError
 
 _HELP = {
@@ -27,7 +32,16 @@ _HELP = {
     "engine_path_in_server": "the engine's path as the server sees it (e.g. a container mount)",
     "device": "spec_decode instance kind: cpu (KIND_CPU) or cuda (KIND_GPU)",
     "instances": "spec_decode instances (each loads the model)",
-    "max_concurrent_requests": "generations at once per instance; more are refused with UNAVAILABLE",
+    "max_concurrent_requests": "generations at once per instance; more wait in the queue",
+    "max_queue_size": "requests waiting (FIFO) per instance; more are refused with UNAVAILABLE (HTTP 503), "
+                      "message 'overloaded: ...' (default 32)",
+    "kv_memory_mb": "KV cache the running generations of an instance may reserve together; a request that can "
+                    "never fit is refused (default: half the memory free once the model is loaded)",
+    "max_prompt_bytes": "largest text_input / messages in bytes, checked before tokenising (default: 16 per token "
+                        "of context)",
+    "max_stop_words": "stop strings per request (default 16)",
+    "max_stop_word_bytes": "UTF-8 bytes per stop string (default 256)",
+    "skip_checksums": "do not verify the engine's files against engine.json before rendering",
     "max_tokens_limit": "largest max_tokens a request may ask for (default: the engine's context length)",
     "torch_threads": "torch intra-op threads per instance (0: torch's default, one per core)",
     "draft": "override the engine's drafter: medusa | eagle | lookup | none",
@@ -36,7 +50,14 @@ _HELP = {
     "dtype": "override the weights dtype: float32 | bfloat16 | float16",
     "max_draft_len": "override the most draft nodes per step",
     "force": "replace an existing output directory",
+    "trtllm_engine": "tensorrtllm: the trtllm-build output directory (default ENGINE/trtllm_engine)",
+    "trtllm_engine_path_in_server": "tensorrtllm: the TensorRT-LLM engine's path as the server sees it",
+    "max_batch_size": "python: rows per request the ensemble takes, [batch, 1] tensors as tensorrtllm_backend's "
+                      "(default 8); tensorrtllm: triton_max_batch_size (default: the engine's build.max_batch_size)",
+    "max_queue_delay_microseconds": "tensorrtllm: dynamic batching queue delay",
+    "kv_cache_free_gpu_mem_fraction": "tensorrtllm: GPU memory fraction for the KV cache",
 }
+OPTION_CLASSES = {"python": RepoOptions, "tensorrtllm": TrtllmRepoOptions}
 
 
 def _base_type(tp: Any) -> Any:
@@ -49,8 +70,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("render", help="render a model repository for an engine directory")
     r.add_argument("--config", help="YAML file of RepoOptions keys (flags override it)")
-    hints = typing.get_type_hints(RepoOptions)
-    for f in dataclasses.fields(RepoOptions):
+    r.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
+                   help="python: our runtime behind Triton's python backend; tensorrtllm: the TensorRT-LLM engine "
+                        "behind NVIDIA's tensorrtllm backend (untested without a GPU)")
+    hints = {**typing.get_type_hints(TrtllmRepoOptions), **typing.get_type_hints(RepoOptions)}
+    fields = {f.name: f for cls in OPTION_CLASSES.values() for f in dataclasses.fields(cls)}
+    for f in fields.values():
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
         # default SUPPRESS: only options actually given land in the namespace, so the dataclass keeps the defaults.
@@ -63,7 +88,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(ns: argparse.Namespace) -> RepoOptions:
+def _options(ns: argparse.Namespace) -> RepoOptions | TrtllmRepoOptions:
+    cls = OPTION_CLASSES[ns.backend]
+    names = {f.name for f in dataclasses.fields(cls)}
+    other = sorted(n for c in OPTION_CLASSES.values() for n in (f.name for f in dataclasses.fields(c))
+                   if n not in names and hasattr(ns, n))
+    if other:
+        flags = ", ".join("--" + n.replace("_", "-") for n in other)
+        raise RenderError(f"--backend {ns.backend} does not take {flags}")
     data: dict[str, Any] = {}
     if ns.config:
         import yaml
@@ -76,16 +108,26 @@ def _options(ns: argparse.Namespace) -> RepoOptions:
         if not isinstance(loaded, dict):
             raise RenderError(f"--config {path}: expected a mapping of option -> value, got {type(loaded).__name__}")
         data.update(loaded)
-    for f in dataclasses.fields(RepoOptions):
+    for f in dataclasses.fields(cls):
         if hasattr(ns, f.name):
             data[f.name] = getattr(ns, f.name)
-    return RepoOptions.from_mapping(data, ns.config or "command line")
+    if cls is RepoOptions:
+        return RepoOptions.from_mapping(data, ns.config or "command line")
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise RenderError(f"{ns.config}: unknown option(s) {unknown} for --backend {ns.backend}; "
+                          f"accepted: {sorted(names)}")
+    return cls(**data)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     try:
-        if ns.command == "render":
+        if ns.command == "render" and ns.backend == "tensorrtllm":
+            trt = render_tensorrtllm(_options(ns))
+            print(f"rendered {trt.path} (models: {', '.join(trt.configs)}; TensorRT-LLM engine {trt.trtllm_engine}; "
+                  "untested without a GPU and TensorRT-LLM)")
+        elif ns.command == "render":
             repo = render(_options(ns))
             print(f"rendered {repo.path} (models: {', '.join(repo.configs)}; context {repo.max_context} tokens, "
                   f"max_tokens limit {repo.max_tokens_limit})")

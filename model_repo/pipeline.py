@@ -9,7 +9,8 @@ The request interface follows the Triton LLM conventions of tensorrtllm_backend 
              rendered by the model's chat template; exactly one of the two), max_tokens INT32 [1] (required);
              optional stream BOOL, temperature FP32,
              top_k INT32, top_p FP32, random_seed UINT64, stop_words / bad_words STRING [-1], end_id INT32,
-             exclude_input_in_output BOOL, sampling_parameters STRING (vLLM-style JSON)
+             exclude_input_in_output BOOL, sampling_parameters STRING (vLLM-style JSON), parse_special_tokens BOOL
+             (special-token text in text_input becomes special tokens; default: literal text)
     outputs  text_output STRING [-1]: the DELTA text of each streamed response (the whole text when not
              streaming); optional output_ids INT32 [-1] (the delta's token ids) and, on the final response,
              finish_reason, verification (the lossless verification mode this request ran: "greedy" at
@@ -17,16 +18,24 @@ The request interface follows the Triton LLM conventions of tensorrtllm_backend 
 
 Deltas come straight from `SpecDecoder.stream` (its incremental detokenizer and stop-string hold-back), so the
 served text is exactly the offline runtime's, and the deltas concatenate to the full text.
+
+Under load and faults: `RequestLimits` (checked before a request costs anything), admission through a
+`GenerationScheduler` (`ThreadedScheduler`: slots, a bounded FIFO queue, a KV-cache budget; OverloadedError
+beyond), and the ensemble model's cancellation and error hand-over across BLS calls (`CancelBoard`,
+`CallerOptions`, `error_outputs`).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import json
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,6 +55,26 @@ TEXT_INPUT = ModelInput("text_input", DataType.TYPE_STRING, (1,), optional=True)
 MESSAGES = ModelInput("messages", DataType.TYPE_STRING, (1,), optional=True)  # JSON [{"role", "content"}, ...]
 INPUT_IDS = ModelInput("input_ids", DataType.TYPE_INT32, (-1,), optional=True)
 MAX_TOKENS = ModelInput("max_tokens", DataType.TYPE_INT32, (1,), optional=True)
+# Special-token text typed in a prompt ("<s>", "</s>", "<|im_start|>") is literal text unless the request sets
+# this true (a chat template's own special tokens are always parsed).
+PARSE_SPECIAL_TOKENS = ModelInput("parse_special_tokens", DataType.TYPE_BOOL, (1,), optional=True)
+# tensorrtllm_backend's ensemble inputs beyond the basic ones (its names, types and dims: `seed` is its current
+# name for `random_seed`, which stays for older clients), and `num_top_log_probs` (ours: the likeliest
+# alternatives of every emitted token, as the OpenAI frontend's logprobs need).
+COMPAT_INPUTS: tuple[ModelInput, ...] = (
+    ModelInput("seed", DataType.TYPE_UINT64, (1,), optional=True),
+    ModelInput("min_tokens", DataType.TYPE_INT32, (1,), optional=True),
+    ModelInput("repetition_penalty", DataType.TYPE_FP32, (1,), optional=True),
+    ModelInput("presence_penalty", DataType.TYPE_FP32, (1,), optional=True),
+    ModelInput("frequency_penalty", DataType.TYPE_FP32, (1,), optional=True),
+    ModelInput("pad_id", DataType.TYPE_INT32, (1,), optional=True),
+    ModelInput("num_return_sequences", DataType.TYPE_INT32, (1,), optional=True),
+    ModelInput("beam_width", DataType.TYPE_INT32, (1,), optional=True),
+    ModelInput("return_log_probs", DataType.TYPE_BOOL, (1,), optional=True),
+    ModelInput("return_num_input_tokens", DataType.TYPE_BOOL, (1,), optional=True),
+    ModelInput("return_num_output_tokens", DataType.TYPE_BOOL, (1,), optional=True),
+    ModelInput("num_top_log_probs", DataType.TYPE_INT32, (1,), optional=True),
+)
 OPTIONAL_INPUTS: tuple[ModelInput, ...] = (
     ModelInput("stream", DataType.TYPE_BOOL, (1,), optional=True),
     ModelInput("temperature", DataType.TYPE_FP32, (1,), optional=True),
@@ -57,13 +86,15 @@ OPTIONAL_INPUTS: tuple[ModelInput, ...] = (
     ModelInput("end_id", DataType.TYPE_INT32, (1,), optional=True),
     ModelInput("exclude_input_in_output", DataType.TYPE_BOOL, (1,), optional=True),
     ModelInput("sampling_parameters", DataType.TYPE_STRING, (1,), optional=True),
+    PARSE_SPECIAL_TOKENS,
+    *COMPAT_INPUTS,
 )
 # What the ensemble takes from clients.
 ENSEMBLE_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, MAX_TOKENS, MESSAGES, *OPTIONAL_INPUTS)
 # spec_decode takes the prompt as text or messages, as token ids (from the preprocessing stage), or ids with the
 # text or messages they came from (ids are decoded; text is only echoed when exclude_input_in_output is false).
 SPEC_DECODE_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, INPUT_IDS, MAX_TOKENS, MESSAGES, *OPTIONAL_INPUTS)
-PREPROCESSING_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, MESSAGES)
+PREPROCESSING_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, MESSAGES, PARSE_SPECIAL_TOKENS)
 PREPROCESSING_OUTPUTS: tuple[ModelOutput, ...] = (
     ModelOutput("input_ids", DataType.TYPE_INT32, (-1,)),
     ModelOutput("input_length", DataType.TYPE_INT32, (1,)),
@@ -76,6 +107,19 @@ SPEC_DECODE_OUTPUTS: tuple[ModelOutput, ...] = (
     ModelOutput("verification", DataType.TYPE_STRING, (1,)),  # final response only
     ModelOutput("tau", DataType.TYPE_FP32, (1,)),  # final response only
     ModelOutput("accepted_per_step", DataType.TYPE_INT32, (-1,)),  # final response only
+    # tensorrtllm_backend's names: log-probabilities (return_log_probs: of this response's tokens, and the running
+    # sum), its speculative-decoding statistics (final response; acceptance_rate = accepted draft tokens / draft
+    # positions, see runtime.decode) and token counts (return_num_input_tokens / return_num_output_tokens).
+    ModelOutput("cum_log_probs", DataType.TYPE_FP32, (1,)),
+    ModelOutput("output_log_probs", DataType.TYPE_FP32, (-1,)),
+    ModelOutput("acceptance_rate", DataType.TYPE_FP32, (1,)),  # final response only
+    ModelOutput("total_accepted_draft_tokens", DataType.TYPE_INT32, (1,)),  # final response only
+    ModelOutput("total_draft_tokens", DataType.TYPE_INT32, (1,)),  # final response only
+    ModelOutput("num_input_tokens", DataType.TYPE_INT32, (1,)),
+    ModelOutput("num_output_tokens", DataType.TYPE_INT32, (1,)),  # tokens in this response
+    # num_top_log_probs = k: [tokens, k] likeliest alternatives per token (ids -1 / log-probs -inf past the end)
+    ModelOutput("top_log_probs", DataType.TYPE_FP32, (-1, -1)),
+    ModelOutput("top_log_probs_ids", DataType.TYPE_INT32, (-1, -1)),
 )
 
 # The verification stage as recorded in spec_decode's config.pbtxt: the rule runtime.verify applies.
@@ -99,8 +143,13 @@ class SettingsError(ConfigError):
     """A model's config.pbtxt parameters are missing, unknown or malformed."""
 
 
-class SlotsFullError(SpectreeError, RuntimeError):
-    """Every generation slot of the model instance is busy."""
+class OverloadedError(SpectreeError, RuntimeError):
+    """Every generation slot of the model instance is busy and its queue is full (max_queue_size requests
+    waiting). Its message starts with OVERLOADED; Triton returns it as UNAVAILABLE: HTTP 503, and on a gRPC stream
+    opened with the `triton_grpc_error: true` header the stream ends with status UNAVAILABLE."""
+
+
+OVERLOADED = "overloaded:"  # the first word of every OverloadedError message (clients may match on it)
 
 
 class RequestCancelled(SpectreeError, RuntimeError):
@@ -120,7 +169,7 @@ def error_code(exc: BaseException) -> ErrorCode:
     """The Triton error code for an exception raised while serving a request."""
     if isinstance(exc, RequestError):  # bad prompt / sampling parameters / limits
         return ErrorCode.INVALID_ARG
-    if isinstance(exc, SlotsFullError):
+    if isinstance(exc, OverloadedError):
         return ErrorCode.UNAVAILABLE
     if isinstance(exc, RequestCancelled):
         return ErrorCode.CANCELLED
@@ -132,6 +181,71 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, SpectreeError):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"
+
+
+# ---- the ensemble model's calls (BLS) -------------------------------------------------------------------
+# The ensemble model calls preprocessing and spec_decode as BLS requests with two request parameters. Tritonserver
+# 2.51's python backend hands a BLS caller every error as INTERNAL (the code is dropped), so a caller that asks
+# gets its errors as "[CODE] message" and restores the code; and spec_decode watches the caller's cancel token.
+# Also measured on 2.51: an error response a decoupled model sends a BLS caller from a thread other than execute's
+# (a generation that failed or was cancelled mid-way) never reaches the caller, which then waits forever. So
+# spec_decode ends a BLS caller's request with a normal final response instead (`error_outputs`), which the caller
+# turns back into the error (`error_of_outputs`).
+
+CANCEL_TOKEN_PARAMETER = "spectree_cancel_token"  # the request's mark on the CancelBoard
+CODED_ERRORS_PARAMETER = "spectree_coded_errors"  # true: error messages start with "[CODE] "
+
+
+@dataclass(frozen=True)
+class CallerOptions:
+    """What a request's parameters (JSON, Triton's request parameters) ask of this pipeline."""
+
+    cancel_token: str | None = None
+    coded_errors: bool = False
+
+    @classmethod
+    def from_parameters(cls, text: str | None) -> CallerOptions:
+        try:
+            params = json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise InputError(f"request parameters: not valid JSON ({exc})") from exc
+        if not isinstance(params, dict):
+            return cls()
+        token = params.get(CANCEL_TOKEN_PARAMETER)
+        if token is not None and not (isinstance(token, str) and CancelBoard.is_token(token)):
+            raise InputError(f"parameter {CANCEL_TOKEN_PARAMETER}: expected {CancelBoard.TOKEN_HEX} lowercase hex "
+                             f"digits (the ensemble model sets it), got {str(token)[:40]!r}")
+        return cls(cancel_token=token, coded_errors=params.get(CODED_ERRORS_PARAMETER) is True)
+
+
+def coded_error_message(exc: BaseException) -> str:
+    return f"[{error_code(exc).value}] {error_message(exc)}"
+
+
+ERROR_FINISH_REASON = "error"  # finish_reason of a final response that carries an error (BLS callers only)
+
+
+def error_outputs(exc: BaseException) -> dict[str, np.ndarray]:
+    """A final response standing for an error: finish_reason "error", text_output the coded message."""
+    return {"text_output": _string_tensor(coded_error_message(exc)),
+            "finish_reason": _string_tensor(ERROR_FINISH_REASON)}
+
+
+def error_of_outputs(outputs: Mapping[str, np.ndarray]) -> tuple[ErrorCode, str] | None:
+    """(code, message) when a response made by `error_outputs`, else None."""
+    reason = outputs.get("finish_reason")
+    if reason is None or _text(np.asarray(reason).reshape(-1)[0], "finish_reason") != ERROR_FINISH_REASON:
+        return None
+    return decode_error_message(_text(np.asarray(outputs["text_output"]).reshape(-1)[0], "text_output"))
+
+
+def decode_error_message(message: str) -> tuple[ErrorCode, str]:
+    """(code, message) of a coded error message; anything else is INTERNAL, as it came."""
+    if message.startswith("["):
+        name, sep, rest = message[1:].partition("] ")
+        if sep and name in ErrorCode.__members__:
+            return ErrorCode[name], rest
+    return ErrorCode.INTERNAL, message
 
 
 # ---- reading inputs -------------------------------------------------------------------------------------
@@ -217,16 +331,72 @@ def _text_or_messages(inputs: Inputs, ids_given: bool = False) -> tuple[str | No
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Server-side limits on a request (from the model config)."""
+    """Server-side limits on a request (from the model config; None: no limit). Every one is checked before
+    the request costs anything: prompt bytes before decoding or tokenising, stop strings before the decode loop
+    would scan them at every step."""
 
     max_tokens: int  # the largest max_tokens a request may ask for
     vocab_size: int  # end_id / input_ids must be below this
+    max_prompt_bytes: int | None = None  # text_input / messages size (the render option max_prompt_bytes)
+    max_stop_words: int | None = None  # stop strings per request (entries of stop_words, or sampling_parameters.stop)
+    max_stop_word_bytes: int | None = None  # UTF-8 bytes per stop string
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "vocab_size"):
+        for name in ("max_tokens", "vocab_size", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes"):
             v = getattr(self, name)
+            if v is None and name not in ("max_tokens", "vocab_size"):
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SettingsError(f"RequestLimits.{name} must be an int >= 1, got {v!r}")
+
+
+def check_prompt_bytes(inputs: Inputs, limit: int | None) -> None:
+    """text_input / messages may hold at most `limit` bytes; checked before they are decoded or tokenised (so an
+    oversized prompt costs a length check, not a tokenisation)."""
+    if limit is None:
+        return
+    for spec in (TEXT_INPUT, MESSAGES):
+        value = inputs.get(spec.name)
+        if value is None:
+            continue
+        size = sum(len(v) for v in np.asarray(value).reshape(-1) if isinstance(v, (bytes, str)))
+        if size > limit:
+            raise InputError(f"{spec.name}: {size} bytes; this server takes prompts of at most {limit} bytes "
+                             "(max_prompt_bytes)")
+
+
+def _check_stop(stop: Any, source: str, limits: RequestLimits) -> None:
+    if not isinstance(stop, (list, tuple)):
+        return  # SamplingParams names the type error
+    if limits.max_stop_words is not None and len(stop) > limits.max_stop_words:
+        raise InputError(f"{source}: {len(stop)} stop strings; this server takes at most {limits.max_stop_words} "
+                         "(max_stop_words)")
+    if limits.max_stop_word_bytes is not None:
+        for i, word in enumerate(stop):
+            size = len(word.encode("utf-8")) if isinstance(word, str) else 0
+            if size > limits.max_stop_word_bytes:
+                raise InputError(f"{source}[{i}]: {size} bytes; this server takes stop strings of at most "
+                                 f"{limits.max_stop_word_bytes} bytes (max_stop_word_bytes)")
+
+
+@dataclass
+class RequestTiming:
+    """When a request's responses went out, for the latency metrics (monotonic seconds; mutable, per request)."""
+
+    arrival: float = field(default_factory=time.monotonic)  # parsed on arrival at the model
+    first_token_s: float | None = None  # arrival -> the first response with tokens
+    last: float | None = None  # the latest response with tokens
+    gaps: list[tuple[float, int]] = field(default_factory=list)  # (time since the previous response, its tokens)
+
+    def sent(self, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.first_token_s = now - self.arrival
+        else:
+            self.gaps.append((now - self.last, tokens))
+        self.last = now
 
 
 @dataclass(frozen=True)
@@ -236,6 +406,12 @@ class GenerateRequest:
     echo: str  # text put before the first delta ("" unless exclude_input_in_output is false)
     params: SamplingParams
     stream: bool
+    parse_special_tokens: bool = False  # text_input: special-token text becomes special tokens (default: literal)
+    return_log_probs: bool = False  # cum_log_probs / output_log_probs outputs
+    top_log_probs: int = 0  # top_log_probs / top_log_probs_ids outputs with this many alternatives
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    timing: RequestTiming = field(default_factory=RequestTiming, compare=False)  # starts at parsing (arrival)
 
 
 # sampling_parameters (vLLM's JSON) keys -> SamplingParams fields; a key may not repeat a tensor input.
@@ -248,9 +424,26 @@ _JSON_KEYS = {
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
+    "min_tokens": "min_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "bad_words": "bad_words",
+    "logprobs": "logprobs",
+    "n": "n",
+    "best_of": "best_of",
 }
-_TENSOR_FOR_FIELD = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "random_seed",
-                     "max_tokens": "max_tokens", "stop": "stop_words"}
+_TENSOR_FOR_FIELD = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed / random_seed",
+                     "max_tokens": "max_tokens", "stop": "stop_words", "min_tokens": "min_tokens",
+                     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                     "frequency_penalty": "frequency_penalty", "bad_words": "bad_words",
+                     "logprobs": "num_top_log_probs"}
+# vLLM's sample client sends every value as a string ({"temperature": "0.1", "max_tokens": "100"}); vllm_backend
+# converts them by the field's type, and so do we.
+_JSON_TYPES: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "max_tokens": int,
+                                "min_tokens": int, "repetition_penalty": float, "presence_penalty": float,
+                                "frequency_penalty": float, "logprobs": int, "n": int, "best_of": int,
+                                "ignore_eos": bool}
 
 
 def _sampling_json(text: str) -> dict[str, Any]:
@@ -264,7 +457,11 @@ def _sampling_json(text: str) -> dict[str, Any]:
     unknown = sorted(set(data) - set(_JSON_KEYS))
     if unknown:
         raise InputError(f"{name}: unknown key(s) {unknown}; accepted: {sorted(_JSON_KEYS)}")
-    out = {_JSON_KEYS[k]: v for k, v in data.items()}
+    out = {_JSON_KEYS[k]: _json_value(k, v) for k, v in data.items()}
+    for key in ("n", "best_of"):
+        if out.pop(key, 1) not in (1, None):
+            raise InputError(f"{name}: {key} = {data[key]!r}; this server returns one sequence per request "
+                             "(send the request again, with another seed, for more)")
     if out.get("top_k") == -1:  # vLLM spells "top-k off" as -1
         out["top_k"] = 0
     if isinstance(out.get("stop"), str):
@@ -272,11 +469,57 @@ def _sampling_json(text: str) -> dict[str, Any]:
     return out
 
 
-def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateRequest:
-    """Triton-style inputs (name -> numpy array) -> a validated GenerateRequest; InputError names the input."""
+def _json_value(key: str, value: Any) -> Any:
+    kind = _JSON_TYPES.get(key)
+    if kind is None or not isinstance(value, str):
+        return value
+    try:
+        if kind is bool:
+            if value.strip().lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.strip().lower() in ("true", "1")
+        return kind(value)
+    except ValueError:
+        raise InputError(f"sampling_parameters: {key} = {value!r} is not {'an' if kind is int else 'a'} "
+                         f"{kind.__name__}") from None
+
+
+def _bad_words(words: Any, source: str, tokenizer: Any, limits: RequestLimits) -> tuple[tuple[int, ...], ...]:
+    """Bad words (text) -> token-id sequences, each encoded on its own as tensorrtllm_backend's preprocessing does
+    (no BOS, special-token text literal); at most max_stop_words of max_stop_word_bytes each."""
+    if isinstance(words, str):
+        words = [words]
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise InputError(f"{source}: expected a list of strings, got {words!r}"[:200])
+    words = [w for w in words if w]
+    if limits.max_stop_words is not None and len(words) > limits.max_stop_words:
+        raise InputError(f"{source}: {len(words)} bad words; this server takes at most {limits.max_stop_words} "
+                         "(max_stop_words)")
+    for i, word in enumerate(words):
+        if limits.max_stop_word_bytes is not None and len(word.encode("utf-8")) > limits.max_stop_word_bytes:
+            raise InputError(f"{source}[{i}]: {len(word.encode('utf-8'))} bytes; this server takes bad words of at "
+                             f"most {limits.max_stop_word_bytes} bytes (max_stop_word_bytes)")
+    if words and tokenizer is None:
+        raise InputError(f"{source}: this model has no tokenizer to encode bad words with")
+    return tuple(ids for ids in (tuple(tokenizer.encode(w, add_bos=False, parse_special=False)) for w in words)
+                 if ids)
+
+
+def _one_sequence(inputs: Inputs, name: str) -> None:
+    value = _scalar(inputs, _SPEC[name])
+    if value is not None and value != 1:
+        raise InputError(f"{name}: {value}; this server generates one sequence per request (tree speculative "
+                         "decoding with lossless verification has no beam search): send 1, or send the request "
+                         "again with another seed")
+
+
+def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any = None) -> GenerateRequest:
+    """Triton-style inputs (name -> numpy array) -> a validated GenerateRequest; InputError names the input.
+    tokenizer: encodes bad_words (a request with bad words needs it)."""
     unknown = sorted(set(inputs) - set(_SPEC))
     if unknown:
         raise InputError(f"unknown input(s) {unknown}; this model takes {sorted(_SPEC)}")
+    check_prompt_bytes(inputs, limits.max_prompt_bytes)
     ids_arr = _array(inputs, _SPEC["input_ids"])
     text, messages = _text_or_messages(inputs, ids_given=ids_arr is not None)
     prompt: str | tuple[int, ...] | tuple[ChatMessage, ...]
@@ -301,12 +544,39 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
         value = _scalar(inputs, _SPEC[name])
         if value is not None:
             fields[key] = value
-    stop = tuple(s for s in _texts(inputs, _SPEC["stop_words"]) if s)  # empty entries are padding, as in trtllm
+    stop_arr = _array(inputs, _SPEC["stop_words"])
+    if stop_arr is not None:  # counted before decoding (empty entries are padding, as in trtllm, but count here)
+        _check_stop(list(stop_arr.reshape(-1)), "stop_words", limits)
+    stop = tuple(s for s in _texts(inputs, _SPEC["stop_words"]) if s)
     if stop:
         fields["stop"] = stop
-    bad_words = tuple(s for s in _texts(inputs, _SPEC["bad_words"]) if s)
-    if bad_words:
-        raise InputError(f"bad_words: not supported by this server (got {list(bad_words)[:3]}); send an empty list")
+    bad_arr = _array(inputs, _SPEC["bad_words"])
+    if bad_arr is not None:
+        given = sum(1 for v in bad_arr.reshape(-1) if len(v))  # counted before decoding; "" entries are padding
+        if limits.max_stop_words is not None and given > limits.max_stop_words:
+            raise InputError(f"bad_words: {given} bad words; this server takes at most {limits.max_stop_words} "
+                             "(max_stop_words)")
+        bad = _bad_words(list(_texts(inputs, _SPEC["bad_words"])), "bad_words", tokenizer, limits)
+        if bad:
+            fields["bad_words"] = bad
+    seed = _scalar(inputs, _SPEC["seed"])
+    if seed is not None:
+        if "seed" in fields:
+            raise InputError("seed and random_seed: both given; give one (seed is tensorrtllm_backend's current "
+                             "name, random_seed its older one)")
+        fields["seed"] = seed
+    for name in ("min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = _scalar(inputs, _SPEC[name])
+        if value is not None:
+            fields[name] = value
+    top = _scalar(inputs, _SPEC["num_top_log_probs"])
+    if top is not None:
+        fields["logprobs"] = top
+    pad_id = _scalar(inputs, _SPEC["pad_id"])
+    if pad_id is not None and not 0 <= pad_id < limits.vocab_size:  # accepted: responses are never padded
+        raise InputError(f"pad_id: expected a token id in [0, {limits.vocab_size}), got {pad_id}")
+    for name in ("num_return_sequences", "beam_width"):
+        _one_sequence(inputs, name)
     end_id = _scalar(inputs, _SPEC["end_id"])
     if end_id is not None:
         if not 0 <= end_id < limits.vocab_size:
@@ -316,11 +586,18 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
         fields["ignore_eos"] = True
     sp_text = _scalar(inputs, _SPEC["sampling_parameters"])
     if sp_text is not None and sp_text.strip():
-        for key, value in _sampling_json(sp_text).items():
+        json_fields = _sampling_json(sp_text)
+        _check_stop(json_fields.get("stop"), "sampling_parameters.stop", limits)
+        if "bad_words" in json_fields:
+            json_fields["bad_words"] = _bad_words(json_fields["bad_words"], "sampling_parameters.bad_words",
+                                                  tokenizer, limits)
+        for key, value in json_fields.items():
             if key in fields:
                 tensor = _TENSOR_FOR_FIELD.get(key, "end_id")
                 raise InputError(f"sampling_parameters: {key!r} is also given as the input {tensor!r}; give it once")
             fields[key] = value
+    if stop:
+        _check_stop(list(stop), "stop_words", limits)  # byte sizes, now decoded
 
     if "max_tokens" not in fields:
         raise InputError("max_tokens: missing; expected INT32 [1] (or max_tokens in sampling_parameters)")
@@ -338,6 +615,12 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
     k = fields.get("top_k")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise InputError(f"top_k: expected an integer >= 0 (0 = off), got {k!r}")
+    # Log-probabilities come back when return_log_probs is set or alternatives were asked for (num_top_log_probs,
+    # or vLLM's sampling_parameters.logprobs).
+    return_log_probs = bool(_scalar(inputs, _SPEC["return_log_probs"])) or fields.get("logprobs") is not None
+    top_log_probs = fields.get("logprobs") or 0
+    if return_log_probs and fields.get("logprobs") is None:
+        fields["logprobs"] = 0
     try:
         params = SamplingParams(**fields)
     except RequestError as exc:  # anything not caught above (stop / stop_token_ids / seed from the JSON)
@@ -355,19 +638,175 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits) -> GenerateReq
             raise InputError("exclude_input_in_output: false needs text_input (the prompt text to echo); a "
                              "prompt of input_ids alone or of messages has no text to echo")
         echo = text
-    return GenerateRequest(prompt=prompt, prompt_source=source, echo=echo, params=params, stream=stream)
+    parse_special = _scalar(inputs, PARSE_SPECIAL_TOKENS)
+    return GenerateRequest(prompt=prompt, prompt_source=source, echo=echo, params=params, stream=stream,
+                           parse_special_tokens=bool(parse_special),
+                           return_log_probs=return_log_probs,
+                           top_log_probs=top_log_probs,
+                           return_num_input_tokens=bool(_scalar(inputs, _SPEC["return_num_input_tokens"])),
+                           return_num_output_tokens=bool(_scalar(inputs, _SPEC["return_num_output_tokens"])))
+
+
+# ---- cancellation across models -------------------------------------------------------------------------
+
+
+class CancelBoard:
+    """Cancellation marks shared by the python-backend processes of one tritonserver.
+
+    The ensemble model calls spec_decode as a BLS request, and tritonserver 2.51's python backend cannot cancel a
+    BLS request (its response iterator's cancel() came in 25.04). So the ensemble gives each spec_decode request a
+    random token, and when its own client cancels or disconnects it marks that token here; spec_decode checks the
+    mark between decode steps (a stat() call) and ends the request CANCELLED, freeing its cache. The marks are
+    files in a directory private to the user and the server process (every stub's parent), in the system's
+    temporary directory; the ensemble removes a mark once the request has ended.
+    """
+
+    TOKEN_HEX = 32
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @classmethod
+    def of_server(cls) -> CancelBoard:
+        """The board of the tritonserver this process is a python-backend stub of (its parent process)."""
+        import os
+        import tempfile
+
+        return cls(Path(tempfile.gettempdir()) / f"spectree-cancel-{os.getuid()}-{os.getppid()}")
+
+    @classmethod
+    def is_token(cls, token: str) -> bool:
+        return len(token) == cls.TOKEN_HEX and all(c in "0123456789abcdef" for c in token)
+
+    def new_token(self) -> str:
+        import secrets
+
+        return secrets.token_hex(self.TOKEN_HEX // 2)
+
+    def mark(self, token: str) -> None:
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        (self.root / token).touch()
+
+    def is_marked(self, token: str) -> bool:
+        return (self.root / token).exists()
+
+    def clear(self, token: str) -> None:
+        (self.root / token).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Remove the board's directory if no mark is left in it."""
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass
+
+
+class InFlight:
+    """A counter of requests a model holds at once; `enter` beyond `limit` raises OverloadedError."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what  # names the setting in the message
+        self._n = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self._n
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._n >= self.limit:
+                raise OverloadedError(f"{OVERLOADED} {self._n} requests in flight ({self.what} {self.limit}); "
+                                      "retry later")
+            self._n += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            if self._n <= 0:
+                raise RuntimeError("InFlight.leave without a matching enter")
+            self._n -= 1
+
+
+def is_final_response(output_names: Sequence[str]) -> bool:
+    """Whether a spec_decode response is its request's last: only the last one carries finish_reason."""
+    return "finish_reason" in output_names
+
+
+# ---- the ensemble's batch dimension (tensorrtllm_backend's shapes) --------------------------------------
+#
+# The entry model has max_batch_size > 0 like tensorrtllm_backend's ensemble: clients send [batch, 1] tensors
+# (NVIDIA's end_to_end_grpc_client.py sends [[prompt]]), and each row becomes one spec_decode request (whose
+# inputs are the same tensors without the batch dimension, vllm_backend's shapes).
+
+BATCH_INDEX = ModelOutput("batch_index", DataType.TYPE_INT32, (1,))
+SEQUENCE_INDEX = ModelOutput("sequence_index", DataType.TYPE_INT32, (1,))
+# Dims as tensorrtllm_backend's ensemble declares them: log-probabilities carry a beam dimension.
+_ENSEMBLE_DIMS = {"cum_log_probs": (-1,), "output_log_probs": (-1, -1)}
+ENSEMBLE_OUTPUTS: tuple[ModelOutput, ...] = (
+    *(ModelOutput(o.name, o.data_type, _ENSEMBLE_DIMS.get(o.name, o.dims)) for o in SPEC_DECODE_OUTPUTS),
+    BATCH_INDEX,
+    SEQUENCE_INDEX,
+)
+
+
+def split_batch(inputs: Inputs) -> list[dict[str, np.ndarray]]:
+    """A batched request's inputs (name -> [batch, ...]) -> one spec_decode request's inputs per row.
+
+    As tensorrtllm_backend does, a streamed response never repeats the prompt, whatever exclude_input_in_output
+    says (its end_to_end_grpc_client.py sends false and expects no prompt when streaming)."""
+    batch = None
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        if arr.ndim < 2:
+            raise InputError(f"{name}: shape {list(arr.shape)}; this model batches (max_batch_size > 0), so every "
+                             "input is [batch, ...]: send [[value]] for one request, e.g. text_input [1, 1]")
+        if batch is None:
+            batch = arr.shape[0]
+        elif arr.shape[0] != batch:
+            raise InputError(f"{name}: batch size {arr.shape[0]}, but other inputs have {batch}; every input needs "
+                             "the same batch size")
+    if not batch:
+        raise InputError("text_input: missing; expected the prompt text ([batch, 1] STRING), or messages")
+    rows = [{name: np.asarray(value)[b] for name, value in inputs.items()} for b in range(batch)]
+    for row in rows:
+        stream = row.get("stream")
+        if stream is not None and stream.size == 1 and bool(stream.reshape(-1)[0]):
+            row["exclude_input_in_output"] = np.array([True])
+    return rows
+
+
+def batch_row_outputs(outputs: Mapping[str, np.ndarray], row: int) -> dict[str, np.ndarray]:
+    """One spec_decode response's outputs -> the batched model's, for batch row `row`, in tensorrtllm_backend's
+    shapes: text_output [1] as its postprocessing sends it, cum_log_probs [1, beam], output_log_probs
+    [1, beam, tokens], every other output with a leading batch dimension; plus batch_index and sequence_index."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in outputs.items():
+        arr = np.asarray(value)
+        if name == TEXT_OUTPUT.name:
+            out[name] = arr
+        elif name == "output_log_probs":
+            out[name] = arr[None, None]
+        else:
+            out[name] = arr[None]
+    out[BATCH_INDEX.name] = np.array([[row]], dtype=np.int32)
+    out[SEQUENCE_INDEX.name] = np.array([[0]], dtype=np.int32)
+    return out
 
 
 # ---- preprocessing (the tokenizer stage) ----------------------------------------------------------------
 
 
-def preprocess(inputs: Inputs, tokenizer: Any, max_context: int) -> dict[str, np.ndarray]:
-    """text_input or messages -> input_ids INT32 [n], input_length INT32 [1]; the same ids
-    `SpecDecoder.encode_prompt` makes of the text (BOS first when the model has one) or of the messages (the chat
-    template's text)."""
+def preprocess(inputs: Inputs, tokenizer: Any, max_context: int,
+               max_prompt_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """text_input or messages -> input_ids INT32 [n], input_length INT32 [1]; the ids `encode_text` makes of the
+    text (BOS first when the model has one; special-token text literal unless parse_special_tokens) or
+    `SpecDecoder.encode_prompt` of the messages (the chat template's text). The prompt's size is checked against
+    max_prompt_bytes before anything decodes it."""
     unknown = sorted(set(inputs) - {i.name for i in PREPROCESSING_INPUTS})
     if unknown:
         raise InputError(f"unknown input(s) {unknown}; preprocessing takes {[i.name for i in PREPROCESSING_INPUTS]}")
+    check_prompt_bytes(inputs, max_prompt_bytes)
     text, messages = _text_or_messages(inputs)
     if messages is not None:
         source = MESSAGES.name
@@ -377,7 +816,7 @@ def preprocess(inputs: Inputs, tokenizer: Any, max_context: int) -> dict[str, np
             raise InputError(f"messages: {exc}") from exc
     else:
         source = TEXT_INPUT.name
-        ids = tokenizer.encode(text)
+        ids = encode_text(tokenizer, text, bool(_scalar(inputs, PARSE_SPECIAL_TOKENS)))
     if len(ids) >= max_context:
         raise InputError(
             f"{source}: the prompt is {len(ids)} tokens; the context limit is {max_context} tokens, so a prompt "
@@ -387,6 +826,26 @@ def preprocess(inputs: Inputs, tokenizer: Any, max_context: int) -> dict[str, np
         "input_ids": np.asarray(ids, dtype=np.int32),
         "input_length": np.asarray([len(ids)], dtype=np.int32),
     }
+
+
+def encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[int]:
+    """A text prompt's ids as served: BOS first (when the model has one); special-token text typed in the prompt
+    stays literal text unless the request asked for parse_special_tokens."""
+    return tokenizer.encode(text, parse_special=parse_special_tokens)
+
+
+def prompt_ids(decoder: Any, request: GenerateRequest) -> list[int]:
+    """The token ids spec_decode generates from (validated by `SpecDecoder.encode_prompt`: vocabulary, context);
+    text is encoded by `encode_text`, messages through the chat template."""
+    prompt: Any = request.prompt
+    try:
+        if request.prompt_source == TEXT_INPUT.name:
+            if decoder.tokenizer is None:
+                raise RequestError("the prompt is text but this model has no tokenizer; send input_ids instead")
+            prompt = encode_text(decoder.tokenizer, prompt, request.parse_special_tokens)
+        return decoder.encode_prompt(prompt)
+    except RequestError as exc:  # too long for the context, bad ids, no chat template
+        raise InputError(f"{request.prompt_source}: {exc}") from exc
 
 
 # ---- responses ------------------------------------------------------------------------------------------
@@ -408,7 +867,59 @@ def response_tensors(text: str, token_ids: Sequence[int], final: Any = None) -> 
         out["verification"] = _string_tensor(stats.verification)
         out["tau"] = np.asarray([stats.tau], dtype=np.float32)
         out["accepted_per_step"] = np.asarray(stats.accepted_per_step, dtype=np.int32)
+        out["acceptance_rate"] = np.asarray([stats.acceptance_rate], dtype=np.float32)
+        out["total_accepted_draft_tokens"] = np.asarray([stats.accepted_tokens], dtype=np.int32)
+        out["total_draft_tokens"] = np.asarray([stats.draft_positions], dtype=np.int32)
     return out
+
+
+class ResponseBuilder:
+    """A request's deltas since its last response, turned into that response's output tensors: text, ids and
+    stats (`response_tensors`), plus the outputs the request asked for (log-probabilities, alternatives, token
+    counts). cum_log_probs is the running sum over every token sent so far."""
+
+    def __init__(self, request: GenerateRequest, prompt_tokens: int) -> None:
+        self.request = request
+        self.prompt_tokens = prompt_tokens
+        self.cum_log_prob = 0.0
+        self._reset(request.echo)
+
+    def _reset(self, text: str = "") -> None:
+        self.text: list[str] = [text]
+        self.ids: list[int] = []
+        self.log_probs: list[float] = []
+        self.top: list[tuple[tuple[int, float], ...]] = []
+
+    def add(self, delta: Any) -> None:
+        self.text.append(delta.text)
+        self.ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.log_probs.extend(delta.logprobs)
+            self.top.extend(delta.top_logprobs)
+            self.cum_log_prob += sum(delta.logprobs)
+
+    def take(self, final: Any = None) -> dict[str, np.ndarray]:
+        """The outputs of one response (final: the last GenerationDelta), and a fresh start for the next."""
+        request = self.request
+        out = response_tensors("".join(self.text), self.ids, final)
+        if request.return_log_probs:
+            out["cum_log_probs"] = np.asarray([self.cum_log_prob], dtype=np.float32)
+            out["output_log_probs"] = np.asarray(self.log_probs, dtype=np.float32)
+        if request.top_log_probs:
+            k = request.top_log_probs
+            ids = np.full((len(self.top), k), -1, dtype=np.int32)
+            lps = np.full((len(self.top), k), -np.inf, dtype=np.float32)
+            for row, alternatives in enumerate(self.top):
+                for col, (tok, lp) in enumerate(alternatives[:k]):
+                    ids[row, col], lps[row, col] = tok, lp
+            out["top_log_probs"], out["top_log_probs_ids"] = lps, ids
+        if request.return_num_input_tokens:
+            out["num_input_tokens"] = np.asarray([self.prompt_tokens], dtype=np.int32)
+        if request.return_num_output_tokens:
+            out["num_output_tokens"] = np.asarray([len(self.ids)], dtype=np.int32)
+        request.timing.sent(len(self.ids))
+        self._reset()
+        return out
 
 
 class ResponseSink(Protocol):
@@ -416,77 +927,266 @@ class ResponseSink(Protocol):
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
 
+    def fail(self, exc: BaseException) -> None: ...  # the final response is this error (unless one was sent)
+
     def is_cancelled(self) -> bool: ...
 
 
-def run_generation(decoder: Any, request: GenerateRequest, sink: ResponseSink) -> Any:
+def run_generation(decoder: Any, request: GenerateRequest, sink: ResponseSink, prompt: Sequence[int] | None = None,
+                   before_final: Callable[[], None] | None = None) -> Any:
     """Run one request through `decoder.stream`, sending deltas (stream) or one whole response.
 
+    prompt: the request's token ids when the caller already has them (`prompt_ids`; computed here otherwise).
     Cancellation is checked after every step; a cancelled request stops drafting at once (the stream is closed,
-    which releases its KV cache) and raises RequestCancelled. Returns the final GenerationDelta (its stats).
+    which releases its KV cache) and raises RequestCancelled. When the last delta is in, the stream is closed and
+    `before_final` runs before the final response goes out, so the request's slot is free by the time the client
+    sees the end (a client sending its next request at once finds room). Returns the final GenerationDelta.
     """
+    ids = prompt_ids(decoder, request) if prompt is None else list(prompt)
     try:
-        deltas = decoder.stream(request.prompt, request.params)
+        deltas = decoder.stream(ids, request.params)
     except RequestError as exc:  # the prompt is validated eagerly (too long for the context, bad ids)
         raise InputError(f"{request.prompt_source}: {exc}") from exc
-    pending_text: list[str] = [request.echo]
-    pending_ids: list[int] = []
+    pending = ResponseBuilder(request, len(ids))
     try:
         for delta in deltas:
             if sink.is_cancelled():
                 raise RequestCancelled("the request was cancelled")
-            pending_text.append(delta.text)
-            pending_ids.extend(delta.token_ids)
-            if request.stream or delta.finished:
-                final = delta if delta.finished else None
-                sink.send(response_tensors("".join(pending_text), pending_ids, final), final=delta.finished)
-                pending_text, pending_ids = [], []
+            pending.add(delta)
             if delta.finished:
+                deltas.close()
+                if before_final is not None:
+                    before_final()
+                sink.send(pending.take(delta), final=True)
                 return delta
+            if request.stream:
+                sink.send(pending.take(), final=False)
     finally:
         deltas.close()
     raise RuntimeError("the decoder's stream ended without a final delta")
 
 
-# ---- generation slots -----------------------------------------------------------------------------------
+# ---- admission: generation slots, a bounded FIFO queue, a KV-cache memory budget ------------------------
 
 
-class Slots:
-    """A fixed number of concurrent generations per model instance; `acquire` never waits.
+def kv_bytes_per_token(config: Any) -> int:
+    """Bytes of target KV cache one token takes: keys and values, every layer and KV head (runtime.kv_cache)."""
+    import torch
 
-    on_change(active) runs under the lock after every change, so observers (the active-requests gauge) see the
-    changes in order.
+    itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def request_kv_bytes(decoder: Any, prompt_tokens: int, max_tokens: int) -> int:
+    """The most target KV cache one request can hold: prompt + max_tokens + one draft tree, capped at the
+    context (what `SpecDecoder` may grow its cache to)."""
+    tokens = min(decoder.max_context, prompt_tokens + max_tokens + decoder.max_tree_nodes)
+    return tokens * kv_bytes_per_token(decoder.model.config)
+
+
+def available_memory_bytes(device: str) -> int:
+    """Memory free for new allocations now: the GPU's free memory (cuda), else MemAvailable, capped by the cgroup
+    (container) limit when there is one."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max":
+            room = int(limit) - used
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    if available is None:
+        raise SettingsError("cannot read the free memory (/proc/meminfo); render with kv_memory_mb set")
+    return available
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """How much work one spec_decode instance takes on (from its config parameters)."""
+
+    max_concurrent_requests: int  # generations running at once
+    max_queue_size: int  # admitted requests waiting for a slot (FIFO); more are refused with OverloadedError
+    kv_budget_bytes: int  # KV cache all running generations may reserve together (request_kv_bytes each)
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("max_concurrent_requests", 1), ("max_queue_size", 0), ("kv_budget_bytes", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise SettingsError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    """An admitted request on its way through a scheduler."""
+
+    request: GenerateRequest
+    prompt: tuple[int, ...]  # its token ids (`prompt_ids`)
+    kv_bytes: int  # request_kv_bytes
+    sink: ResponseSink
+
+
+class GenerationScheduler(Protocol):
+    """Where spec_decode hands admitted requests (`ThreadedScheduler` below: one decode loop per request on a worker
+    thread; a batching scheduler can take its place behind the same three calls).
+
+    submit never blocks: the job runs now, waits in the FIFO queue, or is refused at once (OverloadedError: queue
+    full; InputError: it could never fit the KV budget). Every job that was accepted ends in exactly one
+    `on_done(job, error, final)` call, after its final response (or error) was sent.
     """
 
-    def __init__(self, capacity: int, on_change: Callable[[int], None] | None = None) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise SettingsError(f"max_concurrent_requests must be an int >= 1, got {capacity!r}")
-        self.capacity = capacity
-        self._active = 0
-        self._lock = threading.Lock()
-        self._on_change = on_change
+    def submit(self, job: GenerationJob) -> None: ...
+
+    def close(self) -> None: ...  # refuse new jobs; queued ones end CANCELLED; running ones at their next step
+
+
+class ThreadedScheduler:
+    """Admission for per-request decode loops: at most max_concurrent_requests run (one worker thread each), at
+    most max_queue_size wait in FIFO order, and the running ones' KV reservations stay within the budget (the
+    head of the queue waits until it fits; a job alone over the budget is refused when submitted).
+
+    A running job's slot and reservation are released the moment its generation ends, before its final response
+    is sent. Queued jobs whose client has gone are dropped when they reach the head, or when the queue is full
+    and a new job needs room.
+    """
+
+    def __init__(self, decoder: Any, limits: AdmissionLimits,
+                 on_done: Callable[[GenerationJob, BaseException | None, Any], None],
+                 on_state: Callable[[int, int, int], None] | None = None, name: str = "spec_decode") -> None:
+        self.decoder = decoder
+        self.limits = limits
+        self._on_done = on_done
+        self._on_state = on_state  # (running, queued, reserved KV bytes), called under the lock after each change
+        self._queue: collections.deque[GenerationJob] = collections.deque()
+        self._running: set[GenerationJob] = set()
+        self._reserved = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._workers = [threading.Thread(target=self._work, name=f"{name}-gen-{i}", daemon=True)
+                         for i in range(limits.max_concurrent_requests)]
+        for w in self._workers:
+            w.start()
 
     @property
-    def active(self) -> int:
-        return self._active
+    def running(self) -> int:
+        return len(self._running)
 
-    def acquire(self) -> None:
-        with self._lock:
-            if self._active >= self.capacity:
-                raise SlotsFullError(
-                    f"all {self.capacity} generation slots are busy (max_concurrent_requests); retry later"
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def _changed(self) -> None:
+        if self._on_state is not None:
+            self._on_state(len(self._running), len(self._queue), self._reserved)
+
+    def submit(self, job: GenerationJob) -> None:
+        lim = self.limits
+        if job.kv_bytes > lim.kv_budget_bytes:
+            raise InputError(
+                f"max_tokens: {job.request.params.max_tokens} with a {len(job.prompt)}-token prompt needs "
+                f"{job.kv_bytes / 2**20:.1f} MiB of KV cache; this instance's KV budget is "
+                f"{lim.kv_budget_bytes / 2**20:.1f} MiB (kv_memory_mb), so this prompt allows max_tokens <= "
+                f"{self._max_tokens_within(len(job.prompt))}"
+            )
+        with self._cond:
+            if self._closed:
+                raise RequestCancelled("the model is shutting down")
+            if len(self._running) + len(self._queue) >= lim.max_concurrent_requests + lim.max_queue_size:
+                self._drop_cancelled()
+            if len(self._running) + len(self._queue) >= lim.max_concurrent_requests + lim.max_queue_size:
+                raise OverloadedError(
+                    f"{OVERLOADED} {len(self._running)} generations running and {len(self._queue)} waiting "
+                    f"(max_concurrent_requests {lim.max_concurrent_requests}, max_queue_size {lim.max_queue_size}); "
+                    "retry later"
                 )
-            self._active += 1
-            if self._on_change is not None:
-                self._on_change(self._active)
+            self._queue.append(job)
+            self._changed()
+            self._cond.notify_all()
 
-    def release(self) -> None:
-        with self._lock:
-            if self._active <= 0:
-                raise RuntimeError("Slots.release without a matching acquire")
-            self._active -= 1
-            if self._on_change is not None:
-                self._on_change(self._active)
+    def _max_tokens_within(self, prompt_tokens: int) -> int:
+        per_token = kv_bytes_per_token(self.decoder.model.config)
+        return max(0, self.limits.kv_budget_bytes // per_token - prompt_tokens - self.decoder.max_tree_nodes)
+
+    def _drop_cancelled(self) -> None:
+        """Under the lock: queued jobs whose client has gone leave the queue (ended outside the lock)."""
+        gone = [j for j in self._queue if j.sink.is_cancelled()]
+        for job in gone:
+            self._queue.remove(job)
+            threading.Thread(target=self._end, args=(job, RequestCancelled("the request was cancelled")),
+                             daemon=True).start()
+        if gone:
+            self._changed()
+
+    def _next(self) -> GenerationJob | None:
+        """Block until the head of the queue may run (a slot free, its reservation within the budget); None once
+        closed."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if self._queue and len(self._running) < self.limits.max_concurrent_requests:
+                    head = self._queue[0]
+                    if not self._running or self._reserved + head.kv_bytes <= self.limits.kv_budget_bytes:
+                        self._queue.popleft()
+                        self._running.add(head)
+                        self._reserved += head.kv_bytes
+                        self._changed()
+                        return head
+                self._cond.wait()
+
+    def _release(self, job: GenerationJob) -> None:
+        with self._cond:
+            if job in self._running:
+                self._running.discard(job)
+                self._reserved -= job.kv_bytes
+                self._changed()
+                self._cond.notify_all()
+
+    def _work(self) -> None:
+        while (job := self._next()) is not None:
+            if job.sink.is_cancelled():  # its client left while it waited
+                self._release(job)
+                self._end(job, RequestCancelled("the request was cancelled"))
+                continue
+            final, error = None, None
+            try:
+                final = run_generation(self.decoder, job.request, job.sink, job.prompt,
+                                       before_final=lambda job=job: self._release(job))
+            except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
+                error = exc
+            self._release(job)
+            self._end(job, error, final)
+
+    def _end(self, job: GenerationJob, error: BaseException | None, final: Any = None) -> None:
+        try:
+            if error is not None:
+                fail = getattr(job.sink, "fail", None)
+                if fail is not None:
+                    fail(error)
+        finally:
+            self._on_done(job, error, final)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self._changed()
+            self._cond.notify_all()
+        for job in queued:
+            self._end(job, RequestCancelled("the model is shutting down"))
+        for w in self._workers:
+            w.join()
 
 
 # ---- metrics --------------------------------------------------------------------------------------------
@@ -502,16 +1202,41 @@ class MetricSpec:
 
 
 REQUESTS = MetricSpec("spectree_requests_total", "counter",
-                      "Generation requests finished, by outcome (completed, invalid, busy, cancelled, error)",
+                      "Generation requests finished, by outcome (completed, invalid, overloaded, cancelled, error)",
                       ("model", "outcome"))
 GENERATED = MetricSpec("spectree_generated_tokens_total", "counter", "Tokens generated", ("model",))
+# Speculation counters in vLLM's spec-decode meanings (runtime/decode.py): drafts = verification steps, draft
+# tokens = positions speculated (each step's tree depth), accepted tokens; per position k, the steps whose k-th
+# speculated token was accepted. acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted /
+# drafts. Tree nodes count the verification work (a tree of depth 3 may have 60 nodes).
 STEPS = MetricSpec("spectree_verify_steps_total", "counter",
-                   "Verification steps (target forwards over a draft tree), by verification mode",
+                   "Drafts: verification steps (target forwards over a draft tree), by verification mode",
                    ("model", "verification"))
-DRAFTED = MetricSpec("spectree_drafted_tokens_total", "counter", "Draft tokens fed to the target (roots excluded)",
-                     ("model", "verification"))
+DRAFT_TOKENS = MetricSpec("spectree_draft_tokens_total", "counter",
+                          "Draft tokens: positions speculated (the tree depth of every step)", ("model", "verification"))
+TREE_NODES = MetricSpec("spectree_tree_nodes_total", "counter",
+                        "Draft tree nodes fed to the target, roots excluded (verification work)",
+                        ("model", "verification"))
 ACCEPTED = MetricSpec("spectree_accepted_tokens_total", "counter", "Draft tokens accepted by verification",
                       ("model", "verification"))
+ACCEPTED_PER_POSITION = MetricSpec("spectree_accepted_tokens_per_position_total", "counter",
+                                   "Steps whose draft token at this position (1 = first after the root) was accepted",
+                                   ("model", "verification", "position"))
+MEAN_ACCEPTED_LENGTH = MetricSpec("spectree_mean_accepted_length", "histogram",
+                                  "Per request: 1 + accepted draft tokens per step",
+                                  ("model", "verification"), (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0,
+                                                              8.0))
+ACCEPTANCE_RATE = MetricSpec("spectree_acceptance_rate", "histogram",
+                             "Per request: accepted draft tokens / draft tokens (positions)",
+                             ("model", "verification"), (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+TTFT = MetricSpec("spectree_time_to_first_token_seconds", "histogram",
+                  "From the request's arrival at the model to its first response with tokens (queueing included)",
+                  ("model",), _LATENCY_BUCKETS)
+ITL = MetricSpec("spectree_inter_token_latency_seconds", "histogram",
+                 "Time between a request's responses divided by the tokens the later one carries, once per token",
+                 ("model",), _LATENCY_BUCKETS)
 ACCEPTED_PER_STEP = MetricSpec("spectree_accepted_tokens_per_step", "histogram",
                                "Draft tokens accepted per verification step",
                                ("model", "verification"), (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 64))
@@ -521,16 +1246,29 @@ ACTIVE = MetricSpec("spectree_active_requests", "gauge", "Generations running no
                     ("model", "instance"))
 CAPACITY = MetricSpec("spectree_generation_slots", "gauge", "Concurrent generations allowed, per model instance",
                       ("model", "instance"))
-METRICS: tuple[MetricSpec, ...] = (REQUESTS, GENERATED, STEPS, DRAFTED, ACCEPTED, ACCEPTED_PER_STEP, TAU, ACTIVE,
-                                   CAPACITY)
+QUEUED = MetricSpec("spectree_queued_requests", "gauge", "Admitted requests waiting for a generation slot",
+                    ("model", "instance"))
+QUEUE_CAPACITY = MetricSpec("spectree_queue_slots", "gauge", "Requests allowed to wait (max_queue_size)",
+                            ("model", "instance"))
+KV_RESERVED = MetricSpec("spectree_kv_reserved_bytes", "gauge",
+                         "KV cache reserved by the running generations (prompt + max_tokens + one tree each)",
+                         ("model", "instance"))
+KV_BUDGET = MetricSpec("spectree_kv_budget_bytes", "gauge", "KV cache the running generations may reserve together",
+                       ("model", "instance"))
+KV_USAGE = MetricSpec("spectree_kv_cache_usage_ratio", "gauge",
+                      "KV cache reserved / KV budget (0 = empty, 1 = full)", ("model", "instance"))
+METRICS: tuple[MetricSpec, ...] = (REQUESTS, GENERATED, STEPS, DRAFT_TOKENS, TREE_NODES, ACCEPTED,
+                                   ACCEPTED_PER_POSITION, ACCEPTED_PER_STEP, MEAN_ACCEPTED_LENGTH, ACCEPTANCE_RATE,
+                                   TAU, TTFT, ITL, ACTIVE, CAPACITY, QUEUED, QUEUE_CAPACITY, KV_RESERVED, KV_BUDGET,
+                                   KV_USAGE)
 
-OUTCOMES = ("completed", "invalid", "busy", "cancelled", "error")
+OUTCOMES = ("completed", "invalid", "overloaded", "cancelled", "error")
 
 
 def outcome_of(exc: BaseException | None) -> str:
     if exc is None:
         return "completed"
-    return {ErrorCode.INVALID_ARG: "invalid", ErrorCode.UNAVAILABLE: "busy",
+    return {ErrorCode.INVALID_ARG: "invalid", ErrorCode.UNAVAILABLE: "overloaded",
             ErrorCode.CANCELLED: "cancelled"}.get(error_code(exc), "error")
 
 
@@ -550,17 +1288,36 @@ class SpecMetrics:
     model: str
     instance: str  # Triton's model instance name (gauges are per instance; counters add up across instances)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _kv_budget: int = 0
 
-    def capacity(self, slots: int) -> None:
-        self.backend.set(CAPACITY, {"model": self.model, "instance": self.instance}, slots)
+    def limits(self, limits: AdmissionLimits) -> None:
+        labels = {"model": self.model, "instance": self.instance}
+        self.backend.set(CAPACITY, labels, limits.max_concurrent_requests)
+        self.backend.set(QUEUE_CAPACITY, labels, limits.max_queue_size)
+        self.backend.set(KV_BUDGET, labels, limits.kv_budget_bytes)
+        self._kv_budget = limits.kv_budget_bytes
+        self.state(0, 0, 0)
 
-    def active(self, n: int) -> None:
-        self.backend.set(ACTIVE, {"model": self.model, "instance": self.instance}, n)
+    def state(self, running: int, queued: int, kv_reserved: int) -> None:
+        """The scheduler's gauges (called under its lock, so they change in order)."""
+        labels = {"model": self.model, "instance": self.instance}
+        self.backend.set(ACTIVE, labels, running)
+        self.backend.set(QUEUED, labels, queued)
+        self.backend.set(KV_RESERVED, labels, kv_reserved)
+        if self._kv_budget:
+            self.backend.set(KV_USAGE, labels, kv_reserved / self._kv_budget)
 
-    def finished(self, exc: BaseException | None, final: Any = None) -> None:
-        """One request ended (exc None: completed; final: its last GenerationDelta when it got that far)."""
+    def finished(self, exc: BaseException | None, final: Any = None, timing: RequestTiming | None = None) -> None:
+        """One request ended (exc None: completed; final: its last GenerationDelta when it got that far; timing:
+        when its responses went out)."""
         with self._lock:
             self.backend.add(REQUESTS, {"model": self.model, "outcome": outcome_of(exc)}, 1)
+            if timing is not None:
+                if timing.first_token_s is not None:
+                    self.backend.observe(TTFT, {"model": self.model}, timing.first_token_s)
+                for gap, n in timing.gaps:
+                    for _ in range(n):
+                        self.backend.observe(ITL, {"model": self.model}, gap / n)
             if final is None or final.stats is None:
                 return
             stats = final.stats
@@ -570,11 +1327,17 @@ class SpecMetrics:
             mode = VERIFICATION_GREEDY if stats.verification == "greedy" else VERIFICATION_SAMPLED
             labels = {"model": self.model, "verification": mode}
             self.backend.add(STEPS, labels, stats.steps)
-            self.backend.add(DRAFTED, labels, stats.drafted_tokens)
+            self.backend.add(DRAFT_TOKENS, labels, stats.draft_positions)
+            self.backend.add(TREE_NODES, labels, stats.drafted_tokens)
             self.backend.add(ACCEPTED, labels, stats.accepted_tokens)
+            for position, n in enumerate(stats.accepted_per_position, start=1):
+                self.backend.add(ACCEPTED_PER_POSITION, {**labels, "position": str(position)}, n)
             for n in stats.accepted_per_step:
                 self.backend.observe(ACCEPTED_PER_STEP, labels, n)
             self.backend.observe(TAU, labels, stats.tau)
+            self.backend.observe(MEAN_ACCEPTED_LENGTH, labels, stats.mean_accepted_length)
+            if stats.draft_positions:
+                self.backend.observe(ACCEPTANCE_RATE, labels, stats.acceptance_rate)
 
 
 # ---- model settings (config.pbtxt parameters) -----------------------------------------------------------
@@ -600,16 +1363,23 @@ def _int_param(params: Mapping[str, str], key: str, minimum: int, model: str) ->
 
 @dataclass(frozen=True)
 class SpecDecodeSettings:
-    """spec_decode's config.pbtxt parameters, parsed (every key required, unknown keys rejected)."""
+    """spec_decode's config.pbtxt parameters, parsed (every key required, unknown keys rejected). What they mean:
+    model_repo.render.RepoOptions, whose fields carry the same names."""
 
     engine_dir: str
     load_options: dict[str, Any]  # keyword arguments of runtime.load (JSON in the config)
     max_concurrent_requests: int
+    max_queue_size: int
     max_tokens_limit: int
+    kv_memory_mb: int  # 0: half the memory free once the model is loaded
+    max_prompt_bytes: int
+    max_stop_words: int
+    max_stop_word_bytes: int
     torch_threads: int  # 0: torch's default
     device: str  # "cpu" | "cuda"
 
-    KEYS = ("engine_dir", "load_options", "max_concurrent_requests", "max_tokens_limit", "torch_threads", "device",
+    KEYS = ("engine_dir", "load_options", "max_concurrent_requests", "max_queue_size", "max_tokens_limit",
+            "kv_memory_mb", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes", "torch_threads", "device",
             "verification_at_temperature_0", "verification_above_temperature_0")
 
     @classmethod
@@ -632,23 +1402,59 @@ class SpecDecodeSettings:
             engine_dir=params["engine_dir"],
             load_options=options,
             max_concurrent_requests=_int_param(params, "max_concurrent_requests", 1, model),
+            max_queue_size=_int_param(params, "max_queue_size", 0, model),
             max_tokens_limit=_int_param(params, "max_tokens_limit", 1, model),
+            kv_memory_mb=_int_param(params, "kv_memory_mb", 0, model),
+            max_prompt_bytes=_int_param(params, "max_prompt_bytes", 1, model),
+            max_stop_words=_int_param(params, "max_stop_words", 1, model),
+            max_stop_word_bytes=_int_param(params, "max_stop_word_bytes", 1, model),
             torch_threads=_int_param(params, "torch_threads", 0, model),
             device=params["device"],
         )
+
+    def request_limits(self, vocab_size: int) -> RequestLimits:
+        return RequestLimits(max_tokens=self.max_tokens_limit, vocab_size=vocab_size,
+                             max_prompt_bytes=self.max_prompt_bytes, max_stop_words=self.max_stop_words,
+                             max_stop_word_bytes=self.max_stop_word_bytes)
+
+    def kv_budget_bytes(self, free_bytes: Callable[[], int]) -> int:
+        """kv_memory_mb, or (0) half of what free_bytes() reports once the model is loaded."""
+        if self.kv_memory_mb:
+            return self.kv_memory_mb * 2**20
+        return max(1, free_bytes() // 2)
 
 
 @dataclass(frozen=True)
 class PreprocessingSettings:
     engine_dir: str
     max_context: int
+    max_prompt_bytes: int
 
-    KEYS = ("engine_dir", "max_context")
+    KEYS = ("engine_dir", "max_context", "max_prompt_bytes")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], model: str = "preprocessing") -> PreprocessingSettings:
         _check_keys(params, cls.KEYS, model)
-        return cls(engine_dir=params["engine_dir"], max_context=_int_param(params, "max_context", 2, model))
+        return cls(engine_dir=params["engine_dir"], max_context=_int_param(params, "max_context", 2, model),
+                   max_prompt_bytes=_int_param(params, "max_prompt_bytes", 1, model))
+
+
+@dataclass(frozen=True)
+class EnsembleSettings:
+    """The ensemble (entry) model's parameters: the models it calls, and how many requests it holds at once
+    (every spec_decode instance's slots and queue; beyond that it answers OverloadedError itself)."""
+
+    preprocessing: str
+    spec_decode: str
+    max_in_flight: int
+
+    KEYS = ("preprocessing_model", "spec_decode_model", "max_in_flight")
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], model: str = "ensemble") -> EnsembleSettings:
+        _check_keys(params, cls.KEYS, model)
+        return cls(preprocessing=params["preprocessing_model"], spec_decode=params["spec_decode_model"],
+                   max_in_flight=_int_param(params, "max_in_flight", 1, model))
 
 
 # ---- engine helpers -------------------------------------------------------------------------------------
@@ -669,6 +1475,18 @@ def engine_facts(path: str) -> tuple[int, int, bool]:
     return config.max_context, config.vocab_size, (Path(path) / "tokenizer.json").is_file()
 
 
+def verify_engine(path: str) -> None:
+    """Check every file of an engine directory against the size and sha256 engine.json records
+    (EngineChecksumError names the file); a Hugging Face checkpoint directory has no checksums to check."""
+    from runtime.engine import is_engine_dir, open_engine
+
+    if not is_engine_dir(path):
+        return
+    engine = open_engine(path)
+    for relpath in sorted(engine.manifest["files"]):
+        engine.path(relpath)
+
+
 def load_tokenizer(path: str) -> Any:
     """The tokenizer `runtime.load(path)` would use (checksum-verified for engine directories)."""
     from runtime.engine import is_engine_dir, open_engine
@@ -683,13 +1501,22 @@ def load_tokenizer(path: str) -> Any:
 
 
 __all__ = [
+    "CANCEL_TOKEN_PARAMETER",
+    "CODED_ERRORS_PARAMETER",
+    "ERROR_FINISH_REASON",
+    "BATCH_INDEX",
+    "COMPAT_INPUTS",
     "ENSEMBLE_INPUTS",
+    "ENSEMBLE_OUTPUTS",
+    "SEQUENCE_INDEX",
     "INPUT_IDS",
     "MAX_TOKENS",
     "MESSAGES",
     "METRICS",
     "OPTIONAL_INPUTS",
     "OUTCOMES",
+    "OVERLOADED",
+    "PARSE_SPECIAL_TOKENS",
     "PREPROCESSING_INPUTS",
     "PREPROCESSING_OUTPUTS",
     "SPEC_DECODE_INPUTS",
@@ -698,27 +1525,50 @@ __all__ = [
     "TEXT_OUTPUT",
     "VERIFICATION_GREEDY",
     "VERIFICATION_SAMPLED",
+    "AdmissionLimits",
+    "CallerOptions",
+    "CancelBoard",
+    "EnsembleSettings",
     "ErrorCode",
     "GenerateRequest",
+    "GenerationJob",
+    "GenerationScheduler",
+    "InFlight",
     "InputError",
     "MetricSpec",
     "MetricsBackend",
+    "OverloadedError",
     "PreprocessingSettings",
     "RequestCancelled",
     "RequestLimits",
+    "RequestTiming",
+    "ResponseBuilder",
     "ResponseSink",
     "SettingsError",
-    "Slots",
-    "SlotsFullError",
     "SpecDecodeSettings",
     "SpecMetrics",
+    "ThreadedScheduler",
+    "available_memory_bytes",
+    "check_prompt_bytes",
+    "coded_error_message",
+    "decode_error_message",
+    "error_of_outputs",
+    "error_outputs",
+    "encode_text",
     "engine_facts",
+    "batch_row_outputs",
     "error_code",
     "error_message",
+    "is_final_response",
+    "kv_bytes_per_token",
     "load_tokenizer",
     "outcome_of",
     "parse_generate_request",
     "preprocess",
+    "prompt_ids",
+    "request_kv_bytes",
     "response_tensors",
+    "split_batch",
     "run_generation",
+    "verify_engine",
 ]

@@ -1,23 +1,27 @@
 """Render a Triton model repository for an engine directory (or a Hugging Face checkpoint directory).
 
     REPO/
-      ensemble/config.pbtxt        text_input | messages, max_tokens, ... -> preprocessing -> spec_decode
-                                   -> text_output
-      ensemble/1/                  (empty: an ensemble has no files, but Triton wants a version directory)
+      ensemble/config.pbtxt        the entry point: text_input | messages, max_tokens, ... -> text_output. A
+                                   decoupled python model (BLS) calling preprocessing, then spec_decode; the
+                                   tensor names are tensorrtllm_backend's ensemble's
+      ensemble/1/model.py          thin adapter: model_repo.triton_adapter.EnsembleModel
       preprocessing/config.pbtxt   tokenizer stage: text_input, or messages through the chat template ->
                                    input_ids, input_length
       preprocessing/1/model.py     thin adapter: model_repo.triton_adapter.PreprocessingModel
       spec_decode/config.pbtxt     decoupled generation model; parameters record the engine, the load options,
-                                   the limits and the verification stage (greedy at temperature 0,
-                                   rejection_sampling above)
+                                   the admission and request limits and the verification stage (greedy at
+                                   temperature 0, rejection_sampling above)
       spec_decode/1/model.py       thin adapter: model_repo.triton_adapter.SpecDecodeModel
       spectree-repo.json           the RepoOptions this repository was rendered from (Triton ignores files at
                                    the repository root)
 
 Every config.pbtxt is rendered from `model_repo.schema` dataclasses by `model_repo.pbtxt` and parsed back
-before it is written. spec_decode also takes text_input or messages directly (vllm_backend's single-model style): use it
-when cancelling streams matters, because Triton 2.51 does not forward a client's cancellation into a running
-ensemble step.
+before it is written. spec_decode also takes text_input or messages directly (vllm_backend's single-model
+style). The entry model is named `ensemble` (tensorrtllm_backend's name, which clients use) but is not a Triton
+ensemble (platform "ensemble"): tritonserver 2.51's ensembles do not pass a client's cancellation on to a
+running step, so a disconnected client's generation would run to its end; the BLS model passes it on.
+
+The engine directory's checksums (engine.json) are verified before anything is rendered (skip_checksums: no).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +36,6 @@ from typing import Any
 from model_repo import pipeline
 from model_repo.pbtxt import dumps, loads
 from model_repo.schema import (
-    EnsembleScheduling,
-    EnsembleStep,
     InstanceGroup,
     Kind,
     ModelConfig,
@@ -42,12 +43,14 @@ from model_repo.schema import (
     TransactionPolicy,
 )
 from runtime.errors import ConfigError
+from runtime.files import remove_stale_work_dirs, work_dir
 
 ENSEMBLE = "ensemble"
 PREPROCESSING = "preprocessing"
 SPEC_DECODE = "spec_decode"
 MODELS = (ENSEMBLE, PREPROCESSING, SPEC_DECODE)
 MANIFEST = "spectree-repo.json"
+RENDERING = "rendering"  # the work_dir tag of a repository being rendered
 LOAD_OPTION_KEYS = ("draft", "draft_model", "tree", "dtype", "max_draft_len")
 
 
@@ -65,8 +68,20 @@ class RepoOptions:
     # None: the engine's absolute local path
     device: str = "cpu"  # cpu | cuda: instance kind of spec_decode (KIND_CPU / KIND_GPU)
     instances: int = 1  # spec_decode instances (each loads its own copy of the model)
-    max_concurrent_requests: int = 8  # generations running at once per spec_decode instance; more get UNAVAILABLE
+    max_concurrent_requests: int = 8  # generations running at once per spec_decode instance; more wait in the queue
+    # rows per request the entry model takes: it batches like tensorrtllm_backend's ensemble (max_batch_size > 0,
+    # [batch, 1] tensors); each row is one spec_decode request, the rows of a request run one after another
+    max_batch_size: int = 8
+    max_queue_size: int = 32  # requests waiting (FIFO) per instance; beyond it: UNAVAILABLE ("overloaded: ...")
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: the engine's context length
+    # KV cache the running generations of an instance may reserve together (each: prompt + max_tokens + one draft
+    # tree, capped at the context); a request that could never fit is refused, the rest wait for room.
+    # None: half the memory free once the instance has loaded the model (GPU memory on cuda).
+    kv_memory_mb: int | None = None
+    max_prompt_bytes: int | None = None  # text_input / messages size, checked before tokenising; None: 16 bytes
+    # per token of context (English averages about 4)
+    max_stop_words: int = 16  # stop strings per request
+    max_stop_word_bytes: int = 256  # UTF-8 bytes per stop string
     # torch intra-op threads per instance; 0: torch's default (one per core). 1 by default: on the 2-core CPU
     # machine torch's default contends with tritonserver's own threads (perf serve, demo engine, concurrency 1:
     # 69 output tokens/s with the default vs 110-130 with 1 thread).
@@ -77,6 +92,7 @@ class RepoOptions:
     dtype: str | None = None
     max_draft_len: int | None = None
     force: bool = False  # replace an existing output directory
+    skip_checksums: bool = False  # do not verify the engine's files against engine.json's sha256 before rendering
 
     def __post_init__(self) -> None:
         for name in ("engine", "output"):
@@ -85,11 +101,14 @@ class RepoOptions:
                 raise RenderError(f"{name}: expected a directory path, got {v!r}")
         if self.device not in ("cpu", "cuda"):
             raise RenderError(f"device: expected cpu or cuda, got {self.device!r}")
-        for name, minimum in (("instances", 1), ("max_concurrent_requests", 1), ("torch_threads", 0)):
+        for name, minimum in (("instances", 1), ("max_concurrent_requests", 1), ("max_batch_size", 1),
+                              ("max_queue_size", 0),
+                              ("torch_threads", 0), ("max_stop_words", 1), ("max_stop_word_bytes", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
                 raise RenderError(f"{name}: expected an integer >= {minimum}, got {v!r}")
-        for name, minimum in (("max_tokens_limit", 1), ("max_draft_len", 0)):
+        for name, minimum in (("max_tokens_limit", 1), ("max_draft_len", 0), ("kv_memory_mb", 1),
+                              ("max_prompt_bytes", 1)):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
                 raise RenderError(f"{name}: expected an integer >= {minimum} (or unset), got {v!r}")
@@ -97,8 +116,9 @@ class RepoOptions:
             raise RenderError(f"draft: expected medusa, eagle, lookup or none, got {self.draft!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise RenderError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.force, bool):
-            raise RenderError(f"force: expected a bool, got {self.force!r}")
+        for name in ("force", "skip_checksums"):
+            if not isinstance(getattr(self, name), bool):
+                raise RenderError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def from_mapping(cls, data: Any, where: str = "options") -> RepoOptions:
@@ -119,6 +139,14 @@ class RepoOptions:
         return {k: getattr(self, k) for k in LOAD_OPTION_KEYS if getattr(self, k) is not None}
 
 
+    def prompt_bytes_limit(self, max_context: int) -> int:
+        """max_prompt_bytes, or its default for an engine with this context."""
+        return self.max_prompt_bytes if self.max_prompt_bytes is not None else PROMPT_BYTES_PER_TOKEN * max_context
+
+
+PROMPT_BYTES_PER_TOKEN = 16  # max_prompt_bytes's default, per token of context
+
+
 @dataclass(frozen=True)
 class RenderedRepo:
     path: Path
@@ -136,6 +164,7 @@ def model_configs(
 ) -> dict[str, ModelConfig]:
     """The three model configs (pure: no filesystem access)."""
     cpu = InstanceGroup(kind=Kind.KIND_CPU, count=1)
+    prompt_bytes = str(options.prompt_bytes_limit(max_context))
     preprocessing = ModelConfig(
         name=PREPROCESSING,
         backend="python",
@@ -143,7 +172,8 @@ def model_configs(
         input=pipeline.PREPROCESSING_INPUTS,
         output=pipeline.PREPROCESSING_OUTPUTS,
         instance_group=(cpu,),
-        parameters=_params({"engine_dir": engine_path, "max_context": str(max_context)}),
+        parameters=_params({"engine_dir": engine_path, "max_context": str(max_context),
+                            "max_prompt_bytes": prompt_bytes}),
     )
     spec_decode = ModelConfig(
         name=SPEC_DECODE,
@@ -158,7 +188,12 @@ def model_configs(
             "engine_dir": engine_path,
             "load_options": options.load_options(),
             "max_concurrent_requests": str(options.max_concurrent_requests),
+            "max_queue_size": str(options.max_queue_size),
             "max_tokens_limit": str(max_tokens_limit),
+            "kv_memory_mb": str(options.kv_memory_mb or 0),  # 0: decided at load (half the free memory)
+            "max_prompt_bytes": prompt_bytes,
+            "max_stop_words": str(options.max_stop_words),
+            "max_stop_word_bytes": str(options.max_stop_word_bytes),
             "torch_threads": str(options.torch_threads),
             "device": options.device,
             # The lossless verification stage, explicit: runtime.verify's rule by temperature. spec_decode checks
@@ -167,29 +202,23 @@ def model_configs(
             "verification_above_temperature_0": pipeline.VERIFICATION_SAMPLED,
         }),
     )
-    # The prompt (text_input or messages) goes through the tokenizer stage and on to spec_decode (which checks
-    # that exactly one was given, and echoes text); every other ensemble input goes straight to spec_decode.
-    prompt_inputs = {i.name: i.name for i in pipeline.PREPROCESSING_INPUTS}
-    passthrough = {i.name: i.name for i in pipeline.ENSEMBLE_INPUTS if i.name not in prompt_inputs}
+    # The entry point holds every request spec_decode's instances can run or queue; more are refused at once.
+    in_flight = options.instances * (options.max_concurrent_requests + options.max_queue_size)
     ensemble = ModelConfig(
         name=ENSEMBLE,
-        platform="ensemble",
-        max_batch_size=0,
+        backend="python",
+        max_batch_size=options.max_batch_size,
         input=pipeline.ENSEMBLE_INPUTS,
-        output=pipeline.SPEC_DECODE_OUTPUTS,
-        ensemble_scheduling=EnsembleScheduling(step=(
-            EnsembleStep(model_name=PREPROCESSING, model_version=-1,
-                         input_map=prompt_inputs,
-                         output_map={"input_ids": "_input_ids"}),
-            EnsembleStep(model_name=SPEC_DECODE, model_version=-1,
-                         input_map={"input_ids": "_input_ids", **prompt_inputs, **passthrough},
-                         output_map={o.name: o.name for o in pipeline.SPEC_DECODE_OUTPUTS}),
-        )),
+        output=pipeline.ENSEMBLE_OUTPUTS,
+        instance_group=(cpu,),
+        model_transaction_policy=TransactionPolicy(decoupled=True),
+        parameters=_params({"preprocessing_model": PREPROCESSING, "spec_decode_model": SPEC_DECODE,
+                            "max_in_flight": str(in_flight)}),
     )
     return {ENSEMBLE: ensemble, PREPROCESSING: preprocessing, SPEC_DECODE: spec_decode}
 
 
-ADAPTERS = {PREPROCESSING: "PreprocessingModel", SPEC_DECODE: "SpecDecodeModel"}
+ADAPTERS = {ENSEMBLE: "EnsembleModel", PREPROCESSING: "PreprocessingModel", SPEC_DECODE: "SpecDecodeModel"}
 
 
 def adapter_source(model: str) -> str:
@@ -207,6 +236,8 @@ def render(options: RepoOptions) -> RenderedRepo:
     engine = Path(options.engine)
     if not engine.is_dir():
         raise RenderError(f"engine: {str(engine)!r} is not a directory")
+    if not options.skip_checksums:
+        pipeline.verify_engine(str(engine))
     max_context, _, has_tokenizer = pipeline.engine_facts(str(engine))
     if not has_tokenizer:
         raise RenderError(f"engine: {str(engine)!r} has no tokenizer.json; the text pipeline needs one")
@@ -222,7 +253,9 @@ def render(options: RepoOptions) -> RenderedRepo:
     if out.exists() and not options.force:
         raise RenderError(f"output: {str(out)!r} already exists (pass force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    remove_stale_work_dirs(out, RENDERING)  # a killed render's leftovers
+    tmp = work_dir(out, RENDERING)
+    tmp.mkdir()
     try:
         for name, config in configs.items():
             text = dumps(config)

@@ -31,11 +31,20 @@ class Kind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Reshape:
+    """ModelTensorReshape: shape () reshapes a [1] input to a scalar (the tensorrtllm backend's scalar inputs)."""
+
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelInput:
     name: str
     data_type: DataType
     dims: tuple[int, ...]
     optional: bool = False
+    reshape: Reshape | None = None
+    allow_ragged_batch: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,18 @@ class InstanceGroup:
 @dataclass(frozen=True)
 class TransactionPolicy:
     decoupled: bool
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    max_queue_size: int | None = None  # 0 or unset: unbounded
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    preferred_batch_size: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int | None = None
+    default_queue_policy: QueuePolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +111,7 @@ class ModelConfig:
     model_transaction_policy: TransactionPolicy | None = None
     parameters: dict[str, ModelParameter] = field(default_factory=dict)
     ensemble_scheduling: EnsembleScheduling | None = None
+    dynamic_batching: DynamicBatching | None = None
 
     def __post_init__(self) -> None:
         if (self.backend is None) == (self.platform is None):
@@ -117,6 +139,7 @@ class ModelConfig:
 
 __all__ = [
     "DataType",
+    "DynamicBatching",
     "EnsembleScheduling",
     "EnsembleStep",
     "InstanceGroup",
@@ -125,5 +148,7 @@ __all__ = [
     "ModelInput",
     "ModelOutput",
     "ModelParameter",
+    "QueuePolicy",
+    "Reshape",
     "TransactionPolicy",
 ]

@@ -1,4 +1,4 @@
-"""python -m perf {bench,verify-cost,serve,report,readme,kernels}
+"""python -m perf {bench,verify-cost,batch,serve,report,readme,kernels,gpu-check}
 
     bench    (--config CFG | --engine DIR) [--drafters SPECS] [--draft-model KIND=DIR] [--prompts FILE]
              [--hf-lookup N] [--hf-assistant DIR] [--max-tokens N] [--out DIR] ...
@@ -10,15 +10,26 @@
              [--sizes 1,2,4,...,64] [--repeats 7] [--threads N] [--out DIR]
              one target forward over N new tokens (chain and random-tree masks) against N = 1, per dtype;
              writes verify_cost.json, verify_cost.md and verify_cost.png
+    batch    (--config CFG | --engine DIR) [--drafter SPEC] [--concurrency 1,2,4,8] [--max-tokens N] [--out DIR]
+             output tokens/s of N concurrent requests through the in-flight batching scheduler against the same
+             requests one after another, TTFT / inter-token latency, greedy identity; writes batch.json, batch.md
+             and batch_throughput.png
     serve    --url HOST:PORT --model NAME [--concurrency 1:8] [--prompts FILE] [--max-tokens N] [--out DIR]
              perf_analyzer (gRPC, --async --streaming) against a served repository: requests/s, TTFT,
-             inter-token latency, output tokens/s per concurrency; writes serve.json, serve.md and a plot
+             inter-token latency, output tokens/s per concurrency; writes serve.json, serve.md and a plot.
+             --tool genai-perf --tokenizer ENGINE [--openai-url HOST:PORT --openai-model ID] [--metrics-url URL]:
+             NVIDIA's genai-perf on the Triton endpoint (and the OpenAI API): TTFT, ITL, request latency, ISL/OSL
+             percentiles beside the server's speculation statistics; writes genai_perf.json, genai_perf.md
     report   DIR: regenerate the Markdown and PNGs of a results directory from its bench.json / serve.json /
              verify_cost.json
     readme   rewrite perf/README.md's latest-results section from the newest perf/results/<date>-<machine>/
     kernels  the tree-attention kernel check and microbenchmark on a CUDA GPU (perf/tree_attention_gpu.py)
+    gpu-check  [--out perf/results/{date}-{machine}] [--dry-run]: every GPU measurement in one run under 8 minutes
+             (kernel vs reference, kernel vs KV-read floor, verify(N)/verify(1) on a Llama-3-8B-shaped bf16 model,
+             SmolLM2 speculative vs plain decoding on CUDA with greedy identity); perf/gpu_check.py
 
-Exit status: 0 on success; 1 when a spectree variant's greedy output differs from plain decoding (bench; the
+Exit status: 0 on success; 1 when a spectree variant's greedy output differs from plain decoding (bench; batch:
+a batched request's from the same request decoded alone; the
 transformers variants' differences are recorded, not fatal) or perf_analyzer fails (serve); 2 on bad input;
 3 when perf_analyzer is missing or cannot run here (the message says what to install).
 """
@@ -33,7 +44,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from perf.batch import BatchBenchConfig
 from perf.bench import BenchConfig, parse_specs
+from perf.genai import ENDPOINT_TYPES, GenaiPerfConfig
 from perf.serve import ServeConfig, parse_concurrency
 from perf.verify_cost import DTYPES, VerifyCostConfig, parse_list
 from runtime.errors import SpectreeError
@@ -112,9 +125,23 @@ def parser() -> argparse.ArgumentParser:
                    help="output directory; {date} and {machine} are filled in (default %(default)s)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("serve", help="perf_analyzer against a served model")
+    s = sub.add_parser("serve", help="perf_analyzer or genai-perf against a served model")
     s.add_argument("--url", required=True, help="gRPC endpoint HOST:PORT")
     s.add_argument("--model", required=True, help="model name (ensemble, spec_decode, ...)")
+    s.add_argument("--tool", choices=SERVE_TOOLS, default=SERVE_TOOLS[0],
+                   help="perf_analyzer (default): our own measurement of its profile export; genai-perf: NVIDIA's "
+                        "LLM metrics (TTFT, ITL, ISL/OSL percentiles) for the Triton endpoint and, with "
+                        "--openai-url, the OpenAI API, beside the server's speculation statistics (perf/genai.py)")
+    s.add_argument("--openai-url", default=_default(GenaiPerfConfig, "openai_url"),
+                   help="genai-perf: the OpenAI-compatible API, HOST:PORT (python -m deploy serve --openai-port)")
+    s.add_argument("--openai-model", default=_default(GenaiPerfConfig, "openai_model"),
+                   help="genai-perf: the OpenAI model id (GET /v1/models)")
+    s.add_argument("--openai-endpoint-type", choices=ENDPOINT_TYPES,
+                   default=_default(GenaiPerfConfig, "openai_endpoint_type"))
+    s.add_argument("--metrics-url", default=_default(GenaiPerfConfig, "metrics_url"),
+                   help="genai-perf: Triton's metrics endpoint (http://HOST:PORT/metrics), for the speculation "
+                        "statistics of each level")
+    s.add_argument("--genai-perf", default=_default(GenaiPerfConfig, "genai_perf"), help="genai-perf executable")
     s.add_argument("--concurrency", type=_levels, default=_default(ServeConfig, "concurrency"),
                    help="START:END[:STEP] or a list 1,2,4,8 (default 1:8)")
     s.add_argument("--prompts", type=Path, action="append", default=[], metavar="FILE")
@@ -159,14 +186,47 @@ def parser() -> argparse.ArgumentParser:
                    help="output directory; {date} and {machine} are filled in (default %(default)s)")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    a = sub.add_parser("batch", help="N concurrent requests through the in-flight batching scheduler vs one by one")
+    src = a.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", type=Path, help="builder YAML (model.checkpoint, draft, build.dtype)")
+    src.add_argument("--engine", type=Path, help="engine directory (python -m builder build)")
+    a.add_argument("--drafter", default=_default(BatchBenchConfig, "drafter"),
+                   help="one drafter spec in bench's grammar (lookup, medusa:chain-3, eagle, ...) or plain "
+                        "(default: the configured drafter)")
+    a.add_argument("--draft-model", type=_draft_model, action="append", default=[], metavar="KIND=DIR",
+                   help="head weights for a medusa / eagle spec beyond the configured drafter's")
+    a.add_argument("--prompts", type=Path, action="append", default=[], metavar="FILE",
+                   help="prompt file, JSON Lines (repeatable; default perf/prompts/code.jsonl and prose.jsonl)")
+    a.add_argument("--prompts-per-set", type=int, default=_default(BatchBenchConfig, "prompts_per_set"))
+    a.add_argument("--concurrency", type=_list_of("concurrency", int),
+                   default=_default(BatchBenchConfig, "concurrency"),
+                   help="comma-separated numbers of concurrent requests (default "
+                        f"{','.join(map(str, _default(BatchBenchConfig, 'concurrency')))})")
+    a.add_argument("--max-tokens", type=int, default=_default(BatchBenchConfig, "max_tokens"),
+                   help="tokens generated per request, exactly (EOS ignored)")
+    a.add_argument("--warmup", type=int, default=_default(BatchBenchConfig, "warmup"), help="untimed rounds first")
+    a.add_argument("--repeats", type=int, default=_default(BatchBenchConfig, "repeats"),
+                   help="timed rounds; the median counts")
+    a.add_argument("--threads", type=int, default=_default(BatchBenchConfig, "threads"),
+                   help="torch intra-op threads (default: every usable core)")
+    a.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(BatchBenchConfig, "dtype"))
+    a.add_argument("--prefill-chunk", type=int, default=_default(BatchBenchConfig, "prefill_chunk"),
+                   help="the scheduler's prompt tokens per request per step (default %(default)s)")
+    a.add_argument("--out", default=_default(BatchBenchConfig, "out"),
+                   help="output directory; {date} and {machine} are filled in (default %(default)s)")
+    a.add_argument("--quiet", action="store_true", help="no progress lines")
+
     g = sub.add_parser("report", help="regenerate the Markdown and PNGs of a results directory from its JSON")
-    g.add_argument("results_dir", type=Path, help="a directory holding bench.json, serve.json and/or verify_cost.json")
+    g.add_argument("results_dir", type=Path,
+                   help="a directory holding bench.json, serve.json, verify_cost.json and/or batch.json")
 
     r = sub.add_parser("readme", help="update perf/README.md from the newest results directory")
     r.add_argument("--readme", type=Path, default=Path(__file__).resolve().parent / "README.md")
     r.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
 
     sub.add_parser("kernels", help="GPU kernel check + microbenchmark (arguments go to perf.tree_attention_gpu)",
+                   add_help=False)
+    sub.add_parser("gpu-check", help="every GPU measurement in one run, < 8 min (arguments go to perf.gpu_check)",
                    add_help=False)
     return p
 
@@ -213,17 +273,29 @@ def write_verify_cost(report: dict[str, Any], out: Path) -> str:
     return md
 
 
+def write_batch(report: dict[str, Any], out: Path) -> str:
+    from perf import plots
+    from perf.report import batch_markdown
+
+    image = plots.batch_plot(report, out / "batch_throughput.png")
+    md = batch_markdown(report, [image.name])
+    (out / "batch.md").write_text(md, encoding="utf-8")
+    return md
+
+
 def _report(ns: argparse.Namespace) -> int:
     import json
 
     done = []
-    for name, write in (("bench", write_bench), ("serve", write_serve), ("verify_cost", write_verify_cost)):
+    for name, write in (("bench", write_bench), ("serve", write_serve), ("verify_cost", write_verify_cost),
+                        ("batch", write_batch)):
         path = ns.results_dir / f"{name}.json"
         if path.is_file():
             write(json.loads(path.read_text(encoding="utf-8")), ns.results_dir)
             done.append(name)
     if not done:
-        sys.stderr.write(f"error: {ns.results_dir} holds none of bench.json, serve.json, verify_cost.json\n")
+        sys.stderr.write(f"error: {ns.results_dir} holds none of bench.json, serve.json, verify_cost.json, "
+                         "batch.json\n")
         return 2
     sys.stdout.write(f"regenerated {', '.join(f'{n}.md' for n in done)} and plots in {ns.results_dir}\n")
     return 0
@@ -256,6 +328,29 @@ def _bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _batch(ns: argparse.Namespace) -> int:
+    from perf.batch import run_batch_bench
+    from perf.machine import expand_out
+    from perf.report import write_json
+
+    config = BatchBenchConfig(config=ns.config, engine=ns.engine, drafter=ns.drafter,
+                              draft_models=tuple(ns.draft_model), prompts=tuple(ns.prompts),
+                              prompts_per_set=ns.prompts_per_set, concurrency=tuple(ns.concurrency),
+                              max_tokens=ns.max_tokens, warmup=ns.warmup, repeats=ns.repeats, threads=ns.threads,
+                              dtype=ns.dtype, prefill_chunk=ns.prefill_chunk, out=ns.out)
+    report = run_batch_bench(config, None if ns.quiet else (lambda text: sys.stderr.write(f"batch: {text}\n")))
+    out = expand_out(config.out, report["machine"])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(report, out / "batch.json")
+    sys.stdout.write(write_batch(report, out))
+    sys.stdout.write(f"\nwrote {out}/batch.json, batch.md and batch_throughput.png\n")
+    if not report["greedy_identical"]:
+        sys.stderr.write("error: batched greedy outputs differ from the same requests decoded alone; see "
+                         f"{out}/batch.md\n")
+        return 1
+    return 0
+
+
 def _verify_cost(ns: argparse.Namespace) -> int:
     from perf.machine import expand_out
     from perf.report import write_json
@@ -274,10 +369,42 @@ def _verify_cost(ns: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_TOOLS = ("perf_analyzer", "genai-perf")
+
+
+def _serve_genai_perf(ns: argparse.Namespace) -> int:
+    from perf.genai import markdown, run_genai_perf
+    from perf.machine import expand_out
+    from perf.report import write_json
+
+    if ns.tokenizer is None:
+        sys.stderr.write("error: --tool genai-perf needs --tokenizer DIR (the engine directory: genai-perf counts "
+                         "tokens by re-tokenizing text)\n")
+        return 2
+    concurrency = tuple(ns.concurrency)
+    config = GenaiPerfConfig(url=ns.url, model=ns.model, tokenizer=ns.tokenizer, openai_url=ns.openai_url,
+                             openai_model=ns.openai_model, openai_endpoint_type=ns.openai_endpoint_type,
+                             metrics_url=ns.metrics_url, concurrency=concurrency, prompts=tuple(ns.prompts),
+                             prompts_per_set=ns.prompts_per_set, max_tokens=ns.max_tokens, requests=ns.requests,
+                             genai_perf=ns.genai_perf, perf_analyzer=ns.perf_analyzer, timeout_s=ns.timeout_s,
+                             out=ns.out)
+    out = expand_out(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_genai_perf(config, out, on_level=lambda text: sys.stderr.write(f"genai-perf: {text}\n"))
+    write_json(report, out / "genai_perf.json")
+    md = markdown(report)
+    (out / "genai_perf.md").write_text(md + "\n", encoding="utf-8")
+    sys.stdout.write(md + f"\nwrote {out}/genai_perf.json, genai_perf.md, genai_perf/ (genai-perf's own exports)\n")
+    return 0
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from perf.machine import expand_out
     from perf.report import write_json
     from perf.serve import run_serve
+
+    if ns.tool == "genai-perf":
+        return _serve_genai_perf(ns)
 
     config = ServeConfig(url=ns.url, model=ns.model, concurrency=tuple(ns.concurrency), prompts=tuple(ns.prompts),
                          prompts_per_set=ns.prompts_per_set, max_tokens=ns.max_tokens, ignore_eos=ns.ignore_eos,
@@ -298,8 +425,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from perf import tree_attention_gpu
 
         return tree_attention_gpu.main(args[1:])
+    if args[:1] == ["gpu-check"]:
+        from perf import gpu_check
+
+        return gpu_check.main(args[1:])
     ns = parser().parse_args(args)
     from perf.analyzer import PerfAnalyzerMissing
+    from perf.genai import GenaiPerfFailed, GenaiPerfMissing
     from perf.serve import PerfAnalyzerFailed, ProfileExportError
 
     try:
@@ -307,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(ns)
         if ns.command == "serve":
             return _serve(ns)
+        if ns.command == "batch":
+            return _batch(ns)
         if ns.command == "verify-cost":
             return _verify_cost(ns)
         if ns.command == "report":
@@ -316,10 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         latest = update_readme(ns.readme, ns.results)
         sys.stdout.write(f"updated {ns.readme} from {latest}\n")
         return 0
-    except PerfAnalyzerMissing as exc:
+    except (PerfAnalyzerMissing, GenaiPerfMissing) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 3
-    except (PerfAnalyzerFailed, ProfileExportError) as exc:
+    except (PerfAnalyzerFailed, ProfileExportError, GenaiPerfFailed) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
     except (SpectreeError, OSError) as exc:

@@ -7,6 +7,7 @@
     time_split.png             where each runtime variant's time goes (prefill / draft / verify / other)
     serve_latency.png          perf serve: throughput, output tokens/s, TTFT and inter-token latency by concurrency
     verify_cost.png            perf verify-cost: verify(N) / verify(1) and ms per forward, by N, per dtype and mask
+    batch_throughput.png       perf batch: tokens/s of N concurrent requests, batched vs sequential; TTFT and ITL
 """
 
 from __future__ import annotations
@@ -187,5 +188,43 @@ def verify_cost_plot(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-__all__ = ["acceptance_by_depth", "bench_plots", "serve_plot", "speedup_by_tree_size", "time_split",
+def batch_plot(report: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    rows = sorted(report["levels"], key=lambda r: r["concurrency"])
+    x = [r["concurrency"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, style in (("sequential", "--s"), ("batched", "-o")):
+        axes[0].plot(x, [r[mode]["tokens_per_s"] for r in rows], style, label=mode)
+    for c, r in zip(x, rows):
+        axes[0].annotate(f"{r['speedup']:.2f}x", (c, r["batched"]["tokens_per_s"]), textcoords="offset points",
+                         xytext=(0, 6), ha="center", fontsize=7)
+    axes[0].set_ylabel("output tokens/s")
+    axes[0].set_title("throughput (labels: batched / sequential)", fontsize=10)
+    axes[0].set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
+    for stat, style in (("p50", "-o"), ("p90", "--s")):
+        axes[1].plot(x, [r["batched"]["ttft_ms"][stat] for r in rows], style, color="C2", label=f"TTFT {stat}")
+        itl = [r["batched"]["itl_ms"][stat] if r["batched"]["itl_ms"] else float("nan") for r in rows]
+        axes[1].plot(x, itl, style, color="C3", label=f"inter-token {stat}")
+    axes[1].set_ylabel("ms")
+    axes[1].set_yscale("log")
+    axes[1].set_title("batched requests' latency", fontsize=10)
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("concurrent requests (N)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(n) for n in x])
+        ax.grid(alpha=0.3)
+    t, m, d = report["target"], report["machine"], report["drafter"]
+    fig.suptitle(f"in-flight batching | {t['architecture']} {t['parameters'] / 1e6:.1f}M params, {t['dtype']}, "
+                 f"drafter {d['drafter']} | {m['cpu_model']}, {report['settings']['threads']} thread(s) | "
+                 f"{report['settings']['max_tokens']} tokens per request", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["acceptance_by_depth", "batch_plot", "bench_plots", "serve_plot", "speedup_by_tree_size", "time_split",
            "verify_cost_plot"]

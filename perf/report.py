@@ -3,6 +3,7 @@
     bench.json / bench.md                 `python -m perf bench`
     serve.json / serve.md                 `python -m perf serve`
     verify_cost.json / verify_cost.md     `python -m perf verify-cost`
+    batch.json / batch.md                 `python -m perf batch`
 Older bench.json files (format_version 1: no transformers speculative variants, no chat flag) render as before.
 """
 
@@ -231,9 +232,47 @@ def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None
     return "\n".join(lines) + "\n"
 
 
+def batch_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
+    s, t, m, d = report["settings"], report["target"], report["machine"], report["drafter"]
+    tree = d.get("tree", "—")
+    lines = [
+        f"# spectree in-flight batching — {report['created'][:10]}",
+        "",
+        (f"- **Target**: {t['architecture']}, {t['num_hidden_layers']} layers, hidden {t['hidden_size']}, vocab "
+         f"{t['vocab_size']}, {t['parameters'] / 1e6:.2f}M parameters, {t['dtype']} (`{t['path']}`)"),
+        f"- **Drafter**: {d['drafter']} ({tree}, at most {d.get('tree_nodes', 1)} tree nodes)",
+        f"- **Machine**: {machine_line(m, s['threads'])}",
+        (f"- **Run**: N requests of {s['max_tokens']} tokens each (greedy, EOS ignored) over {len(report['prompts'])} "
+         f"prompts (cycled); sequential = one after another through the batch-1 loop; batched = all N submitted at "
+         f"once to a Scheduler(max_batch_size=N, prefill_chunk={s['prefill_chunk']}); warm-up {s['warmup']} "
+         f"round(s), median of {s['repeats']} ({report['measure_seconds']:.0f} s measuring)"),
+        "",
+        ("| N | sequential tokens/s | batched tokens/s | speedup | mean batch | TTFT p50 / p90 (ms) "
+         "| ITL p50 / p90 (ms) | greedy identical |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["levels"]:
+        b, ttft, itl = r["batched"], r["batched"]["ttft_ms"], r["batched"]["itl_ms"]
+        itl_cell = "—" if itl is None else f"{itl['p50']:.1f} / {itl['p90']:.1f}"
+        same = "yes" if r["greedy_identical"] else f"**NO** ({len(r['differences'])} request(s))"
+        lines.append(
+            f"| {r['concurrency']} | {_num(r['sequential']['tokens_per_s'], '.1f')} | {_num(b['tokens_per_s'], '.1f')} "
+            f"| {_num(r['speedup'], '.2f', 'x')} | {_num(b['mean_batch'], '.2f')} "
+            f"| {ttft['p50']:.1f} / {ttft['p90']:.1f} | {itl_cell} | {same} |"
+        )
+    lines += ["", ("tokens/s = N x max_tokens / wall time of the N requests. mean batch = request segments per target "
+              "forward (prompt chunks and draft trees; one forward verifies every request's tree). TTFT: submit -> "
+              "first delta; ITL: (last delta - first delta) / (tokens - 1), per batched request. greedy identical: "
+              "every batched output equals the same request's sequential output.")]
+    for img in images or []:
+        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
+    return "\n".join(lines) + "\n"
+
+
 def write_json(report: dict[str, Any], path: Path) -> Path:
     path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return path
 
 
-__all__ = ["bench_markdown", "label", "machine_line", "serve_markdown", "verify_cost_markdown", "write_json"]
+__all__ = ["batch_markdown", "bench_markdown", "label", "machine_line", "serve_markdown", "verify_cost_markdown",
+           "write_json"]

@@ -5,23 +5,33 @@ target in a single forward pass under the tree mask, lets `runtime.verify` keep 
 compacts the cache to that path and hands the committed tokens and their hidden states to the drafter. The
 vocabulary (root, accepted / bonus / residual tokens, tau) is defined once in `runtime.protocol`.
 
+A request's steps live in `RequestState` (prompt chunks, drafting, verification, commit, stop conditions,
+detokenisation, stats); the target forward is its caller's. `SpecDecoder.stream` drives one state alone;
+`runtime.batching.Scheduler` drives many, verifying all their trees in one target forward.
+
 Token accounting: the prefill pass emits the first token (sampled from the target at the last prompt
 position, no speculation). Every later token comes from a verification step, so
     tau = tokens emitted by verification steps / verification steps  (>= 1; plain decoding gives exactly 1).
+
+Speculation counters in vLLM's spec-decode meanings (a tree counts its depth, the positions it speculates):
+    drafts = steps; draft positions = sum over steps of the (pruned) tree's depth; accepted = accepted draft
+    tokens; acceptance_rate = accepted / draft positions; mean accepted length = 1 + accepted / steps.
+`drafted_tokens` counts tree nodes fed to the target (the verification work), not draft positions.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from runtime.errors import RequestError
-from runtime.model import TargetModel
-from runtime.protocol import Draft, Drafter
-from runtime.sampling import SamplingParams, sample, target_probs
+from runtime.kv_cache import KVCache
+from runtime.model import Segment, TargetModel, causal_mask
+from runtime.protocol import Draft, Drafter, DraftSession
+from runtime.sampling import Penalties, SamplingParams, sample, target_probs, token_logprobs
 from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
 from runtime.tree import Tree
 from runtime.verify import verify
@@ -33,9 +43,10 @@ class GenerationStats:
 
     prompt_tokens: int
     generated_tokens: int
-    target_forwards: int  # prefill included
+    target_forwards: int  # prefill included (one per prompt chunk)
     steps: int  # verification steps (target forwards over a draft tree)
     drafted_tokens: int  # draft nodes fed to the target, root excluded
+    draft_positions: int  # sum over steps of the tree's depth (vLLM's draft tokens: positions speculated)
     accepted_tokens: int  # draft tokens kept by the verifier
     accepted_per_step: tuple[int, ...]  # accepted draft tokens of each step (0 .. tree depth)
     tau: float  # tokens emitted per verification step, bonus/residual included
@@ -49,13 +60,28 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        """Accepted draft tokens / draft positions (steps x tree depth): the chance a speculated position is
+        accepted, vLLM's draft acceptance rate (0 when nothing was drafted). Not per tree node: see
+        `drafted_tokens`."""
+        return self.accepted_tokens / self.draft_positions if self.draft_positions else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """1 + accepted draft tokens per step (vLLM's mean acceptance length; 1 when no step ran)."""
+        return 1.0 + self.accepted_tokens / self.steps if self.steps else 1.0
+
+    @property
+    def accepted_per_position(self) -> tuple[int, ...]:
+        """[k] = steps whose draft position k + 1 was accepted (vLLM's per-position acceptance counts)."""
+        depth = max(self.accepted_per_step, default=0)
+        return tuple(sum(1 for a in self.accepted_per_step if a > k) for k in range(depth))
 
     def to_dict(self) -> dict:
         d = {name: getattr(self, name) for name in self.__dataclass_fields__}
         d["accepted_per_step"] = list(self.accepted_per_step)
         d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_length"] = self.mean_accepted_length
+        d["accepted_per_position"] = list(self.accepted_per_position)
         return d
 
 
@@ -66,8 +92,12 @@ class GenerationDelta:
 
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) | "length" | None
+    # "stop" (EOS, stop token or stop string) | "length" | "cancelled" (runtime.batching: cancelled by the caller)
+    finish_reason: str | None = None
     stats: GenerationStats | None = None  # on the final delta only
+    # With SamplingParams.logprobs set: one entry per token id (see runtime.sampling.token_logprobs).
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # (token id, log-probability), likeliest first
 
     @property
     def finished(self) -> bool:
@@ -93,6 +123,7 @@ class _Clock:
     other: float = 0.0
     accepted: list[int] = field(default_factory=list)
     drafted: int = 0
+    positions: int = 0
 
 
 def _prune(draft: Draft, max_depth: int, max_nodes: int) -> Draft:
@@ -172,6 +203,11 @@ class SpecDecoder:
     def max_context(self) -> int:
         return self.model.config.max_context
 
+    def cache_tokens(self, prompt_tokens: int, params: SamplingParams) -> int:
+        """The most KV positions a request can ever use: its sequence may grow to prompt + max_tokens tokens (the
+        last emitted token is never fed back), with a draft tree on top, all within the context."""
+        return min(self.max_context, prompt_tokens + params.max_tokens + self.max_tree_nodes)
+
     # ---- request boundary ---------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: PromptLike) -> list[int]:
@@ -205,17 +241,19 @@ class SpecDecoder:
             )
         return ids
 
+    def request(self, prompt: PromptLike, params: SamplingParams | None = None,
+                **sampling) -> tuple[list[int], SamplingParams]:
+        """Validate a request: (prompt ids, SamplingParams); settings come as params= or as its field names."""
+        if params is not None and sampling:
+            raise RequestError(f"pass sampling settings either as params= or as keywords, not both: {sorted(sampling)}")
+        params = params or SamplingParams(**_check_sampling_keys(sampling))
+        return self.encode_prompt(prompt), params
+
     def generate(self, prompt: PromptLike, params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """Run a request to completion (prompt: text, token ids or chat messages, see `encode_prompt`). Sampling
         settings come as a SamplingParams or as its field names (max_tokens=, temperature=, top_k=, top_p=, seed=,
         stop=, stop_token_ids=, ignore_eos=)."""
-        ids: list[int] = []
-        text = []
-        for delta in self.stream(prompt, params, **sampling):
-            ids.extend(delta.token_ids)
-            text.append(delta.text)
-        assert delta.stats is not None and delta.finish_reason is not None
-        return GenerationResult(tuple(ids), "".join(text), delta.finish_reason, delta.stats)
+        return collect(self.stream(prompt, params, **sampling))
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -225,123 +263,283 @@ class SpecDecoder:
         The prompt is validated here, eagerly (RequestError before any iteration); closing the returned
         iterator cancels the request and releases its cache.
         """
-        if params is not None and sampling:
-            raise RequestError(f"pass sampling settings either as params= or as keywords, not both: {sorted(sampling)}")
-        params = params or SamplingParams(**_check_sampling_keys(sampling))
-        prompt_ids = self.encode_prompt(prompt)
+        prompt_ids, params = self.request(prompt, params, **sampling)
         return self._run(prompt_ids, params)
 
     def _run(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationDelta]:
-        clock = _Clock()
-        model, device = self.model, self.model.device
-        gen = params.new_generator()
-        n_prompt = len(prompt_ids)
-        # The sequence may grow to max_context tokens (the last emitted token is never fed back).
-        limit = min(self.max_context, n_prompt + params.max_tokens)
-        cache = model.new_cache(min(self.max_context, limit + self.max_tree_nodes))
-        detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer is not None else None
-        stops = StopChecker(params.stop)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        generated: list[int] = []
-        verification = "none"
-        steps = 0
+        state = RequestState(self, prompt_ids, params)
+        try:
+            while True:
+                segment = state.next_segment()
+                t0 = time.perf_counter()
+                ((logits, hidden),) = self.model.forward_segments([segment])
+                delta = state.absorb(logits, hidden, time.perf_counter() - t0)
+                if delta is not None:
+                    yield delta
+                    if delta.finished:
+                        return
+        finally:
+            state.release()
 
-        t0 = time.perf_counter()
-        prompt_t = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        logits, hidden = model.prefill(prompt_t, cache)
-        root = self._first_token(logits[0, -1], params, gen)
-        clock.prefill = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        session = self.drafter.start(prompt_t[0], hidden[0], self.max_tree_nodes)
-        clock.draft += time.perf_counter() - t0
+def collect(deltas: Iterable[GenerationDelta]) -> GenerationResult:
+    """A whole result from a request's deltas (the last one must be final)."""
+    ids: list[int] = []
+    text = []
+    delta = None
+    for delta in deltas:
+        ids.extend(delta.token_ids)
+        text.append(delta.text)
+    if delta is None or delta.stats is None or delta.finish_reason is None:
+        raise RuntimeError("the request's deltas ended without a final delta")
+    return GenerationResult(tuple(ids), "".join(text), delta.finish_reason, delta.stats)
 
-        def finish(reason: str, tail_ids: tuple[int, ...], tail_text: str) -> GenerationDelta:
-            stats = GenerationStats(
-                prompt_tokens=n_prompt,
-                generated_tokens=len(generated),
-                target_forwards=steps + 1,
-                steps=steps,
-                drafted_tokens=clock.drafted,
-                accepted_tokens=sum(clock.accepted),
-                accepted_per_step=tuple(clock.accepted),
-                tau=(len(generated) - 1) / steps if steps else 1.0,
-                verification=verification,
-                drafter=self.drafter.name,
-                time_prefill=clock.prefill,
-                time_draft=clock.draft,
-                time_verify=clock.verify,
-                time_other=clock.other,
-                time_total=time.perf_counter() - clock.start,
-            )
-            return GenerationDelta(tail_ids, tail_text, reason, stats)
 
-        emitted = [root]
+class RequestState:
+    """One request's decoding, step by step, with the target forward left to the caller (so that many requests
+    can share one: `runtime.batching.Scheduler`; `SpecDecoder.stream` runs one alone):
+
         while True:
-            # ---- commit the emitted tokens to the output, checking stop conditions in order ----
+            segment = state.next_segment()            # a prompt chunk, or the drafted (pruned) tree
+            logits, hidden = <target forward of segment, alone or packed with others'>
+            delta = state.absorb(logits, hidden, s)   # verify + commit; a GenerationDelta (None mid-prompt)
+            if delta is not None and delta.finished: break
+        state.release()
+
+    It owns the request's KV cache (allocated at its first segment for the prompt and a tree, grown as tokens are
+    produced, never beyond `SpecDecoder.cache_tokens`), drafter session, torch.Generator (seeded from params),
+    detokenizer, stop conditions and stats. prefill_chunk: the most prompt tokens per segment (None: the whole
+    prompt at once).
+    """
+
+    def __init__(self, decoder: SpecDecoder, prompt_ids: list[int], params: SamplingParams,
+                 prefill_chunk: int | None = None) -> None:
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise RequestError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+        self.clock = _Clock()
+        self.decoder = decoder
+        self.params = params
+        model = decoder.model
+        self.device = model.device
+        self.generator = params.new_generator()
+        self.prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)  # [P]
+        self.prompt_tokens = len(prompt_ids)
+        self.cache_tokens = decoder.cache_tokens(self.prompt_tokens, params)  # the most KV positions it may use
+        self.cache: KVCache | None = None  # allocated by the first next_segment(), dropped by release()
+        self._released = False
+        tokenizer = decoder.tokenizer
+        self._detok = tokenizer.detokenizer(skip_special_tokens=True) if tokenizer is not None else None
+        self._stops = StopChecker(params.stop)
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(decoder.eos_token_ids))
+        self._penalties = (Penalties(params, prompt_ids, model.config.vocab_size, self._stop_ids, self.device)
+                           if params.penalised else None)
+        self._rows: torch.Tensor | None = None  # [n, V] (penalised) logits the last emitted tokens were drawn from
+        self._chunk = prefill_chunk or self.prompt_tokens
+        self.generated: list[int] = []
+        self.session: DraftSession | None = None
+        self.verification = "none"
+        self.steps = 0
+        self.finish_reason: str | None = None
+        self._prefilled = 0  # prompt tokens committed to the cache
+        self._prefill_forwards = 0
+        self._prompt_hidden: list[torch.Tensor] = []  # [n, H] per prompt chunk, until the drafter starts
+        self._pending: Draft | int | None = None  # the last segment handed out: its draft, or a chunk's size
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV cache this request holds now (0 once released)."""
+        return 0 if self.cache is None else self.cache.nbytes
+
+    # ---- the two phases of a step -------------------------------------------------------------------
+
+    def next_segment(self) -> Segment:
+        """The tokens of this request's next target forward: the next prompt chunk, else a drafted tree (drafting
+        happens here), its cache grown to hold them."""
+        if self.finished or self._released or self._pending is not None:
+            raise RuntimeError("next_segment() after the request finished, or twice without absorb()")
+        if self.cache is None:  # room for the prompt and a tree; grown as tokens are produced
+            self.cache = self.decoder.model.new_cache(
+                self.cache_tokens, capacity=min(self.cache_tokens, self.prompt_tokens + self.decoder.max_tree_nodes))
+        cache = self.cache
+        if self._prefilled < self.prompt_tokens:
+            a = self._prefilled
+            b = min(self.prompt_tokens, a + self._chunk)
+            n = b - a
+            cache.reserve(cache.length + n)
+            self._pending = n
+            # Only the prompt's last row needs logits (the first generated token).
+            return Segment(cache, self.prompt[a:b], torch.arange(a, b, device=self.device),
+                           causal_mask(n, 1, self.device)[0], logits_from=n - 1 if b == self.prompt_tokens else n)
+        t0 = time.perf_counter()
+        draft = self.session.draft(self.generated[-1], self.params, self.generator)
+        # Never draft past the token budget or the cache: a node at depth d is the (d+1)-th token of the step.
+        remaining = min(self.params.max_tokens - len(self.generated),
+                        self.decoder.max_context - self.prompt_tokens - len(self.generated))
+        draft = _prune(draft, max_depth=remaining - 1, max_nodes=cache.max_len - cache.length)
+        self.clock.draft += time.perf_counter() - t0
+        tree = draft.tree
+        cache.reserve(cache.length + tree.num_nodes)
+        self._pending = draft
+        return Segment(cache, draft.tokens.to(self.device), (cache.length + tree.depth).to(self.device),
+                       tree.packed_mask.to(self.device))
+
+    def absorb(
+        self,
+        logits: torch.Tensor,  # [N - logits_from, V] float32: the target's logits for the last segment's rows
+        hidden: torch.Tensor,  # [N, H]: its hidden states
+        forward_seconds: float,  # the target forward's time, charged to prefill / verify
+    ) -> GenerationDelta | None:
+        """Commit the target's output for the last `next_segment()`; the tokens it emits (None after a prompt
+        chunk that is not the last)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("absorb() without a pending segment")
+        clock, device = self.clock, self.device
+        if isinstance(pending, int):  # a prompt chunk
+            self.cache.advance(pending)
+            self._prefilled += pending
+            self._prefill_forwards += 1
+            self._prompt_hidden.append(hidden)
+            clock.prefill += forward_seconds
+            if self._prefilled < self.prompt_tokens:
+                return None
             t0 = time.perf_counter()
-            new_ids: list[int] = []
-            reason = None
-            for tok in emitted:
-                new_ids.append(tok)
-                generated.append(tok)
-                if tok in stop_ids:
-                    reason = "stop"
-                    break
-                if len(generated) >= params.max_tokens or n_prompt + len(generated) >= self.max_context:
-                    reason = "length"
-                    break
-            piece = detok.add(new_ids) if detok is not None else ""
-            if reason is not None and detok is not None:
-                piece += detok.flush()
-            text, hit = stops.feed(piece)
-            if hit:
+            last = logits[-1:]  # [1, V]
+            if self._penalties is not None:  # a one-node tree: the prompt is the whole context
+                last = self._penalties.apply(last, torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+                                             torch.zeros(1, dtype=torch.long))
+            root = _first_token(last[0], self.params, self.generator)
+            self._rows = last
+            clock.prefill += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            prompt_hidden = self._prompt_hidden[0] if len(self._prompt_hidden) == 1 else torch.cat(self._prompt_hidden)
+            self._prompt_hidden = []
+            self.session = self.decoder.drafter.start(self.prompt, prompt_hidden, self.decoder.max_tree_nodes)
+            clock.draft += time.perf_counter() - t0
+            return self._emit([root])
+
+        draft = pending
+        tree = draft.tree
+        t0 = time.perf_counter()
+        if self._penalties is not None:  # every node against its own path: p stays the (penalised) target
+            logits = self._penalties.apply(logits, draft.tokens, tree.mask, tree.depth)
+        verdict = verify(draft, logits, self.params, self.generator)
+        if self.params.logprobs is not None:
+            self._rows = logits[verdict.path.to(logits.device)]  # emitted token k was drawn at path[k]
+        clock.verify += forward_seconds + time.perf_counter() - t0
+        if self.steps == 0:
+            self.verification = "greedy" if self.params.greedy else f"rejection_sampling/{draft.proposal.value}"
+        self.steps += 1
+        clock.drafted += tree.num_nodes - 1
+        clock.positions += tree.max_depth
+        clock.accepted.append(verdict.num_accepted)
+
+        # compact the cache to the accepted path, tell the drafter
+        t0 = time.perf_counter()
+        path = verdict.path.to(device)
+        self.cache.commit(tree.num_nodes, path)
+        clock.other += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.session.advance(draft.tokens.to(device)[path], hidden[path])
+        clock.draft += time.perf_counter() - t0
+        return self._emit(verdict.tokens.tolist())
+
+    # ---- output -------------------------------------------------------------------------------------
+
+    def _emit(self, emitted: list[int]) -> GenerationDelta:
+        """Add emitted tokens to the output, checking the stop conditions in order."""
+        t0 = time.perf_counter()
+        new_ids: list[int] = []
+        reason = None
+        for tok in emitted:
+            new_ids.append(tok)
+            self.generated.append(tok)
+            if tok in self._stop_ids:
                 reason = "stop"
-            elif reason is not None:
-                text += stops.flush()
-            clock.other += time.perf_counter() - t0
-            if reason is not None:
-                yield finish(reason, tuple(new_ids), text)
-                return
-            yield GenerationDelta(tuple(new_ids), text)
+                break
+            if len(self.generated) >= self.params.max_tokens or \
+                    self.prompt_tokens + len(self.generated) >= self.decoder.max_context:
+                reason = "length"
+                break
+        if self._penalties is not None:
+            self._penalties.add(new_ids)
+        logprobs = self._logprobs(new_ids)
+        detok = self._detok
+        piece = detok.add(new_ids) if detok is not None else ""
+        if reason is not None and detok is not None:
+            piece += detok.flush()
+        text, hit = self._stops.feed(piece)
+        if hit:
+            reason = "stop"
+        elif reason is not None:
+            text += self._stops.flush()
+        self.clock.other += time.perf_counter() - t0
+        if reason is None:
+            return GenerationDelta(tuple(new_ids), text, None, None, *logprobs)
+        self.finish_reason = reason
+        return GenerationDelta(tuple(new_ids), text, reason, self.stats(), *logprobs)
 
-            # ---- draft ----
-            t0 = time.perf_counter()
-            draft = session.draft(generated[-1], params, gen)
-            # Never draft past the token budget or the cache: a node at depth d is the (d+1)-th token of the step.
-            remaining = min(params.max_tokens - len(generated), self.max_context - n_prompt - len(generated))
-            draft = _prune(draft, max_depth=remaining - 1, max_nodes=cache.max_len - cache.length)
-            clock.draft += time.perf_counter() - t0
+    def _logprobs(self, ids: list[int]) -> tuple:
+        """(logprobs, top_logprobs) of emitted tokens, or (None, None) when the request did not ask."""
+        top = self.params.logprobs
+        if top is None:
+            return None, None
+        chosen, alternatives = token_logprobs(self._rows[: len(ids)], torch.tensor(ids), self.params, top)
+        return tuple(chosen), tuple(tuple(a) for a in alternatives)
 
-            # ---- verify: one target forward over the whole tree ----
-            t0 = time.perf_counter()
-            tree = draft.tree
-            positions = (cache.length + tree.depth).to(device)[None]
-            logits, hidden = model.forward(draft.tokens.to(device)[None], positions, cache, tree.packed_mask.to(device)[None])
-            verdict = verify(draft, logits[0], params, gen)
-            clock.verify += time.perf_counter() - t0
-            if steps == 0:
-                verification = "greedy" if params.greedy else f"rejection_sampling/{draft.proposal.value}"
-            steps += 1
-            clock.drafted += tree.num_nodes - 1
-            clock.accepted.append(verdict.num_accepted)
+    def cancel(self) -> GenerationDelta:
+        """End the request here: its final delta (finish_reason "cancelled", no new tokens, its stats)."""
+        self.finish_reason = "cancelled"
+        return GenerationDelta((), "", "cancelled", self.stats())
 
-            # ---- commit: compact the cache to the accepted path, tell the drafter ----
-            t0 = time.perf_counter()
-            path = verdict.path.to(device)
-            cache.commit(tree.num_nodes, path)
-            clock.other += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            session.advance(draft.tokens.to(device)[path], hidden[0, path])
-            clock.draft += time.perf_counter() - t0
-            emitted = verdict.tokens.tolist()
+    def release(self) -> None:
+        """Drop the cache and drafter session (their memory); the state cannot step afterwards."""
+        self._released = True
+        self.cache = None
+        self.session = None
+        self._prompt_hidden = []
 
-    @staticmethod
-    def _first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        """logits # [V] float32 at the last prompt position."""
-        if params.greedy:
-            return int(logits.argmax())
-        return sample(target_probs(logits, params), gen)
+    def stats(self) -> GenerationStats:
+        clock, steps, n = self.clock, self.steps, len(self.generated)
+        return GenerationStats(
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=n,
+            target_forwards=steps + self._prefill_forwards,
+            steps=steps,
+            drafted_tokens=clock.drafted,
+            draft_positions=clock.positions,
+            accepted_tokens=sum(clock.accepted),
+            accepted_per_step=tuple(clock.accepted),
+            tau=(n - 1) / steps if steps else 1.0,
+            verification=self.verification,
+            drafter=self.decoder.drafter.name,
+            time_prefill=clock.prefill,
+            time_draft=clock.draft,
+            time_verify=clock.verify,
+            time_other=clock.other,
+            time_total=time.perf_counter() - clock.start,
+        )
 
 
-__all__ = ["PromptLike", "SpecDecoder", "GenerationDelta", "GenerationResult", "GenerationStats", "StopChecker"]
+def _first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """logits # [V] float32 at the last prompt position."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(target_probs(logits, params), gen)
+
+
+__all__ = [
+    "PromptLike",
+    "SpecDecoder",
+    "RequestState",
+    "GenerationDelta",
+    "GenerationResult",
+    "GenerationStats",
+    "StopChecker",
+    "collect",
+]

@@ -1,8 +1,13 @@
-"""Reading the small JSON files checkpoints carry (errors name the file), and how paths are recorded."""
+"""Reading the small JSON files checkpoints carry (errors name the file), how paths are recorded, and the
+temporary siblings an output directory is built in."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +33,34 @@ def shown_path(path: str | Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def work_dir(output: Path, tag: str) -> Path:
+    """A fresh temporary sibling of `output` to build it in: .NAME.TAG-PID-RANDOM (not created here). The pid lets a
+    later run tell the leftovers of a killed run (`remove_stale_work_dirs`) from the work of one still running."""
+    return output.parent / f".{output.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_work_dirs(output: Path, tag: str) -> list[Path]:
+    """Remove the `work_dir`s of `output` with this tag whose process is gone (a build or render killed before it
+    could clean up after itself); returns what was removed."""
+    pattern = re.compile(rf"^\.{re.escape(output.name)}\.{re.escape(tag)}-(\d+)-[0-9a-f]+$")
+    removed = []
+    if not output.parent.is_dir():
+        return removed
+    for path in output.parent.iterdir():
+        m = pattern.match(path.name)
+        if m and path.is_dir() and not _pid_running(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

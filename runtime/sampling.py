@@ -4,7 +4,21 @@ p = softmax of the logits after temperature, then top-k, then top-p, with the se
 `TemperatureLogitsWarper` / `TopKLogitsWarper` / `TopPLogitsWarper` (and vLLM's sampler):
   top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are all kept);
   top-p keeps the smallest highest-probability set whose mass is >= top_p (at least one token).
-temperature == 0 means greedy: p is one-hot at the argmax (first index on ties, like torch.argmax).
+temperature == 0 means greedy: p is one-hot at the argmax (first index on ties, like torch.argmax). So does any
+temperature below GREEDY_BELOW (as vLLM treats temperatures under 1e-5): logits / 1e-45 overflow to inf and the
+softmax to NaN, while at 1e-5 a logit gap of 1e-3 is already a probability ratio of e^100.
+
+Penalties, min_tokens and bad words change the logits BEFORE temperature (vLLM's order), as a function of the
+context each logit row conditions on. In a draft tree that context differs per node (committed sequence + the
+node's own root-to-node path), so `Penalties.apply` penalises every row against its own path: p is then the
+penalised target at every position, and verification stays exact against it (greedy: the penalised argmax).
+  repetition_penalty r   every token in the prompt or the output: logit / r if logit > 0 else logit * r
+  frequency_penalty f    logit -= f * (occurrences in the output)
+  presence_penalty  a    logit -= a * (1 if in the output)
+  min_tokens m           end tokens (EOS unless ignore_eos, stop_token_ids) get -inf while fewer than m tokens
+                         were generated
+  bad_words              token sequences never generated: a sequence's last token gets -inf where the context
+                         ends with the rest of it (TensorRT-LLM's bad-words semantics)
 """
 
 from __future__ import annotations
@@ -17,6 +31,8 @@ import torch
 from runtime.errors import RequestError
 
 _UINT64_MAX = 2**64 - 1
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's top_logprobs limit)
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (temperature 0)
 
 
 def _is_int(x: object) -> bool:
@@ -35,6 +51,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the output)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and output tokens)
+    presence_penalty: float = 0.0  # [-2, 2]; 0 = off (output tokens)
+    frequency_penalty: float = 0.0  # [-2, 2]; 0 = off (output tokens)
+    min_tokens: int = 0  # end tokens are impossible before this many tokens
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences never generated
+    logprobs: int | None = None  # None = off; k >= 0: each emitted token's log-probability and the k likeliest
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -60,12 +82,37 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        object.__setattr__(self, "temperature", float(t))
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+            raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise RequestError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        words = self.bad_words
+        if not isinstance(words, (tuple, list)) or not all(
+            isinstance(w, (tuple, list)) and w and all(_is_int(t) and t >= 0 for t in w) for w in words
+        ):
+            raise RequestError(f"bad_words must be a list of non-empty token-id lists, got {words!r}")
+        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in words))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        object.__setattr__(self, "repetition_penalty", float(r))
+        object.__setattr__(self, "temperature", 0.0 if t < GREEDY_BELOW else float(t))
         object.__setattr__(self, "top_p", float(p))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any setting changes the logits before temperature (see the module docstring)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or bool(self.bad_words))
 
     def new_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A fresh generator seeded with `seed` (or from OS entropy when seed is None)."""
@@ -109,4 +156,100 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-__all__ = ["SamplingParams", "target_probs", "sample"]
+class Penalties:
+    """One request's penalty state: what its prompt and output contain so far. `apply` penalises the logits of
+    a tree's nodes, each against its own context; `add` records tokens once they are emitted."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], vocab: int, end_ids: frozenset[int] | set[int],
+                 device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
+        if prompt:
+            self.prompt_seen[torch.tensor(prompt, device=device)] = True
+        self.output_counts = torch.zeros(vocab, dtype=torch.float32, device=device)  # [V]
+        self.generated = 0
+        self.end_ids = torch.tensor(sorted(end_ids), dtype=torch.int64, device=device)  # [E]
+        self._tail_len = max((len(w) for w in params.bad_words), default=1) - 1
+        self.tail: list[int] = list(prompt[-self._tail_len:]) if self._tail_len else []
+
+    def add(self, tokens: list[int]) -> None:
+        """Tokens just emitted (in order)."""
+        for t in tokens:
+            self.output_counts[t] += 1.0
+        self.generated += len(tokens)
+        if self._tail_len:
+            self.tail = (self.tail + list(tokens))[-self._tail_len:]
+
+    def apply(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor,
+              depth: torch.Tensor) -> torch.Tensor:
+        """Penalised copy of the logits of a draft tree (node 0 = the root, already emitted and added).
+
+        logits     # [N, V]: row i conditions on the committed sequence + the tokens of nodes 1..i on i's path
+        tokens     # [N] int64 node tokens
+        ancestors  # [N, N] bool: ancestors[i, j] = node j is on the path root..i (tree.mask)
+        depth      # [N] int64
+        A prefill row is a one-node tree: logits [1, V], any token, ancestors [[True]], depth [0].
+        """
+        params = self.params
+        if not params.penalised:
+            return logits
+        n, vocab = logits.shape
+        device = logits.device
+        x = logits.float().clone()
+        tokens = tokens.to(device)
+        on_path = ancestors[:, 1:].to(device)  # [N, N-1]: path tokens below the root
+        if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            counts = self.output_counts.to(device).expand(n, vocab).clone()  # [N, V]
+            rows, cols = on_path.nonzero(as_tuple=True)
+            counts.index_put_((rows, tokens[1:][cols]), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
+            if params.repetition_penalty != 1.0:
+                seen = (counts > 0) | self.prompt_seen.to(device)  # [N, V]
+                r = params.repetition_penalty
+                x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+            x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        if params.min_tokens > self.generated:
+            early = (self.generated + depth.to(device)) < params.min_tokens  # [N]
+            if self.end_ids.numel():
+                rows = early.nonzero().flatten()
+                x[rows[:, None], self.end_ids.to(device)[None, :]] = -math.inf
+        for word in params.bad_words:
+            last = word[-1]
+            if last >= vocab:
+                continue
+            if len(word) == 1:
+                x[:, last] = -math.inf
+                continue
+            node_tokens = tokens.tolist()
+            for i in range(n):
+                path = [node_tokens[j + 1] for j in on_path[i].nonzero().flatten().tolist()]
+                context = self.tail + path
+                if tuple(context[-(len(word) - 1):]) == word[:-1]:
+                    x[i, last] = -math.inf
+        return x
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                   top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Log-probabilities of emitted tokens and the `top` likeliest alternatives at each position.
+
+    logits  # [M, V] (penalised) logits of the rows the M tokens were drawn from
+    tokens  # [M] int64
+    The distribution is the one the token was drawn from: target_probs (temperature, top-k, top-p) when
+    sampling; at temperature 0 (a point mass) the model's softmax of the penalised logits instead.
+    Alternatives with probability 0 are left out.
+    """
+    x = logits.float()
+    if params.greedy:
+        logp = torch.log_softmax(x, dim=-1)
+    else:
+        logp = torch.log(target_probs(x, params))
+    chosen = logp.gather(-1, tokens.to(logp.device)[:, None])[:, 0].tolist()
+    alternatives: list[list[tuple[int, float]]] = [[] for _ in chosen]
+    if top > 0:
+        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+        for row, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist())):
+            alternatives[row] = [(t, v) for t, v in zip(ts, vs) if math.isfinite(v)]
+    return chosen, alternatives
+
+
+__all__ = ["GREEDY_BELOW", "MAX_LOGPROBS", "Penalties", "SamplingParams", "sample", "target_probs", "token_logprobs"]

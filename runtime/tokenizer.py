@@ -15,6 +15,7 @@ It is rendered as transformers renders it (sandboxed jinja2, trim_blocks / lstri
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -137,6 +138,8 @@ class Tokenizer:
         special_tokens: Mapping[str, str] | None = None,  # bos_token, eos_token, ... as the template sees them
     ) -> None:
         self._tok = tokenizer
+        self._literal_tok: _HFTokenizer | None = None  # built on first use by _literal
+        self._literal_lock = threading.Lock()
         self.chat_template = chat_template
         self._chat_template_source = chat_template_source or ("given" if chat_template else "none was given")
         self._compiled_template: Any = None
@@ -215,15 +218,29 @@ class Tokenizer:
         return cls(tok, bos, eos, add_bos=bool(add_bos), chat_template=template, chat_template_source=template_source,
                    special_tokens=special)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text` (special-token strings in it are recognised), BOS first when add_bos and the
-        model has one."""
+    def encode(self, text: str, add_bos: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`, BOS first when add_bos and the model has one.
+
+        parse_special: special-token strings in the text ("<s>", "<|im_start|>") become their special ids, as
+        transformers encodes; False: they are literal text (what a server does with text a user typed).
+        """
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        tok = self._tok if parse_special else self._literal()
+        ids = tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.add_bos:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def _literal(self) -> _HFTokenizer:
+        """A copy of the tokenizer that encodes special-token text as ordinary text (`encode_special_tokens` is
+        a setting of the tokenizer object, so it lives on a copy: the shared one keeps parsing them)."""
+        with self._literal_lock:
+            if self._literal_tok is None:
+                tok = _HFTokenizer.from_str(self._tok.to_str())
+                tok.encode_special_tokens = True
+                self._literal_tok = tok
+            return self._literal_tok
 
     def render_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages` (validated by `chat_messages`), as transformers renders it.

@@ -93,18 +93,18 @@ def _segment(model: TargetModel, prompt_len: int, tree: Tree, gen: torch.Generat
     return Segment(cache, tokens, prompt_len + tree.depth, tree.packed_mask)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_forward_segments_equals_each_sequence_alone(ckpt, dtype):
     """Ragged trees (different node counts, prefix lengths, masks) in one forward give each sequence the logits,
-    hidden states and K/V of its own batch-1 forward, up to the last bits of a matmul over a different row count
-    (measured here: ~3e-6 on float32 logits of magnitude ~5; ~1e-15 in float64, where a one-row matmul takes
-    another kernel)."""
+    hidden states and K/V of its own batch-1 forward: bit for bit in bfloat16 (it runs batch-invariant on CPU,
+    runtime/model.py), else up to the last bits of a matmul over a different row count (measured here: ~3e-6 on
+    float32 logits of magnitude ~5; ~1e-15 in float64, where a one-row matmul takes another kernel)."""
     model = TargetModel.from_pretrained(ckpt).to(dtype)
     gen = torch.Generator().manual_seed(0)
     trees = [Tree.parse("chain-4"), Tree.parse("mc_sim_7b_63"), Tree.root_only(), Tree.parse("[[0], [1], [0, 0]]")]
     segments = [_segment(model, p, t, gen) for p, t in zip((20, 7, 33, 3), trees)]
     packed = model.forward_segments(segments)
-    atol = 1e-4 if dtype == torch.float32 else 1e-12
+    atol = {torch.float32: 1e-4, torch.float64: 1e-12, torch.bfloat16: 0.0}[dtype]
     for seg, (logits, hidden) in zip(segments, packed):
         k_packed = seg.cache.k[:, :, :, : seg.cache.length + seg.size].clone()
         # the same tokens alone, through the classic batched forward (B = 1)
@@ -203,10 +203,13 @@ def test_greedy_batch_with_high_acceptance_and_staggered_joins(model, references
 # ---- same seed, same output, whatever else is in the batch ------------------------------------------------------
 
 
-def test_same_seed_same_output_alone_or_in_any_batch(ckpt):
-    """Sampled requests (lookup drafter, float64 target: rounding cannot move a sampling threshold) give the same
-    tokens alone, together, and among other requests in a different order and batch size."""
-    model = TargetModel.from_pretrained(ckpt).to(torch.float64)
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_same_seed_same_output_alone_or_in_any_batch(ckpt, dtype):
+    """Sampled requests (lookup drafter; a float64 target, where rounding cannot move a sampling threshold, or a
+    bfloat16 one, batch-invariant on CPU) give the same tokens alone, together, and among other requests in a
+    different order and batch size."""
+    model = TargetModel.from_pretrained(ckpt).to(torch.float64) if dtype == "float64" else \
+        TargetModel.from_pretrained(ckpt, dtype=dtype)
     dec = SpecDecoder(model, None, load_drafter("lookup", model), 16)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, top_k=20, seed=10 + i)
               for i, n in enumerate(MAX_TOKENS)]

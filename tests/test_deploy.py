@@ -98,6 +98,7 @@ def test_docker_and_compose(tmp_path):
     assert svc["ports"] == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001", "127.0.0.1:8002:8002"]
     assert svc["volumes"] == ["/data/engines/llama:/engines/engine:ro"]
     assert svc["healthcheck"]["test"][-1] == "http://127.0.0.1:8000/v2/health/ready"
+    assert svc["restart"] == "on-failure"  # deploy serve exits 3 when a model's process died
     assert svc["deploy"]["resources"]["reservations"]["devices"] == [
         {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert svc["shm_size"] == "2g"
@@ -154,6 +155,26 @@ def test_server_config_defaults_bind_loopback(tmp_path):
     assert "--grpc-address=0.0.0.0" in command(anywhere, wheel, None) and anywhere.http_url == "http://127.0.0.1:8000"
     on_path = Installation(binary=Path("/opt/tritonserver/bin/tritonserver"), backend_source=None, stub=None)
     assert not any(a.startswith("--backend-directory") for a in command(cfg, on_path, None))
+
+
+def test_server_restricts_the_admin_apis(tmp_path):
+    """Shared memory (a client could read a /dev/shm region back through a prompt), the model repository, trace and
+    logging settings are closed to requests without the admin token; inference, health, metadata, model config and
+    statistics stay open."""
+    from deploy.server import ADMIN_HEADER, RESTRICTED_APIS
+
+    on_path = Installation(binary=Path("/opt/tritonserver/bin/tritonserver"), backend_source=None, stub=None)
+    token = "t" * 20
+    cmd = command(ServerConfig(repo=str(tmp_path), admin_token=token), on_path, None)
+    group = f"shared-memory,model-repository,trace,logging:{ADMIN_HEADER}={token}"
+    assert f"--http-restricted-api={group}" in cmd and f"--grpc-restricted-protocol={group}" in cmd
+    assert set(RESTRICTED_APIS).isdisjoint({"inference", "health", "metadata", "model-config", "statistics"})
+    # No token configured: a fresh random one each start, so the restricted APIs are unreachable.
+    first, second = (command(ServerConfig(repo=str(tmp_path)), on_path, None) for _ in range(2))
+    restricted = [[a for a in c if a.startswith("--http-restricted-api=")] for c in (first, second)]
+    assert len(restricted[0]) == 1 and restricted[0] != restricted[1]
+    with pytest.raises(ConfigError, match="admin_token: expected at least 16"):
+        ServerConfig(repo=str(tmp_path), admin_token="short")
 
 
 def test_server_environment_for_the_wheel():

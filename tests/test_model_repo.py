@@ -146,8 +146,8 @@ def test_render_hf_checkpoint(ckpt, tmp_path):
     assert set(configs) == {"ensemble", "preprocessing", "spec_decode"} == set(repo.configs)
     for name, cfg in configs.items():
         assert cfg == repo.configs[name]  # what is on disk parses back to the dataclass it was rendered from
-    assert (out / "ensemble" / "1").is_dir() and not any((out / "ensemble" / "1").iterdir())
-    for name, cls in (("spec_decode", "SpecDecodeModel"), ("preprocessing", "PreprocessingModel")):
+    for name, cls in (("spec_decode", "SpecDecodeModel"), ("preprocessing", "PreprocessingModel"),
+                      ("ensemble", "EnsembleModel")):
         src = (out / name / "1" / "model.py").read_text()
         assert f"from model_repo.triton_adapter import {cls} as TritonPythonModel" in src
 
@@ -164,24 +164,26 @@ def test_render_hf_checkpoint(ckpt, tmp_path):
     assert pre.parameter("max_context") == "512" and not pre.decoupled  # tiny llama2: 512 positions
 
     ens = configs["ensemble"]
-    assert ens.platform == "ensemble" and ens.backend is None
+    # The entry point is a decoupled python (BLS) model, not a Triton ensemble: 2.51's ensembles do not pass a
+    # client's cancellation on to a running step.
+    assert ens.backend == "python" and ens.platform is None and ens.decoupled and ens.ensemble_scheduling is None
     assert [i.name for i in ens.input][:2] == ["text_input", "max_tokens"]
     # All optional at the config level (Triton 2.51 drops required-input errors on gRPC streams); the models
     # enforce text_input and max_tokens themselves (tests/test_serving.py checks the messages).
     assert all(i.optional for i in ens.input)
-    steps = ens.ensemble_scheduling.step
-    assert [s.model_name for s in steps] == ["preprocessing", "spec_decode"]
+    assert ens.parameter("preprocessing_model") == "preprocessing" and ens.parameter("spec_decode_model") == "spec_decode"
+    assert ens.parameter("max_in_flight") == str(1 * (3 + RepoOptions.max_queue_size))  # instances * (slots + queue)
     # The prompt, as text or as chat messages (a JSON string), goes through the tokenizer stage and on.
     messages = pipeline.MESSAGES
     assert messages.data_type is DataType.TYPE_STRING and messages.dims == (1,) and messages.optional
     assert messages in ens.input and messages in spec.input and messages in pre.input
-    assert [i.name for i in pre.input] == ["text_input", "messages"]
-    assert steps[0].input_map == {"text_input": "text_input", "messages": "messages"}
-    assert steps[1].input_map["messages"] == "messages" and steps[1].input_map["text_input"] == "text_input"
-    assert steps[1].input_map["input_ids"] == steps[0].output_map["input_ids"]
-    # Every input the ensemble takes reaches spec_decode; every spec_decode output is an ensemble output.
-    assert set(steps[1].input_map.values()) - {"_input_ids"} == {i.name for i in ens.input}
-    assert set(steps[1].output_map) == {o.name for o in spec.output} == {o.name for o in ens.output}
+    assert [i.name for i in pre.input] == ["text_input", "messages", "parse_special_tokens"]
+    # Every input the entry point takes is one spec_decode takes (it passes them on with the tokenizer's ids).
+    assert {i.name for i in ens.input} <= {i.name for i in spec.input}
+    # Limits, from one place (RepoOptions' defaults), reach both stages.
+    assert spec.parameter("max_queue_size") == str(RepoOptions.max_queue_size)
+    assert spec.parameter("max_prompt_bytes") == pre.parameter("max_prompt_bytes") == str(16 * 512)
+    assert spec.parameter("kv_memory_mb") == "0"
     manifest = json.loads((out / "spectree-repo.json").read_text())
     assert manifest["max_context"] == 512 and manifest["options"]["draft"] == "lookup"
 

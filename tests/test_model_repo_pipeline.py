@@ -1,9 +1,12 @@
-"""model_repo.pipeline without a server: request parsing (every error names its input), the tokenizer stage,
-the generation driver over a real SpecDecoder, slots, error codes, metrics and config parameters."""
+"""model_repo.pipeline without a server: request parsing (every error names its input), request limits, the
+tokenizer stage, the generation driver over a real SpecDecoder, admission (slots, FIFO queue, KV budget), error
+codes, metrics and config parameters."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,16 +16,22 @@ from model_repo import pipeline
 from model_repo.pipeline import (
     ErrorCode,
     InputError,
+    AdmissionLimits,
+    CallerOptions,
+    CancelBoard,
+    GenerationJob,
+    OverloadedError,
     RequestCancelled,
     RequestLimits,
     SettingsError,
-    Slots,
-    SlotsFullError,
     SpecDecodeSettings,
+    ThreadedScheduler,
     SpecMetrics,
     error_code,
     parse_generate_request,
     preprocess,
+    prompt_ids,
+    request_kv_bytes,
     run_generation,
 )
 from runtime.errors import CacheError, RequestError
@@ -150,7 +159,7 @@ def test_parse_messages():
         ({"top_k": i32(-2)}, "top_k: expected an integer >= 0"),
         ({"stream": np.array([1], dtype=np.int32)}, "stream: expected BOOL"),
         ({"end_id": i32(10**6)}, "end_id: expected a token id in [0,"),
-        ({"bad_words": np.array([b"fox"], dtype=np.object_)}, "bad_words: not supported"),
+        ({"bad_words": np.array([b"fox"], dtype=np.object_)}, "bad_words: this model has no tokenizer"),
         ({"sampling_parameters": s("{not json")}, "sampling_parameters: not valid JSON"),
         ({"sampling_parameters": s('{"temprature": 1}')}, "sampling_parameters: unknown key(s) ['temprature']"),
         ({"sampling_parameters": s('{"max_tokens": 3}')}, "'max_tokens' is also given as the input 'max_tokens'"),
@@ -159,7 +168,8 @@ def test_parse_messages():
         ({"input_ids": i32(0, 10**6), "text_input": None}, "input_ids: token ids must be in [0,"),
         ({"input_ids": i32(0, 5), "text_input": None, "exclude_input_in_output": b(False)},
          "exclude_input_in_output: false needs text_input"),
-        ({"pad_id": i32(0)}, "unknown input(s) ['pad_id']"),
+        ({"pad_id": i32(10**6)}, "pad_id: expected a token id in [0,"),
+        ({"prompt_embedding_table": i32(0)}, "unknown input(s) ['prompt_embedding_table']"),
     ],
 )
 def test_bad_inputs_name_the_input(inputs, message):
@@ -208,10 +218,16 @@ class ListSink:
     def __init__(self, cancel_after: int | None = None) -> None:
         self.responses: list[tuple[dict, bool]] = []
         self.cancel_after = cancel_after
+        self.error: BaseException | None = None
 
     def send(self, outputs, final):
         assert not (self.responses and self.responses[-1][1]), "a response after the final one"
+        assert self.error is None, "a response after the error"
         self.responses.append((outputs, final))
+
+    def fail(self, exc):
+        assert not (self.responses and self.responses[-1][1]), "an error after the final response"
+        self.error = exc
 
     def is_cancelled(self):
         return self.cancel_after is not None and len(self.responses) >= self.cancel_after
@@ -302,24 +318,206 @@ def test_prompt_too_long_is_an_input_error(decoder):
 # ---- slots, error codes, metrics, settings --------------------------------------------------------------
 
 
-def test_slots():
-    seen: list[int] = []
-    slots = Slots(2, on_change=seen.append)
-    slots.acquire()
-    slots.acquire()
-    with pytest.raises(SlotsFullError, match="all 2 generation slots are busy") as e:
-        slots.acquire()
+class GateSink(ListSink):
+    """A sink whose generation stops at its first cancellation check until `go` is set (holds a slot), and which
+    records what the scheduler reported when its final response went out."""
+
+    def __init__(self, scheduler_ref: list, cancelled: bool = False) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.started = threading.Event()
+        self.cancelled = cancelled
+        self.running_at_final: int | None = None
+        self.scheduler_ref = scheduler_ref
+
+    def is_cancelled(self):
+        if "-gen-" in threading.current_thread().name:  # the worker running it (not a queue sweep)
+            self.started.set()
+            self.go.wait(30)
+        return self.cancelled
+
+    def send(self, outputs, final):
+        if final:
+            self.running_at_final = self.scheduler_ref[0].running
+        super().send(outputs, final)
+
+
+def _job(decoder, sink, max_tokens=6, kv_bytes=None):
+    request = parse_generate_request(req(max_tokens=i32(max_tokens), stream=b(True)), LIMITS)
+    ids = prompt_ids(decoder, request)
+    kv = request_kv_bytes(decoder, len(ids), max_tokens) if kv_bytes is None else kv_bytes
+    return GenerationJob(request, tuple(ids), kv, sink)
+
+
+def _wait(cond, what):
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_scheduler_runs_queues_in_order_and_refuses_beyond_the_queue(decoder):
+    done: list = []
+    states: list = []
+    ref: list = []
+    sched = ThreadedScheduler(decoder, AdmissionLimits(1, 2, 2**40), on_done=lambda j, e, f: done.append((j, e)),
+                              on_state=lambda r, q, kv: states.append((r, q)))
+    ref.append(sched)
+    sinks = [GateSink(ref) for _ in range(3)]
+    jobs = [_job(decoder, sk) for sk in sinks]
+    for job in jobs:
+        sched.submit(job)
+    sinks[0].started.wait(30)
+    assert (sched.running, sched.queued) == (1, 2)
+    extra = _job(decoder, ListSink())
+    with pytest.raises(OverloadedError, match=r"^overloaded: 1 generations running and 2 waiting "
+                                              r"\(max_concurrent_requests 1, max_queue_size 2\)") as e:
+        sched.submit(extra)
     assert error_code(e.value) is ErrorCode.UNAVAILABLE
-    slots.release()
-    slots.acquire()
-    assert slots.active == 2
-    slots.release()
-    slots.release()
-    with pytest.raises(RuntimeError, match="without a matching acquire"):
-        slots.release()
-    assert seen == [1, 2, 1, 2, 1, 0]
-    with pytest.raises(SettingsError):
-        Slots(0)
+    for sk in sinks:
+        sk.go.set()
+    _wait(lambda: len(done) == 3, "the jobs never finished")
+    assert [j for j, _ in done] == jobs and all(err is None for _, err in done)  # FIFO, all completed
+    ref_text = decoder.generate(PROMPT, max_tokens=6).text
+    assert all(sk.text() == ref_text for sk in sinks)
+    # The slot is free before the final response goes out (a client sending its next request at once finds room).
+    assert all(sk.running_at_final == 0 for sk in sinks)
+    assert max(r for r, _ in states) == 1 and states[-1] == (0, 0)
+    sched.close()
+
+
+def test_scheduler_kv_budget(decoder):
+    done: list = []
+    ref: list = []
+    one = _job(decoder, ListSink())
+    budget = int(one.kv_bytes * 1.5)  # one request fits, two do not
+    sched = ThreadedScheduler(decoder, AdmissionLimits(4, 4, budget), on_done=lambda j, e, f: done.append((j, e)))
+    ref.append(sched)
+    with pytest.raises(InputError) as e:
+        sched.submit(_job(decoder, ListSink(), max_tokens=50, kv_bytes=budget + 1))
+    message = str(e.value)
+    assert message.startswith("max_tokens: 50 with a ") and "KV budget" in message and "kv_memory_mb" in message
+    allowed = int(message.rsplit("max_tokens <= ", 1)[1])
+    assert request_kv_bytes(decoder, len(one.prompt), allowed) <= budget < request_kv_bytes(
+        decoder, len(one.prompt), allowed + 1) or allowed + len(one.prompt) + decoder.max_tree_nodes >= decoder.max_context
+    first, second = GateSink(ref), GateSink(ref)
+    sched.submit(_job(decoder, first))
+    sched.submit(_job(decoder, second))
+    first.started.wait(30)
+    time.sleep(0.2)
+    assert (sched.running, sched.queued) == (1, 1)  # a free slot, but the budget holds the second back
+    assert not second.started.is_set()
+    first.go.set()
+    second.go.set()
+    _wait(lambda: len(done) == 2, "the jobs never finished")
+    assert all(err is None for _, err in done)
+    sched.close()
+
+
+def test_scheduler_drops_cancelled_jobs_and_close_ends_the_queue(decoder):
+    done: list = []
+    ref: list = []
+    sched = ThreadedScheduler(decoder, AdmissionLimits(1, 1, 2**40), on_done=lambda j, e, f: done.append((j, e)))
+    ref.append(sched)
+    holder = GateSink(ref)
+    gone = ListSink(cancel_after=0)  # its client left while it waited
+    sched.submit(_job(decoder, holder))
+    holder.started.wait(30)
+    sched.submit(_job(decoder, gone))
+    # The queue is full, but its only job is cancelled: it makes room instead of an OverloadedError.
+    waiting = ListSink()
+    sched.submit(_job(decoder, waiting))
+    _wait(lambda: gone.error is not None, "the cancelled job was not ended")
+    assert isinstance(gone.error, RequestCancelled) and not gone.responses
+    holder.go.set()
+    _wait(lambda: len(done) == 3, "the jobs never finished")
+    assert waiting.responses[-1][1]
+    # close(): a queued job ends CANCELLED (the model is shutting down); new jobs are refused.
+    holder2 = GateSink(ref)
+    queued = ListSink()
+    sched.submit(_job(decoder, holder2))
+    holder2.started.wait(30)
+    sched.submit(_job(decoder, queued))
+    holder2.cancelled = True
+    holder2.go.set()
+    sched.close()
+    assert isinstance(queued.error, RequestCancelled) and "shutting down" in str(queued.error)
+    with pytest.raises(RequestCancelled, match="shutting down"):
+        sched.submit(_job(decoder, ListSink()))
+    with pytest.raises(SettingsError, match="max_concurrent_requests must be an int >= 1"):
+        AdmissionLimits(0, 1, 1)
+
+
+def test_request_limits_are_checked_before_the_work(decoder):
+    limits = RequestLimits(max_tokens=100, vocab_size=vocab_size(), max_prompt_bytes=64, max_stop_words=2,
+                           max_stop_word_bytes=8)
+    with pytest.raises(InputError, match=r"^text_input: 65 bytes; this server takes prompts of at most 64 bytes "
+                                         r"\(max_prompt_bytes\)"):
+        parse_generate_request(req(text_input=s("x" * 65)), limits)
+    with pytest.raises(InputError, match=r"^messages: \d+ bytes; .* at most 64 bytes"):
+        parse_generate_request(req(text_input=None, messages=j([{"role": "user", "content": "y" * 64}])), limits)
+    with pytest.raises(InputError, match=r"^text_input: 65 bytes"):
+        preprocess({"text_input": s("x" * 65)}, decoder.tokenizer, decoder.max_context, max_prompt_bytes=64)
+    three = np.array([b"a", b"b", b"c"], dtype=np.object_)
+    with pytest.raises(InputError, match=r"^stop_words: 3 stop strings; this server takes at most 2 "
+                                         r"\(max_stop_words\)"):
+        parse_generate_request(req(stop_words=three), limits)
+    with pytest.raises(InputError, match=r"^stop_words\[1\]: 9 bytes; .* at most 8 bytes \(max_stop_word_bytes\)"):
+        parse_generate_request(req(stop_words=np.array([b"ok", b"123456789"], dtype=np.object_)), limits)
+    with pytest.raises(InputError, match=r"^sampling_parameters.stop: 3 stop strings"):
+        parse_generate_request(req(sampling_parameters=s('{"stop": ["a", "b", "c"]}')), limits)
+    with pytest.raises(InputError, match=r"^sampling_parameters.stop\[0\]: 9 bytes"):
+        parse_generate_request(req(sampling_parameters=s('{"stop": "123456789"}')), limits)
+    ok = parse_generate_request(req(stop_words=np.array([b"ab", b"cd"], dtype=np.object_)), limits)
+    assert ok.params.stop == ("ab", "cd")
+
+
+def test_special_token_text_is_literal_unless_asked(decoder):
+    text = "say </s> and <s> please"
+    tok = decoder.tokenizer
+    literal = tok.encode(text, parse_special=False)
+    assert EOS_ID not in literal[1:] and tok.decode(literal[1:]) == text
+    assert EOS_ID in tok.encode(text)  # what transformers does with the same text
+    r = parse_generate_request(req(text_input=s(text)), LIMITS)
+    assert prompt_ids(decoder, r) == literal
+    assert preprocess({"text_input": s(text)}, tok, decoder.max_context)["input_ids"].tolist() == literal
+    r = parse_generate_request(req(text_input=s(text), parse_special_tokens=b(True)), LIMITS)
+    assert prompt_ids(decoder, r) == tok.encode(text)
+    out = preprocess({"text_input": s(text), "parse_special_tokens": b(True)}, tok, decoder.max_context)
+    assert out["input_ids"].tolist() == tok.encode(text)
+
+
+def test_tiny_temperatures_are_greedy(decoder):
+    r = parse_generate_request(req(temperature=f32(1e-45), random_seed=np.array([3], dtype=np.uint64),
+                                   max_tokens=i32(12)), LIMITS)
+    assert r.params.greedy
+    sink = ListSink()
+    final = run_generation(decoder, r, sink)
+    assert final.stats.verification == "greedy"
+    assert sink.ids() == list(decoder.generate(PROMPT, max_tokens=12).token_ids)
+
+
+def test_cancel_board_and_caller_options(tmp_path):
+    board = CancelBoard(tmp_path / "board")
+    token = board.new_token()
+    assert CancelBoard.is_token(token) and not board.is_marked(token)
+    board.mark(token)
+    assert board.is_marked(token) and (tmp_path / "board").stat().st_mode & 0o777 == 0o700
+    board.clear(token)
+    assert not board.is_marked(token)
+    board.close()
+    assert not (tmp_path / "board").exists()
+    opts = CallerOptions.from_parameters(json.dumps({pipeline.CANCEL_TOKEN_PARAMETER: token,
+                                                     pipeline.CODED_ERRORS_PARAMETER: True}))
+    assert opts == CallerOptions(cancel_token=token, coded_errors=True)
+    assert CallerOptions.from_parameters("{}") == CallerOptions() == CallerOptions.from_parameters(None)
+    with pytest.raises(InputError, match="spectree_cancel_token: expected 32 lowercase hex digits"):
+        CallerOptions.from_parameters(json.dumps({pipeline.CANCEL_TOKEN_PARAMETER: "../../etc/passwd"}))
+    # Coded error messages survive a BLS hop, which drops the code.
+    for exc in (InputError("top_p: bad"), OverloadedError("overloaded: full"), RequestCancelled("gone"), KeyError("k")):
+        assert pipeline.decode_error_message(pipeline.coded_error_message(exc)) == (error_code(exc),
+                                                                                   pipeline.error_message(exc))
+    assert pipeline.decode_error_message("[NOPE] x") == (ErrorCode.INTERNAL, "[NOPE] x")
 
 
 def test_error_codes_and_messages():
@@ -355,32 +553,39 @@ class RecordingBackend:
 def test_metrics_follow_the_stats(decoder):
     backend = RecordingBackend()
     metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0_0")
-    metrics.capacity(8)
-    metrics.active(3)
-    gauge = ("spectree_active_requests", (("instance", "spec_decode_0_0"), ("model", "spec_decode")))
-    assert backend.values[gauge] == 3
+    metrics.limits(AdmissionLimits(8, 4, 2**30))
+    metrics.state(3, 2, 1000)
+    inst = (("instance", "spec_decode_0_0"), ("model", "spec_decode"))
+    assert backend.values[("spectree_active_requests", inst)] == 3
+    assert backend.values[("spectree_queued_requests", inst)] == 2
+    assert backend.values[("spectree_kv_reserved_bytes", inst)] == 1000
+    assert backend.values[("spectree_generation_slots", inst)] == 8
+    assert backend.values[("spectree_queue_slots", inst)] == 4
+    assert backend.values[("spectree_kv_budget_bytes", inst)] == 2**30
     sampled = parse_generate_request(req(max_tokens=i32(15), temperature=f32(0.8),
                                          random_seed=np.array([1], dtype=np.uint64)), LIMITS)
     final = run_generation(decoder, sampled, ListSink())
     metrics.finished(None, final)
     metrics.finished(InputError("x"))
     metrics.finished(RequestCancelled("x"))
+    metrics.finished(OverloadedError("overloaded: x"))
     st = final.stats
     lab = (("model", "spec_decode"), ("verification", "rejection_sampling"))
     assert backend.values[("spectree_generated_tokens_total", (("model", "spec_decode"),))] == st.generated_tokens
     assert backend.values[("spectree_verify_steps_total", lab)] == st.steps > 0
     assert backend.values[("spectree_accepted_tokens_total", lab)] == st.accepted_tokens
-    assert backend.values[("spectree_drafted_tokens_total", lab)] == st.drafted_tokens
+    assert backend.values[("spectree_tree_nodes_total", lab)] == st.drafted_tokens
     assert backend.observations[("spectree_accepted_tokens_per_step", lab)] == list(st.accepted_per_step)
     assert backend.observations[("spectree_tau", lab)] == [st.tau]
-    for outcome in ("completed", "invalid", "cancelled"):
+    for outcome in ("completed", "invalid", "cancelled", "overloaded"):
         assert backend.values[("spectree_requests_total", (("model", "spec_decode"), ("outcome", outcome)))] == 1
     assert {m.name for m in pipeline.METRICS} >= {"spectree_tau", "spectree_accepted_tokens_per_step"}
 
 
 def settings_params(**over: str) -> dict[str, str]:
     p = {"engine_dir": "/e", "load_options": '{"draft": "lookup"}', "max_concurrent_requests": "8",
-         "max_tokens_limit": "100", "torch_threads": "0", "device": "cpu",
+         "max_queue_size": "4", "max_tokens_limit": "100", "kv_memory_mb": "0", "max_prompt_bytes": "1000",
+         "max_stop_words": "4", "max_stop_word_bytes": "32", "torch_threads": "0", "device": "cpu",
          "verification_at_temperature_0": "greedy", "verification_above_temperature_0": "rejection_sampling"}
     p.update(over)
     return {k: v for k, v in p.items() if v is not None}
@@ -388,7 +593,11 @@ def settings_params(**over: str) -> dict[str, str]:
 
 def test_spec_decode_settings_are_strict():
     st = SpecDecodeSettings.from_parameters(settings_params())
-    assert st.load_options == {"draft": "lookup"} and st.max_concurrent_requests == 8
+    assert st.load_options == {"draft": "lookup"} and st.max_concurrent_requests == 8 and st.max_queue_size == 4
+    assert st.request_limits(50) == RequestLimits(max_tokens=100, vocab_size=50, max_prompt_bytes=1000,
+                                                  max_stop_words=4, max_stop_word_bytes=32)
+    assert st.kv_budget_bytes(lambda: 3000) == 1500  # kv_memory_mb 0: half the free memory
+    assert SpecDecodeSettings.from_parameters(settings_params(kv_memory_mb="2")).kv_budget_bytes(lambda: 1) == 2 * 2**20
     for over, message in (
         ({"max_concurrent_requests": "zero"}, "max_concurrent_requests: expected an integer, got 'zero'"),
         ({"max_concurrent_requests": "0"}, "expected an integer >= 1, got 0"),

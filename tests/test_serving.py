@@ -2,11 +2,13 @@
 repository for a real engine directory: streamed generations equal the offline runtime, bad requests get clear
 errors while the server stays ready, concurrent streams, cancellation, metrics, and a clean shutdown.
 
-One server for the whole module (started once, always killed); ports are chosen free at run time.
+One server for the whole module (started once, always killed); ports are chosen free at run time. `serve_repo`
+starts one for any engine and render options (tests/test_serving_faults.py uses it for its own servers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -18,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[grpc] (scripts/setup.sh)")
 
 import runtime
-from deploy.client import ClientError, build_inputs, generate_stream, stream_infer
+from deploy.client import ClientError, build_inputs, generate_stream, model_batches, stream_infer
 from deploy.server import (
     ServerError,
     child_pids,
@@ -78,11 +81,11 @@ class Served:
     output: list[str]
 
 
-def _build_engine(root: Path) -> Path:
+def _build_engine(root: Path, max_context: int = MAX_CONTEXT) -> Path:
     from builder.build import build_engine
     from builder.config import parse_config
 
-    ckpt = make_checkpoint(root / "llama2", "llama2", max_position_embeddings=MAX_CONTEXT)
+    ckpt = make_checkpoint(root / "llama2", "llama2", max_position_embeddings=max_context)
     (ckpt / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     heads = write_medusa_head(root / "medusa", 64, vocab_size(), num_heads=3)
     cfg = parse_config({"model": {"checkpoint": str(ckpt)},
@@ -99,18 +102,18 @@ def _read_lines(stream, sink: queue.Queue, keep: list[str]) -> None:
         sink.put(line)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serving")
-    engine = _build_engine(root)
+@contextlib.contextmanager
+def serve_repo(root: Path, engine: Path, extra_serve_args: Sequence[str] = (), **render_options):
+    """`python -m deploy serve` (plus extra_serve_args) on a repository rendered for `engine` (torch_threads 1
+    unless given); yields a Served once it printed "ready", and leaves nothing running."""
     repo = root / "repo"
-    render(RepoOptions(engine=str(engine), output=str(repo), max_concurrent_requests=SLOTS,
-                       max_tokens_limit=MAX_TOKENS_LIMIT, torch_threads=1))
+    render(RepoOptions(engine=str(engine), output=str(repo), **{"torch_threads": 1, **render_options}))
     http, grpc, metrics = free_ports(3)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = subprocess.Popen(
         [sys.executable, "-m", "deploy", "serve", "--repo", str(repo), "--http-port", str(http), "--grpc-port",
-         str(grpc), "--metrics-port", str(metrics), "--exit-timeout-s", "10", "--log-file", str(root / "server.log")],
+         str(grpc), "--metrics-port", str(metrics), "--exit-timeout-s", "10", "--log-file", str(root / "server.log"),
+         *extra_serve_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).parent.parent,
     )
     lines: queue.Queue = queue.Queue()
@@ -148,6 +151,14 @@ def served(tmp_path_factory):
                 os.killpg(server_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, extra_serve_args):
+    root = tmp_path_factory.mktemp("serving")
+    with serve_repo(root, _build_engine(root), extra_serve_args, max_concurrent_requests=SLOTS,
+                    max_tokens_limit=MAX_TOKENS_LIMIT) as s:
+        yield s
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
@@ -321,6 +332,9 @@ def test_client_cli(served):
 
 
 def grpc_error(served: Served, model: str, inputs: list) -> str:
+    if model_batches(served.grpc, model):  # the ensemble takes [batch, ...] tensors (tensorrtllm_backend's shapes)
+        for t in inputs:
+            t.set_shape([1, *t.shape()])
     with pytest.raises(ClientError) as e:
         list(stream_infer(served.grpc, model, inputs, timeout_s=60))
     return str(e.value)
@@ -410,33 +424,28 @@ def test_eight_concurrent_streams(served):
     assert after.get("spectree_active_requests", model="spec_decode") == 0
 
 
-def test_cancelled_stream_frees_its_slot(served):
+def test_a_full_house_queues_and_a_cancelled_stream_frees_its_slot(served):
     long = {"sampling_parameters": {"ignore_eos": True}}
     busy = [generate_stream(served.grpc, "spec_decode", PROMPTS[i % 4], MAX_TOKENS_LIMIT, timeout_s=60, **long)
             for i in range(SLOTS)]
-    before = scrape(served)
+    before = settled_scrape(served)
+    waiting: list = []
     try:
         for s in busy:
             first = next(s)  # each stream is generating: it holds a slot
             assert not first.final
         assert scrape(served).get("spectree_active_requests", model="spec_decode") == SLOTS
-        message = grpc_error(served, "spec_decode", build_inputs("hi", 4))
-        assert f"all {SLOTS} generation slots are busy" in message
-        code, body = post(f"{served.http}/v2/models/spec_decode/generate", {"text_input": "hi", "max_tokens": 4})
-        # The model answers UNAVAILABLE; tritonserver 2.51's generate endpoint reports every error of a decoupled
-        # model as HTTP 400 (measured), so only the message tells the cases apart at the HTTP layer.
-        assert code >= 400 and "slots are busy" in json.loads(body)["error"]
-        busy[0].close()  # cancels the request on the server
+        # One more waits in the queue instead of being refused ...
+        waiter = threading.Thread(target=lambda: waiting.append(stream(served, "spec_decode", PROMPTS[0], 6)))
+        waiter.start()
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                events = stream(served, "spec_decode", "hi", 4)
-                break
-            except ClientError as exc:
-                assert "slots are busy" in str(exc)
-                assert time.monotonic() < deadline, "the cancelled stream's slot was never freed"
-                time.sleep(0.2)
-        assert events[-1].final
+        while scrape(served).get("spectree_queued_requests", model="spec_decode") != 1:
+            assert time.monotonic() < deadline, "the extra request was not queued"
+            time.sleep(0.1)
+        assert not waiting
+        busy[0].close()  # ... and runs once a stream is cancelled (its slot freed)
+        waiter.join(timeout=60)
+        check_equal(waiting[0], offline(served, PROMPTS[0], max_tokens=6))
     finally:
         for s in busy:
             s.close()
@@ -444,14 +453,61 @@ def test_cancelled_stream_frees_its_slot(served):
     while scrape(served).get("spectree_active_requests", model="spec_decode") != 0:
         assert time.monotonic() < deadline, "cancelled streams kept running"
         time.sleep(0.2)
-    after = scrape(served)
+    after = settled_scrape(served)
 
     def delta(outcome: str) -> float:
         return (after.get("spectree_requests_total", model="spec_decode", outcome=outcome)
                 - before.get("spectree_requests_total", model="spec_decode", outcome=outcome))
 
     assert delta("cancelled") == SLOTS  # none ran to its 1500 tokens
-    assert delta("busy") >= 2
+    assert delta("completed") == 1 and delta("overloaded") == 0
+    assert after.get("spectree_kv_reserved_bytes", model="spec_decode") == 0
+
+
+def test_tiny_temperature_is_greedy(served):
+    """temperature 1e-45 (FP32's smallest) is greedy, not an internal error (logits / 1e-45 overflow)."""
+    events = stream(served, "ensemble", PROMPTS[1], 16, temperature=1e-45, seed=3)
+    check_equal(events, offline(served, PROMPTS[1], max_tokens=16))
+    assert events[-1].verification == "greedy"
+
+
+def test_special_token_text_in_a_prompt_is_literal(served):
+    text = "Say </s> and <s> then <|eot_id|> please"
+    tok = served.decoder.tokenizer
+    literal = tok.encode(text, parse_special=False)
+    assert not set(literal[1:]) & {tok.bos_token_id, *tok.eos_token_ids}
+    for model in ("ensemble", "spec_decode"):
+        check_equal(stream(served, model, text, 12), offline(served, literal, max_tokens=12))
+    # Asked for, the special-token text becomes the special tokens (transformers' encoding).
+    parsed = stream(served, "ensemble", text, 12, extra={"parse_special_tokens": np.array([True])})
+    check_equal(parsed, offline(served, tok.encode(text), max_tokens=12))
+
+
+def test_admin_apis_are_restricted(served):
+    """Triton's shared-memory, model-repository, trace and logging APIs refuse requests without the admin header
+    (a client could otherwise read a /dev/shm region back through a prompt, or change logging over the network)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    for method, path, body in (("POST", "/v2/systemsharedmemory/region/r/register",
+                                {"key": "/triton_python_backend_shm_region_x", "offset": 0, "byte_size": 64}),
+                               ("GET", "/v2/systemsharedmemory/status", None),
+                               ("POST", "/v2/logging", {"log_verbose_level": 1}),
+                               ("GET", "/v2/trace/setting", None),
+                               ("POST", "/v2/repository/index", {})):
+        req = urllib.request.Request(f"{served.http}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode())
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 403, (path, e.value.code)
+    client = grpcclient.InferenceServerClient(served.grpc)
+    for call in (lambda: client.register_system_shared_memory("r", "/triton_python_backend_shm_region_x", 64),
+                 lambda: client.update_log_settings({"log_verbose_level": 1}),
+                 lambda: client.get_system_shared_memory_status()):
+        with pytest.raises(InferenceServerException, match="This protocol is restricted"):
+            call()
+    assert client.is_server_ready() and client.get_model_config("ensemble")  # what clients need stays open
+    client.close()
 
 
 def test_speculation_metrics(served):
@@ -470,7 +526,7 @@ def test_speculation_metrics(served):
     assert delta("spectree_generated_tokens_total", model="spec_decode") == st.generated_tokens
     assert delta("spectree_verify_steps_total", **lab) == st.steps > 0
     assert delta("spectree_verify_steps_total", model="spec_decode", verification="greedy") == 0
-    assert delta("spectree_drafted_tokens_total", **lab) == st.drafted_tokens
+    assert delta("spectree_tree_nodes_total", **lab) == st.drafted_tokens
     assert delta("spectree_accepted_tokens_total", **lab) == st.accepted_tokens
     assert delta("spectree_accepted_tokens_per_step_count", **lab) == st.steps
     assert delta("spectree_accepted_tokens_per_step_sum", **lab) == sum(st.accepted_per_step)
@@ -484,9 +540,14 @@ def test_shutdown_is_clean(served):
     """Last: SIGTERM to `deploy serve` stops tritonserver and its stubs, frees the ports, exits 0."""
     assert served.stub_pids, "the server's python stubs were not found"
     regions = shm_regions(served.stub_pids)
-    assert len(regions) == len(served.stub_pids) == 2  # preprocessing and spec_decode, one instance each
+    # ensemble, preprocessing and spec_decode, one instance each
+    assert len(regions) == len(served.stub_pids) == 3
+    t0 = time.monotonic()
     served.cli.send_signal(signal.SIGTERM)
     assert served.cli.wait(timeout=90) == 0, "".join(served.output)
+    # Prompt, even after the wrong-dtype requests the ensemble answered earlier (BAD_REQUESTS), which left a
+    # Triton ensemble unable to unload (32 s and exit 1); nothing was in flight, so no exit timeout to wait out.
+    assert time.monotonic() - t0 < 15
     out = "".join(served.output)
     assert "shutting down (SIGTERM)" in out and "stopped (tritonserver exit status 0)" in out
     for pid in [served.server_pid, *served.stub_pids]:

@@ -45,19 +45,88 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+# A resumable state (module and optimizer state dicts, RNG state, counters) is one safetensors file: its tensors
+# by position ("t0", "t1", ...) and, in the header's metadata, the structure around them as JSON in which every
+# tensor is {"tensor": "tN"}, every tuple {"tuple": [...]} and every dict {"dict": [[key, value], ...]} (optimizer
+# state is keyed by ints). Nothing in it is code: a file that is not one of these (a pickle, say) is refused, never
+# unpickled.
+STATE_FORMAT = "spectree-training-state"
+STATE_SUFFIX = ".safetensors"
+LEGACY_STATE_SUFFIX = ".pt"  # pickled states written by earlier versions: refused, never loaded
+
+
+def _flatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = value.detach().cpu().contiguous().clone()
+        return {"tensor": key}
+    if isinstance(value, dict):
+        return {"dict": [[k, _flatten(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"tuple": [_flatten(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_flatten(v, tensors) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"training state: cannot store a {type(value).__name__}")
+
+
+def _unflatten(value: Any, tensors: dict[str, torch.Tensor], where: Path) -> Any:
+    if isinstance(value, list):
+        return [_unflatten(v, tensors, where) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"tensor"} and value["tensor"] in tensors:
+            return tensors[value["tensor"]]
+        if set(value) == {"tuple"} and isinstance(value["tuple"], list):
+            return tuple(_unflatten(v, tensors, where) for v in value["tuple"])
+        if set(value) == {"dict"} and isinstance(value["dict"], list):
+            return {k: _unflatten(v, tensors, where) for k, v in value["dict"]}
+        raise ResumeError(f"{where}: malformed training state (unexpected object {sorted(value)})")
+    return value
+
+
 def save_state(path: Path, state: dict[str, Any]) -> None:
-    """torch.save to a temporary sibling, then rename: an interrupted save never corrupts the last one."""
+    """Write to a temporary sibling, then rename: an interrupted save never corrupts the last one."""
+    from safetensors.torch import save_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
+    tmp = path.with_name(path.name + ".tmp")
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _flatten(state, tensors)
+    save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "state": json.dumps(structure)})
     tmp.replace(path)
 
 
 def load_state(path: Path, fingerprint: str) -> dict[str, Any] | None:
-    """The saved state at `path` (None when there is none); it must have been saved under `fingerprint`."""
+    """The saved state at `path` (None when there is none); it must have been saved under `fingerprint`.
+
+    Only the safetensors + JSON format above is read; anything else raises ResumeError without being parsed any
+    further, and an old pickled state beside it (same name, .pt) raises ResumeError without being opened at all.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    legacy = path.with_suffix(LEGACY_STATE_SUFFIX)
+    if legacy != path and legacy.exists():
+        raise ResumeError(
+            f"{legacy} is a pickled training state from an earlier version; it is not loaded (unpickling can run "
+            f"code). Delete it, or pass --fresh to start over"
+        )
     if not path.is_file():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: optimizer state, RNG
+    refuse = (f"{path} is not a spectree training state (a safetensors file whose metadata holds format "
+              f"{STATE_FORMAT!r}); refusing to load it. Delete it, or pass --fresh to start over")
+    try:
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != STATE_FORMAT or "state" not in metadata:
+                raise ResumeError(refuse)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        structure = json.loads(metadata["state"])
+    except (SafetensorError, OSError, json.JSONDecodeError) as exc:
+        raise ResumeError(f"{refuse} ({exc})") from exc
+    state = _unflatten(structure, tensors, path)
+    if not isinstance(state, dict):
+        raise ResumeError(refuse)
     if state.get("fingerprint") != fingerprint:
         raise ResumeError(
             f"{path} was saved by a different configuration (fingerprint {state.get('fingerprint')!r}, this one "
@@ -198,6 +267,6 @@ def optimise(
 
 
 __all__ = [
-    "LOG_EVERY", "ResumeError", "RunLog", "learning_rate", "load_state", "optimise", "param_groups",
+    "LEGACY_STATE_SUFFIX", "LOG_EVERY", "STATE_FORMAT", "STATE_SUFFIX", "ResumeError", "RunLog", "learning_rate", "load_state", "optimise", "param_groups",
     "progress_fraction", "rounded", "save_state",
 ]

@@ -1,0 +1,674 @@
+"""An OpenAI-compatible HTTP API in front of tritonserver: `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (streamed as server-sent events, or whole), served by uvicorn (an ASGI server) over a
+Starlette app, each request one gRPC stream to the served repository's generation model.
+
+    python -m deploy serve --repo REPO --openai-port 8080      (tritonserver + this frontend)
+    client = openai.OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="unused")
+    client.chat.completions.create(model=MODEL, messages=[...], stream=True)
+
+What goes to Triton: the prompt (completions: text_input, or input_ids for a token-id prompt; chat: messages,
+rendered by the engine's chat template server-side, the same `Tokenizer.apply_chat_template` as
+`python -m runtime generate --chat`, so greedy text is identical), sampling settings as vllm_backend's
+sampling_parameters JSON, always streamed (a whole response is the streamed deltas joined). Supported request
+fields: model, prompt / messages, max_tokens (chat: also max_completion_tokens), temperature, top_p, n (1), stream,
+stream_options.include_usage, stop, seed, presence_penalty, frequency_penalty, logprobs (completions: the number
+of alternatives; chat: a bool, with top_logprobs), echo (completions, text prompts), user; vLLM's extra fields
+top_k, min_tokens, repetition_penalty, ignore_eos. Anything else that changes the output (tools, logit_bias,
+response_format other than text, suffix, best_of > 1) is refused with a 400 naming the field, never ignored.
+
+Log-probabilities are those the server reports (runtime.sampling.token_logprobs: the distribution each token was
+drawn from). `usage` carries the OpenAI counts plus `spec_decode`, this server's speculation statistics (vLLM's
+meanings): steps (drafts), draft_tokens (positions speculated: steps x tree depth), accepted_tokens,
+acceptance_rate, mean_accepted_length, tau, verification.
+
+Errors are OpenAI's shape ({"error": {"message", "type", "param", "code"}}): a request the server refuses as
+invalid is 400, an overloaded server 503, an unknown model 404; a stream that fails after it started ends with an
+`error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import ConfigError, SpectreeError
+
+MAX_TOP_LOGPROBS = 20  # runtime.sampling.MAX_LOGPROBS; OpenAI's own limit for top_logprobs
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class OpenAIConfig:
+    """The frontend's settings (`python -m deploy serve --openai-port` fills them)."""
+
+    grpc_url: str  # tritonserver's gRPC endpoint, HOST:PORT
+    repo: str  # the served model repository (spectree-repo.json names the engine: tokenizer, context, limits)
+    port: int = 8080
+    host: str = "127.0.0.1"
+    model: str = "spec_decode"  # the Triton model requests go to (vllm_backend's shapes, max_batch_size 0)
+    served_model_name: str | None = None  # the id /v1/models lists and requests name; None: the engine's name
+    timeout_s: float = 600.0  # a request's gRPC stream is cancelled after this long
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ConfigError(f"openai port: expected a TCP port in 1..65535, got {self.port!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ConfigError(f"openai timeout_s: expected seconds > 0, got {self.timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the frontend knows of the repository it fronts."""
+
+    name: str  # the OpenAI model id
+    tokenizer: Any  # runtime.tokenizer.Tokenizer (token texts for log-probabilities)
+    max_tokens_limit: int  # the largest max_tokens the server takes (the chat default)
+    created: int  # /v1/models `created`: the repository's render time
+
+    @classmethod
+    def from_repo(cls, repo: str | Path, name: str | None = None) -> ServedModel:
+        from model_repo.pipeline import load_tokenizer
+
+        manifest_path = Path(repo) / "spectree-repo.json"
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            engine = manifest["options"]["engine"]
+            limit = int(manifest["max_tokens_limit"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{manifest_path}: not a rendered repository's manifest ({exc}); render the repository "
+                              "with python -m model_repo render") from exc
+        return cls(name=name or Path(engine).resolve().name, tokenizer=load_tokenizer(engine),
+                   max_tokens_limit=limit, created=int(manifest_path.stat().st_mtime))
+
+
+class APIError(SpectreeError, ValueError):
+    """A request the API refuses, in OpenAI's error shape."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.kind, self.code = status, param, kind, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---- requests: OpenAI JSON -> Triton inputs (pure) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    """One OpenAI request, translated: the Triton inputs (max_batch_size 0 shapes) and how to answer."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    inputs: dict[str, np.ndarray]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    logprobs: bool  # report log-probabilities
+    top_logprobs: int  # alternatives per token
+    echo: str = ""  # completions with echo: the prompt text put before the completion
+
+
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix", "audio",
+                "prediction", "modalities", "parallel_tool_calls", "guided_json", "guided_regex", "guided_choice")
+_IGNORED = ("user", "metadata", "store", "service_tier", "stream_options", "reasoning_effort")  # no effect on text
+
+
+def _get(body: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise APIError(f"{key}: expected {what}, got {value!r}", param=key)
+    if not isinstance(value, kinds):
+        raise APIError(f"{key}: expected {what}, got {json.dumps(value)[:80]}", param=key)
+    return value
+
+
+def _check_common(body: Any, known: tuple[str, ...]) -> None:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    for key in _UNSUPPORTED:
+        value = body.get(key)
+        if value in (None, [], {}) or (key == "tool_choice" and value == "none"):
+            continue
+        raise APIError(f"{key}: not supported by this server (lossless speculative decoding of plain text)",
+                       param=key)
+    unknown = sorted(set(body) - set(known) - set(_UNSUPPORTED) - set(_IGNORED))
+    if unknown:
+        raise APIError(f"unknown field(s) {unknown}; this server takes {sorted(known)}", param=unknown[0])
+    n = _get(body, "n", (int,), "an integer", 1)
+    if n != 1:
+        raise APIError(f"n: {n}; this server returns one choice per request (send the request again, with another "
+                       "seed, for more)", param="n")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise APIError("response_format: only {\"type\": \"text\"} is supported", param="response_format")
+
+
+_SAMPLING = {  # OpenAI / vLLM field -> (vllm_backend sampling_parameters key, accepted types, description)
+    "temperature": ("temperature", (int, float), "a number >= 0"),
+    "top_p": ("top_p", (int, float), "a number in (0, 1]"),
+    "top_k": ("top_k", (int,), "an integer (-1 or 0: off)"),
+    "seed": ("seed", (int,), "an integer in [0, 2**64 - 1]"),
+    "presence_penalty": ("presence_penalty", (int, float), "a number in [-2, 2]"),
+    "frequency_penalty": ("frequency_penalty", (int, float), "a number in [-2, 2]"),
+    "repetition_penalty": ("repetition_penalty", (int, float), "a number > 0"),
+    "min_tokens": ("min_tokens", (int,), "an integer >= 0"),
+    "ignore_eos": ("ignore_eos", (bool,), "a boolean"),
+}
+_COMMON_KEYS = ("model", "n", "stream", "stream_options", "stop", "max_tokens", "response_format", *_SAMPLING)
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_tokens": max_tokens}
+    if "temperature" not in body or body["temperature"] is None:
+        sp["temperature"] = 1.0  # OpenAI's default
+    for key, (name, kinds, what) in _SAMPLING.items():
+        value = _get(body, key, kinds, what)
+        if value is not None:
+            sp[name] = value
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise APIError("stop: expected a string or a list of strings", param="stop")
+        if stop:
+            sp["stop"] = stop
+    if logprobs is not None:
+        sp["logprobs"] = logprobs
+    return sp
+
+
+def _max_tokens(body: Mapping[str, Any], default: int, *keys: str) -> int:
+    for key in keys:
+        value = _get(body, key, (int,), "an integer >= 1")
+        if value is not None:
+            if value < 1:
+                raise APIError(f"{key}: expected an integer >= 1, got {value}", param=key)
+            return value
+    return default
+
+
+def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise APIError("stream_options: only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise APIError("stream_options: expected {\"include_usage\": true|false}", param="stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def _model(body: Mapping[str, Any], served: ServedModel) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError("model: missing; expected the model id (GET /v1/models lists it)", param="model")
+    if model != served.name:
+        raise APIError(f"model: {model!r} does not exist; this server serves {served.name!r}", status=404,
+                       param="model", code="model_not_found")
+    return model
+
+
+def completion_call(body: Any, served: ServedModel) -> GenerationCall:
+    """POST /v1/completions body -> a GenerationCall."""
+    _check_common(body, (*_COMMON_KEYS, "prompt", "logprobs", "echo", "best_of"))
+    model = _model(body, served)
+    best_of = _get(body, "best_of", (int,), "an integer", 1)
+    if best_of != 1:
+        raise APIError(f"best_of: {best_of}; this server returns one sequence per request", param="best_of")
+    stream = _get(body, "stream", (bool,), "a boolean", False)
+    logprobs = _get(body, "logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(f"logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", param="logprobs")
+    echo = _get(body, "echo", (bool,), "a boolean", False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    inputs: dict[str, np.ndarray] = {}
+    if isinstance(prompt, str) and prompt:
+        inputs["text_input"] = _bytes(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if echo:
+            raise APIError("echo: needs a text prompt (a token-id prompt has no text to echo)", param="echo")
+        inputs["input_ids"] = np.asarray(prompt, dtype=np.int32)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise APIError(f"prompt: a batch of {len(prompt)} prompts; this server takes one prompt per request",
+                       param="prompt")
+    else:
+        raise APIError("prompt: expected a non-empty string or a list of token ids", param="prompt")
+    if echo and logprobs is not None:
+        raise APIError("echo with logprobs: the prompt's log-probabilities are not computed by this server",
+                       param="echo")
+    sp = _sampling(body, _max_tokens(body, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"), logprobs)
+    return _call("completion", model, inputs, sp, stream, _stream_options(body, stream), logprobs is not None,
+                 logprobs or 0, prompt if echo else "")
+
+
+def _message_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"{where}[{i}]: only text content parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                               "supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(f"{where}: expected a string or a list of text parts", param="messages")
+
+
+def chat_call(body: Any, served: ServedModel) -> GenerationCall:
+    """POST /v1/chat/completions body -> a GenerationCall (the messages go to the server's chat template)."""
+    _check_common(body, (*_COMMON_KEYS, "messages", "logprobs", "top_logprobs", "max_completion_tokens"))
+    model = _model(body, served)
+    stream = _get(body, "stream", (bool,), "a boolean", False)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages: expected a non-empty list of {role, content}", param="messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}]: expected an object with a string role", param="messages")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise APIError(f"messages[{i}]: field(s) {extra} not supported (no tools)", param="messages")
+        plain.append({"role": m["role"], "content": _message_text(m.get("content"), f"messages[{i}].content")})
+    want = _get(body, "logprobs", (bool,), "a boolean", False)
+    top = _get(body, "top_logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if top is not None and (not want or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise APIError(f"top_logprobs: needs logprobs: true and an integer in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                       param="top_logprobs")
+    sp = _sampling(body, _max_tokens(body, served.max_tokens_limit, "max_completion_tokens", "max_tokens"),
+                   (top or 0) if want else None)
+    inputs = {"messages": _bytes(json.dumps(plain, ensure_ascii=False))}
+    return _call("chat", model, inputs, sp, stream, _stream_options(body, stream), want, top or 0)
+
+
+def _call(kind: str, model: str, inputs: dict[str, np.ndarray], sampling: dict[str, Any], stream: bool,
+          include_usage: bool, logprobs: bool, top: int, echo: str = "") -> GenerationCall:
+    inputs = {**inputs,
+              "stream": np.array([True]),  # always streamed from Triton; a whole answer joins the deltas
+              "sampling_parameters": _bytes(json.dumps(sampling)),
+              "return_num_input_tokens": np.array([True])}
+    if "text_input" in inputs:
+        inputs["exclude_input_in_output"] = np.array([True])
+    return GenerationCall(kind=kind, model=model, inputs=inputs, stream=stream, include_usage=include_usage,
+                          logprobs=logprobs, top_logprobs=top, echo=echo)
+
+
+# ---- responses: Triton stream -> OpenAI JSON ------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """One Triton response, decoded."""
+
+    text: str
+    token_ids: list[int]
+    log_probs: list[float]
+    top: list[list[tuple[int, float]]]  # per token: (id, log-probability) alternatives
+    finish_reason: str | None = None  # set on the final response
+    stats: dict[str, Any] = field(default_factory=dict)  # the final response's speculation outputs
+    prompt_tokens: int | None = None
+
+
+def _np(result: Any, name: str) -> np.ndarray | None:
+    return result.as_numpy(name)
+
+
+def piece_of(result: Any) -> Piece:
+    def text(name: str) -> str | None:
+        arr = _np(result, name)
+        if arr is None:
+            return None
+        return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in arr.reshape(-1)).decode("utf-8")
+
+    ids = _np(result, "output_ids")
+    lps = _np(result, "output_log_probs")
+    top_ids, top_lps = _np(result, "top_log_probs_ids"), _np(result, "top_log_probs")
+    top = []
+    if top_ids is not None and top_lps is not None:
+        for row_ids, row_lps in zip(top_ids.tolist(), top_lps.tolist()):
+            top.append([(t, lp) for t, lp in zip(row_ids, row_lps) if t >= 0])
+    prompt = _np(result, "num_input_tokens")
+    piece = Piece(text=text("text_output") or "", token_ids=[] if ids is None else ids.reshape(-1).tolist(),
+                  log_probs=[] if lps is None else lps.reshape(-1).tolist(), top=top,
+                  finish_reason=text("finish_reason"),
+                  prompt_tokens=None if prompt is None else int(prompt.reshape(-1)[0]))
+    if piece.finish_reason is not None:
+        steps = _np(result, "accepted_per_step")
+        accepted = _np(result, "total_accepted_draft_tokens")
+        n_steps = 0 if steps is None else int(steps.size)
+        n_acc = 0 if accepted is None else int(accepted.reshape(-1)[0])
+        draft = _np(result, "total_draft_tokens")
+        tau = _np(result, "tau")
+        rate = _np(result, "acceptance_rate")
+        piece.stats = {
+            "steps": n_steps,
+            "draft_tokens": 0 if draft is None else int(draft.reshape(-1)[0]),
+            "accepted_tokens": n_acc,
+            "acceptance_rate": 0.0 if rate is None else float(rate.reshape(-1)[0]),
+            "mean_accepted_length": 1.0 + n_acc / n_steps if n_steps else 1.0,
+            "tau": None if tau is None else float(tau.reshape(-1)[0]),
+            "verification": text("verification"),
+        }
+    return piece
+
+
+def _server_error(message: str) -> APIError:
+    """A Triton error response (coded: "[INVALID_ARG] ...") -> the API error it means."""
+    from model_repo.pipeline import ErrorCode, decode_error_message
+
+    code, text = decode_error_message(message)
+    if code is ErrorCode.INVALID_ARG:
+        return APIError(text, status=400)
+    if code is ErrorCode.UNAVAILABLE:
+        return APIError(text, status=503, kind="server_overloaded", code="overloaded")
+    if code is ErrorCode.CANCELLED:
+        return APIError(text, status=499, kind="cancelled")
+    return APIError(text, status=500, kind="internal_error")
+
+
+async def triton_pieces(client: Any, model: str, call: GenerationCall, timeout_s: float) -> AsyncIterator[Piece]:
+    """Stream one request over tritonserver's gRPC stream: its decoded responses, up to the final one. Leaving the
+    loop early (the HTTP client went away) cancels the gRPC stream, and the server stops the generation."""
+    import tritonclient.grpc.aio as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    from model_repo.pipeline import CODED_ERRORS_PARAMETER, ERROR_FINISH_REASON
+
+    tensors = []
+    for name, value in call.inputs.items():
+        t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        t.set_data_from_numpy(value)
+        tensors.append(t)
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": model, "inputs": tensors, "request_id": uuid.uuid4().hex,
+               "parameters": {CODED_ERRORS_PARAMETER: True}}
+
+    responses = client.stream_infer(inputs_iterator=requests(), stream_timeout=timeout_s)
+    ended = False  # the server closed the stream: nothing to cancel
+    try:
+        async for result, error in responses:
+            if error is not None:
+                raise _server_error(error.message() if hasattr(error, "message") else str(error))
+            piece = piece_of(result)
+            if piece.finish_reason == ERROR_FINISH_REASON:  # an error sent as a final response (coded text)
+                raise _server_error(piece.text)
+            if piece.finish_reason is not None:
+                # Let the server close the stream (it does after the final response: the request side is already
+                # closed) rather than cancel it: a cancelled stream keeps the model's request alive in
+                # tritonserver 2.51 (the model then never unloads at shutdown).
+                async for _ in responses:
+                    pass
+                ended = True
+                yield piece
+                return
+            yield piece
+        ended = True
+        raise APIError("the server ended the stream without a final response", status=500, kind="internal_error")
+    finally:
+        if not ended:
+            responses.cancel()
+
+
+class Answer:
+    """Turns pieces into OpenAI objects (chunks, or one whole response) for one GenerationCall."""
+
+    def __init__(self, call: GenerationCall, tokenizer: Any) -> None:
+        self.call = call
+        self.tokenizer = tokenizer
+        prefix = "chatcmpl" if call.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.stats: dict[str, Any] = {}
+        self.text_offset = len(call.echo)
+
+    def _token(self, tok: int) -> str:
+        return self.tokenizer.decode([tok])
+
+    def logprobs(self, piece: Piece) -> dict[str, Any] | None:
+        if not self.call.logprobs:
+            return None
+        top_n = self.call.top_logprobs
+        if self.call.kind == "chat":
+            content = []
+            for k, tok in enumerate(piece.token_ids):
+                text = self._token(tok)
+                alts = piece.top[k] if k < len(piece.top) else []
+                content.append({"token": text, "logprob": _finite(piece.log_probs[k]),
+                                "bytes": list(text.encode("utf-8")),
+                                "top_logprobs": [{"token": self._token(t), "logprob": _finite(lp),
+                                                  "bytes": list(self._token(t).encode("utf-8"))}
+                                                 for t, lp in alts[:top_n]]})
+            return {"content": content}
+        tokens, offsets, tops = [], [], []
+        for k, tok in enumerate(piece.token_ids):
+            text = self._token(tok)
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+            alts = piece.top[k] if k < len(piece.top) else []
+            tops.append({self._token(t): _finite(lp) for t, lp in alts[:top_n]} if top_n else None)
+        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in piece.log_probs], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def absorb(self, piece: Piece) -> None:
+        self.completion_tokens += len(piece.token_ids)
+        if piece.prompt_tokens is not None:
+            self.prompt_tokens = piece.prompt_tokens
+        if piece.finish_reason is not None:
+            self.stats = piece.stats
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "spec_decode": self.stats}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.call.model}
+
+    def chunk(self, piece: Piece, first: bool) -> dict[str, Any]:
+        if self.call.kind == "chat":
+            delta: dict[str, Any] = {"content": piece.text}
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(piece), "finish_reason": piece.finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        text = (self.call.echo if first else "") + piece.text
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(piece), "finish_reason": piece.finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage()}
+
+    def whole(self, pieces: list[Piece]) -> dict[str, Any]:
+        text = "".join(p.text for p in pieces)
+        finish = pieces[-1].finish_reason
+        merged = Piece(text=text, token_ids=[t for p in pieces for t in p.token_ids],
+                       log_probs=[x for p in pieces for x in p.log_probs], top=[t for p in pieces for t in p.top])
+        if self.call.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(merged), "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
+        choice = {"index": 0, "text": self.call.echo + text, "logprobs": self.logprobs(merged),
+                  "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: a token the distribution gave probability 0 reports -9999.0 (vLLM's convention)."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+# ---- the ASGI app ---------------------------------------------------------------------------------------
+
+
+def create_app(config: OpenAIConfig, served: ServedModel) -> Any:
+    """The Starlette app: one shared gRPC channel to tritonserver, opened at startup."""
+    import contextlib
+
+    import tritonclient.grpc.aio as grpcclient
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        state["client"] = grpcclient.InferenceServerClient(url=config.grpc_url)
+        try:
+            yield
+        finally:
+            await state["client"].close()
+
+    def error_response(exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": served.created, "owned_by": "spectree"}]})
+
+    async def generate(request: Request, make: Any) -> Any:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise APIError(f"the request body is not valid JSON ({exc})") from exc
+            call = make(body, served)
+        except APIError as exc:
+            return error_response(exc)
+        answer = Answer(call, served.tokenizer)
+        pieces = triton_pieces(state["client"], config.model, call, config.timeout_s)
+        if not call.stream:
+            got: list[Piece] = []
+            try:
+                async for piece in pieces:
+                    answer.absorb(piece)
+                    got.append(piece)
+            except APIError as exc:
+                return error_response(exc)
+            finally:
+                await pieces.aclose()
+            return JSONResponse(answer.whole(got))
+        try:  # the first piece before the 200: a refused request gets its status code, not an event
+            first = await pieces.__anext__()
+        except APIError as exc:
+            return error_response(exc)
+
+        async def events() -> AsyncIterator[bytes]:
+            piece, is_first = first, True
+            try:
+                while True:
+                    answer.absorb(piece)
+                    yield _sse(answer.chunk(piece, is_first))
+                    if piece.finish_reason is not None:
+                        break
+                    piece, is_first = await pieces.__anext__(), False
+                if call.include_usage:
+                    yield _sse(answer.usage_chunk())
+            except APIError as exc:
+                yield _sse(exc.body())
+            except StopAsyncIteration:
+                yield _sse(APIError("the server ended the stream early", status=500, kind="internal_error").body())
+            finally:
+                await pieces.aclose()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def completions(request: Request) -> Any:
+        return await generate(request, completion_call)
+
+    async def chat(request: Request) -> Any:
+        return await generate(request, chat_call)
+
+    return Starlette(routes=[
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ], lifespan=lifespan)
+
+
+class OpenAIServer:
+    """uvicorn serving `create_app` on a background thread (started and stopped by `python -m deploy serve`)."""
+
+    def __init__(self, config: OpenAIConfig, served: ServedModel | None = None) -> None:
+        import uvicorn
+
+        self.config = config
+        self.served = served or ServedModel.from_repo(config.repo, config.served_model_name)
+        self._server = uvicorn.Server(uvicorn.Config(create_app(config, self.served), host=config.host,
+                                                     port=config.port, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}/v1"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise ConfigError(f"the OpenAI API could not start on {self.config.host}:{self.config.port} "
+                                  "(port in use?)")
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the OpenAI API did not start within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+
+def run_forever(config: OpenAIConfig) -> None:
+    """Serve in the foreground (blocking), for running the frontend on its own."""
+    import uvicorn
+
+    served = ServedModel.from_repo(config.repo, config.served_model_name)
+    uvicorn.run(create_app(config, served), host=config.host, port=config.port, log_level="warning")
+
+
+__all__ = [
+    "APIError",
+    "Answer",
+    "GenerationCall",
+    "OpenAIConfig",
+    "OpenAIServer",
+    "Piece",
+    "ServedModel",
+    "chat_call",
+    "completion_call",
+    "create_app",
+    "piece_of",
+    "run_forever",
+    "triton_pieces",
+]
