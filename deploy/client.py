@@ -229,4 +229,5 @@ def generate_stream(url: str, model: str, prompt: PromptLike, max_tokens: int, t
     return stream_infer(url, model, build_inputs(prompt, max_tokens, **options), timeout_s)
 
 
-__all__ = ["ClientError", "PromptLike", "StreamEvent", "build_inputs", "event_of", "generate_stream", "stream_infer"]
+__all__ = ["ClientError", "PromptLike", "StreamEvent", "build_inputs", "event_of", "generate_stream",
+           "model_batches", "stream_infer"]

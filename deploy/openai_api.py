@@ -492,7 +492,8 @@ class Answer:
             delta: dict[str, Any] = {"content": piece.text}
             if first:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(piece), "finish_reason": piece.finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(piece),
+                      "finish_reason": piece.finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         text = (self.call.echo if first else "") + piece.text
         choice = {"index": 0, "text": text, "logprobs": self.logprobs(piece), "finish_reason": piece.finish_reason}

@@ -32,7 +32,9 @@ _HELP = {
     "engine_path_in_server": "the engine's path as the server sees it (e.g. a container mount)",
     "device": "spec_decode instance kind: cpu (KIND_CPU) or cuda (KIND_GPU)",
     "instances": "spec_decode instances (each loads the model)",
-    "max_concurrent_requests": "generations at once per instance; more wait in the queue",
+    "max_concurrent_requests": "requests decoded together per instance (in-flight batching: one target forward per "
+                               "step for all of them); more wait in the queue",
+    "prefill_chunk": "prompt tokens per request per step (a long prompt joins the batch over several steps)",
     "max_queue_size": "requests waiting (FIFO) per instance; more are refused with UNAVAILABLE (HTTP 503), "
                       "message 'overloaded: ...' (default 32)",
     "kv_memory_mb": "KV cache the running generations of an instance may reserve together; a request that can "

@@ -10,25 +10,30 @@ The request interface follows the Triton LLM conventions of tensorrtllm_backend 
              optional stream BOOL, temperature FP32,
              top_k INT32, top_p FP32, random_seed UINT64, stop_words / bad_words STRING [-1], end_id INT32,
              exclude_input_in_output BOOL, sampling_parameters STRING (vLLM-style JSON), parse_special_tokens BOOL
-             (special-token text in text_input becomes special tokens; default: literal text)
+             (special-token text in text_input becomes special tokens; default: literal text); tensorrtllm_backend's
+             seed, min_tokens, repetition / presence / frequency penalties, pad_id, beam_width and
+             num_return_sequences (1), return_log_probs, return_num_input_tokens / ..._output_tokens
+             (COMPAT_INPUTS). The entry model adds a batch dimension (split_batch / batch_row_outputs).
     outputs  text_output STRING [-1]: the DELTA text of each streamed response (the whole text when not
              streaming); optional output_ids INT32 [-1] (the delta's token ids) and, on the final response,
              finish_reason, verification (the lossless verification mode this request ran: "greedy" at
-             temperature 0, "rejection_sampling/<proposal>" otherwise), tau and accepted_per_step.
+             temperature 0, "rejection_sampling/<proposal>" otherwise), tau and accepted_per_step, plus
+             tensorrtllm_backend's cum_log_probs / output_log_probs, acceptance_rate,
+             total_accepted_draft_tokens, total_draft_tokens, num_input_tokens / num_output_tokens.
 
 Deltas come straight from `SpecDecoder.stream` (its incremental detokenizer and stop-string hold-back), so the
 served text is exactly the offline runtime's, and the deltas concatenate to the full text.
 
-Under load and faults: `RequestLimits` (checked before a request costs anything), admission through a
-`GenerationScheduler` (`ThreadedScheduler`: slots, a bounded FIFO queue, a KV-cache budget; OverloadedError
-beyond), and the ensemble model's cancellation and error hand-over across BLS calls (`CancelBoard`,
-`CallerOptions`, `error_outputs`).
+Under load and faults: `RequestLimits` (checked before a request costs anything), in-flight batching through
+`Generations` (one `runtime.batching.Scheduler` per instance: one target forward per step for every running
+request, a bounded FIFO queue, a KV-cache budget; runtime.errors.OverloadedError beyond), and the ensemble
+model's cancellation and error hand-over across BLS calls (`CancelBoard`, `CallerOptions`, `error_outputs`).
 """
 
 from __future__ import annotations
 
-import collections
 import enum
+import logging
 import json
 import math
 import threading
@@ -41,9 +46,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from model_repo.schema import DataType, ModelInput, ModelOutput
-from runtime.errors import ConfigError, RequestError, SpectreeError
+from runtime.batching import RequestHandle, Scheduler, SchedulerConfig
+from runtime.errors import ConfigError, OverloadedError, RequestError, SchedulerStopped, SpectreeError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import ChatMessage, chat_messages
+
+log = logging.getLogger(__name__)
 
 # ---- the interface --------------------------------------------------------------------------------------
 
@@ -143,12 +151,8 @@ class SettingsError(ConfigError):
     """A model's config.pbtxt parameters are missing, unknown or malformed."""
 
 
-class OverloadedError(SpectreeError, RuntimeError):
-    """Every generation slot of the model instance is busy and its queue is full (max_queue_size requests
-    waiting). Its message starts with OVERLOADED; Triton returns it as UNAVAILABLE: HTTP 503, and on a gRPC stream
-    opened with the `triton_grpc_error: true` header the stream ends with status UNAVAILABLE."""
-
-
+# runtime.errors.OverloadedError (the scheduler's batch and queue are full, or the ensemble's max_in_flight):
+# Triton UNAVAILABLE, and the message clients read starts with OVERLOADED (`error_message`).
 OVERLOADED = "overloaded:"  # the first word of every OverloadedError message (clients may match on it)
 
 
@@ -178,6 +182,8 @@ def error_code(exc: BaseException) -> ErrorCode:
 
 def error_message(exc: BaseException) -> str:
     """What the client reads: our own errors as they are, anything else with its type (an internal bug)."""
+    if isinstance(exc, OverloadedError) and not str(exc).startswith(OVERLOADED):
+        return f"{OVERLOADED} {exc}"
     if isinstance(exc, SpectreeError):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"
@@ -932,56 +938,7 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
-def run_generation(decoder: Any, request: GenerateRequest, sink: ResponseSink, prompt: Sequence[int] | None = None,
-                   before_final: Callable[[], None] | None = None) -> Any:
-    """Run one request through `decoder.stream`, sending deltas (stream) or one whole response.
-
-    prompt: the request's token ids when the caller already has them (`prompt_ids`; computed here otherwise).
-    Cancellation is checked after every step; a cancelled request stops drafting at once (the stream is closed,
-    which releases its KV cache) and raises RequestCancelled. When the last delta is in, the stream is closed and
-    `before_final` runs before the final response goes out, so the request's slot is free by the time the client
-    sees the end (a client sending its next request at once finds room). Returns the final GenerationDelta.
-    """
-    ids = prompt_ids(decoder, request) if prompt is None else list(prompt)
-    try:
-        deltas = decoder.stream(ids, request.params)
-    except RequestError as exc:  # the prompt is validated eagerly (too long for the context, bad ids)
-        raise InputError(f"{request.prompt_source}: {exc}") from exc
-    pending = ResponseBuilder(request, len(ids))
-    try:
-        for delta in deltas:
-            if sink.is_cancelled():
-                raise RequestCancelled("the request was cancelled")
-            pending.add(delta)
-            if delta.finished:
-                deltas.close()
-                if before_final is not None:
-                    before_final()
-                sink.send(pending.take(delta), final=True)
-                return delta
-            if request.stream:
-                sink.send(pending.take(), final=False)
-    finally:
-        deltas.close()
-    raise RuntimeError("the decoder's stream ended without a final delta")
-
-
-# ---- admission: generation slots, a bounded FIFO queue, a KV-cache memory budget ------------------------
-
-
-def kv_bytes_per_token(config: Any) -> int:
-    """Bytes of target KV cache one token takes: keys and values, every layer and KV head (runtime.kv_cache)."""
-    import torch
-
-    itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
-
-
-def request_kv_bytes(decoder: Any, prompt_tokens: int, max_tokens: int) -> int:
-    """The most target KV cache one request can hold: prompt + max_tokens + one draft tree, capped at the
-    context (what `SpecDecoder` may grow its cache to)."""
-    tokens = min(decoder.max_context, prompt_tokens + max_tokens + decoder.max_tree_nodes)
-    return tokens * kv_bytes_per_token(decoder.model.config)
+# ---- generation: in-flight batching on one scheduler per instance -----------------------------------------
 
 
 def available_memory_bytes(device: str) -> int:
@@ -1011,182 +968,215 @@ def available_memory_bytes(device: str) -> int:
     return available
 
 
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """How much work one spec_decode instance takes on (from its config parameters)."""
-
-    max_concurrent_requests: int  # generations running at once
-    max_queue_size: int  # admitted requests waiting for a slot (FIFO); more are refused with OverloadedError
-    kv_budget_bytes: int  # KV cache all running generations may reserve together (request_kv_bytes each)
-
-    def __post_init__(self) -> None:
-        for name, minimum in (("max_concurrent_requests", 1), ("max_queue_size", 0), ("kv_budget_bytes", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise SettingsError(f"{name} must be an int >= {minimum}, got {v!r}")
+def check_kv_budget(decoder: Any, prompt_tokens: int, params: SamplingParams, budget_bytes: int) -> None:
+    """InputError (naming max_tokens, with the largest that fits) when a request's worst-case KV cache could never
+    fit the instance's budget: the sizing `runtime.batching.Scheduler.submit` admits by (`SpecDecoder.cache_tokens`,
+    `model.cache_bytes`: the KV dtype the model really keeps, float64 for bf16 on CPU), told in serving's terms."""
+    model = decoder.model
+    need = model.cache_bytes(decoder.cache_tokens(prompt_tokens, params))
+    if need <= budget_bytes:
+        return
+    most = budget_bytes // model.cache_bytes(1) - prompt_tokens - decoder.max_tree_nodes
+    raise InputError(
+        f"max_tokens: {params.max_tokens} with a {prompt_tokens}-token prompt needs {need / 2**20:.1f} MiB of KV "
+        f"cache; this instance's KV budget is {budget_bytes / 2**20:.1f} MiB (kv_memory_mb), so this prompt allows "
+        f"max_tokens <= {max(0, most)}"
+    )
 
 
 @dataclass(eq=False)
-class GenerationJob:
-    """An admitted request on its way through a scheduler."""
+class _Live:
+    """A request between submit and its end: where its responses go."""
 
     request: GenerateRequest
-    prompt: tuple[int, ...]  # its token ids (`prompt_ids`)
-    kv_bytes: int  # request_kv_bytes
     sink: ResponseSink
+    builder: ResponseBuilder
+    handle: RequestHandle | None = None
+    ended: bool = False
 
 
-class GenerationScheduler(Protocol):
-    """Where spec_decode hands admitted requests (`ThreadedScheduler` below: one decode loop per request on a worker
-    thread; a batching scheduler can take its place behind the same three calls).
+class Generations:
+    """spec_decode's requests on ONE `runtime.batching.Scheduler` (in-flight batching: every running request's
+    draft tree verified in one target forward per step; a bounded FIFO queue; admission by a KV budget).
 
-    submit never blocks: the job runs now, waits in the FIFO queue, or is refused at once (OverloadedError: queue
-    full; InputError: it could never fit the KV budget). Every job that was accepted ends in exactly one
-    `on_done(job, error, final)` call, after its final response (or error) was sent.
+    `submit` hands a parsed request to the scheduler and returns at once: a request that can never fit the budget
+    is refused with InputError, one beyond max_batch_size + max_queue_size with runtime.errors.OverloadedError
+    (UNAVAILABLE, "overloaded: ..."). Its deltas become responses on the scheduler's thread (`ResponseBuilder`:
+    one per delta when streaming, one whole response otherwise); a request leaves the batch before its final
+    response goes out, so a client sending its next request at once finds room.
+
+    Cancellation: after each delta the request's sink is asked (a client gone, a CancelBoard mark, shutdown), and
+    a watcher thread asks every `poll_s` for requests still waiting (which get no deltas); a cancelled request
+    stops at the next step boundary, its KV cache freed, and ends with RequestCancelled. The watcher also keeps
+    the gauges current and reports a scheduler that died (`on_dead(error)`, once; its requests have ended with
+    SchedulerStopped). Every request ends in exactly one `metrics.finished` and one
+    `on_done(request, error, final)`, after its final response (or error) went out.
     """
 
-    def submit(self, job: GenerationJob) -> None: ...
-
-    def close(self) -> None: ...  # refuse new jobs; queued ones end CANCELLED; running ones at their next step
-
-
-class ThreadedScheduler:
-    """Admission for per-request decode loops: at most max_concurrent_requests run (one worker thread each), at
-    most max_queue_size wait in FIFO order, and the running ones' KV reservations stay within the budget (the
-    head of the queue waits until it fits; a job alone over the budget is refused when submitted).
-
-    A running job's slot and reservation are released the moment its generation ends, before its final response
-    is sent. Queued jobs whose client has gone are dropped when they reach the head, or when the queue is full
-    and a new job needs room.
-    """
-
-    def __init__(self, decoder: Any, limits: AdmissionLimits,
-                 on_done: Callable[[GenerationJob, BaseException | None, Any], None],
-                 on_state: Callable[[int, int, int], None] | None = None, name: str = "spec_decode") -> None:
+    def __init__(self, decoder: Any, config: SchedulerConfig, metrics: SpecMetrics | None = None,
+                 on_done: Callable[[GenerateRequest, BaseException | None, Any], None] | None = None,
+                 on_dead: Callable[[BaseException | None], None] | None = None, poll_s: float = 0.1,
+                 name: str = "spec_decode") -> None:
         self.decoder = decoder
-        self.limits = limits
+        self.config = config
+        self.metrics = metrics
         self._on_done = on_done
-        self._on_state = on_state  # (running, queued, reserved KV bytes), called under the lock after each change
-        self._queue: collections.deque[GenerationJob] = collections.deque()
-        self._running: set[GenerationJob] = set()
-        self._reserved = 0
-        self._closed = False
-        self._cond = threading.Condition()
-        self._workers = [threading.Thread(target=self._work, name=f"{name}-gen-{i}", daemon=True)
-                         for i in range(limits.max_concurrent_requests)]
-        for w in self._workers:
-            w.start()
+        self._on_dead = on_dead
+        self._live: dict[int, _Live] = {}  # id(live) -> live
+        self._lock = threading.Lock()
+        self._closing = False
+        self._dead_reported = False
+        self._published: tuple[int, int, int] | None = None
+        self._counted = (0, 0)  # (steps, segments) already added to the metrics
+        if metrics is not None:
+            metrics.limits(config)
+        self.scheduler = Scheduler(decoder, config, name=f"{name}-scheduler")
+        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
+        self._watcher.start()
 
     @property
-    def running(self) -> int:
-        return len(self._running)
+    def healthy(self) -> bool:
+        return self.scheduler.healthy
 
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
-    def _changed(self) -> None:
-        if self._on_state is not None:
-            self._on_state(len(self._running), len(self._queue), self._reserved)
-
-    def submit(self, job: GenerationJob) -> None:
-        lim = self.limits
-        if job.kv_bytes > lim.kv_budget_bytes:
-            raise InputError(
-                f"max_tokens: {job.request.params.max_tokens} with a {len(job.prompt)}-token prompt needs "
-                f"{job.kv_bytes / 2**20:.1f} MiB of KV cache; this instance's KV budget is "
-                f"{lim.kv_budget_bytes / 2**20:.1f} MiB (kv_memory_mb), so this prompt allows max_tokens <= "
-                f"{self._max_tokens_within(len(job.prompt))}"
-            )
-        with self._cond:
-            if self._closed:
+    def submit(self, request: GenerateRequest, prompt: Sequence[int], sink: ResponseSink) -> RequestHandle:
+        ids = list(prompt)
+        check_kv_budget(self.decoder, len(ids), request.params, self.config.kv_budget_bytes)
+        live = _Live(request, sink, ResponseBuilder(request, len(ids)))
+        with self._lock:
+            if self._closing:
                 raise RequestCancelled("the model is shutting down")
-            if len(self._running) + len(self._queue) >= lim.max_concurrent_requests + lim.max_queue_size:
-                self._drop_cancelled()
-            if len(self._running) + len(self._queue) >= lim.max_concurrent_requests + lim.max_queue_size:
-                raise OverloadedError(
-                    f"{OVERLOADED} {len(self._running)} generations running and {len(self._queue)} waiting "
-                    f"(max_concurrent_requests {lim.max_concurrent_requests}, max_queue_size {lim.max_queue_size}); "
-                    "retry later"
-                )
-            self._queue.append(job)
-            self._changed()
-            self._cond.notify_all()
+            self._live[id(live)] = live
+        try:
+            handle = self.scheduler.submit(ids, request.params, on_delta=lambda h, item: self._on_item(live, h, item))
+        except BaseException:
+            with self._lock:
+                self._live.pop(id(live), None)
+            raise
+        with self._lock:
+            live.handle = handle
+        self.publish()
+        return handle
 
-    def _max_tokens_within(self, prompt_tokens: int) -> int:
-        per_token = kv_bytes_per_token(self.decoder.model.config)
-        return max(0, self.limits.kv_budget_bytes // per_token - prompt_tokens - self.decoder.max_tree_nodes)
-
-    def _drop_cancelled(self) -> None:
-        """Under the lock: queued jobs whose client has gone leave the queue (ended outside the lock)."""
-        gone = [j for j in self._queue if j.sink.is_cancelled()]
-        for job in gone:
-            self._queue.remove(job)
-            threading.Thread(target=self._end, args=(job, RequestCancelled("the request was cancelled")),
-                             daemon=True).start()
-        if gone:
-            self._changed()
-
-    def _next(self) -> GenerationJob | None:
-        """Block until the head of the queue may run (a slot free, its reservation within the budget); None once
-        closed."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    return None
-                if self._queue and len(self._running) < self.limits.max_concurrent_requests:
-                    head = self._queue[0]
-                    if not self._running or self._reserved + head.kv_bytes <= self.limits.kv_budget_bytes:
-                        self._queue.popleft()
-                        self._running.add(head)
-                        self._reserved += head.kv_bytes
-                        self._changed()
-                        return head
-                self._cond.wait()
-
-    def _release(self, job: GenerationJob) -> None:
-        with self._cond:
-            if job in self._running:
-                self._running.discard(job)
-                self._reserved -= job.kv_bytes
-                self._changed()
-                self._cond.notify_all()
-
-    def _work(self) -> None:
-        while (job := self._next()) is not None:
-            if job.sink.is_cancelled():  # its client left while it waited
-                self._release(job)
-                self._end(job, RequestCancelled("the request was cancelled"))
-                continue
-            final, error = None, None
+    def _on_item(self, live: _Live, handle: RequestHandle, item: Any) -> None:
+        """The scheduler's delta callback (its thread): each delta, then the final delta or the exception."""
+        live.handle = handle
+        if isinstance(item, BaseException):
+            self._end(live, item)
+            return
+        if item.finished:
+            if item.finish_reason == "cancelled":
+                self._end(live, RequestCancelled("the request was cancelled"))
+                return
+            live.builder.add(item)
             try:
-                final = run_generation(self.decoder, job.request, job.sink, job.prompt,
-                                       before_final=lambda job=job: self._release(job))
-            except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
-                error = exc
-            self._release(job)
-            self._end(job, error, final)
+                live.sink.send(live.builder.take(item), final=True)
+            except Exception as exc:  # noqa: BLE001  (the client is gone: the request ends with that)
+                self._end(live, exc)
+                return
+            self._end(live, None, item)
+            return
+        if live.sink.is_cancelled():
+            handle.cancel()  # at the next step boundary; this delta is not sent
+            return
+        live.builder.add(item)
+        self.publish(counters=False)  # a client that sees this delta sees the request counted as running
+        if live.request.stream:
+            live.sink.send(live.builder.take(), final=False)  # raising ends the request (the scheduler's rule)
 
-    def _end(self, job: GenerationJob, error: BaseException | None, final: Any = None) -> None:
+    def _end(self, live: _Live, error: BaseException | None, final: Any = None) -> None:
+        with self._lock:
+            if live.ended:
+                return
+            live.ended = True
+            self._live.pop(id(live), None)
+            if isinstance(error, SchedulerStopped) and self._closing:
+                error = RequestCancelled("the model is shutting down")
         try:
             if error is not None:
-                fail = getattr(job.sink, "fail", None)
-                if fail is not None:
-                    fail(error)
+                live.sink.fail(error)
         finally:
-            self._on_done(job, error, final)
+            if self.metrics is not None:
+                self.metrics.finished(error, final, live.request.timing)
+            self.publish()
+            if self._on_done is not None:
+                self._on_done(live.request, error, final)
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            queued = list(self._queue)
-            self._queue.clear()
-            self._changed()
-            self._cond.notify_all()
-        for job in queued:
-            self._end(job, RequestCancelled("the model is shutting down"))
-        for w in self._workers:
-            w.join()
+    def publish(self, counters: bool = True) -> None:
+        """The scheduler's state to the metrics: gauges (when they changed) and the batch counters."""
+        if self.metrics is None:
+            return
+        st = self.scheduler.stats()
+        with self._lock:
+            state = (st.active, st.waiting, st.kv_reserved_bytes)
+            changed = state != self._published
+            self._published = state
+            steps, segments = 0, 0
+            if counters:
+                steps, segments = st.steps - self._counted[0], st.segments - self._counted[1]
+                self._counted = (st.steps, st.segments)
+        if changed:
+            self.metrics.state(*state)
+        if steps or segments:
+            self.metrics.batches(steps, segments)
+
+    def poll(self) -> None:
+        """Cancel requests whose client has gone (waiting ones included), publish the state, report a dead loop."""
+        with self._lock:
+            live = [x for x in self._live.values() if x.handle is not None and not x.ended]
+        for x in live:
+            if not x.handle.cancel_requested and x.sink.is_cancelled():
+                x.handle.cancel()
+        self.publish()
+        if not self.scheduler.healthy:
+            with self._lock:
+                report = not (self._closing or self._dead_reported)
+                self._dead_reported = True
+            if report and self._on_dead is not None:
+                self._on_dead(self.scheduler.error)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001  (the watcher outlives any one request's sink)
+                log.warning("spec_decode watcher: %r", exc)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new requests; those in flight or waiting end CANCELLED ("shutting down") at the next step
+        boundary. True when the scheduler's thread stopped within `timeout`."""
+        with self._lock:
+            self._closing = True
+        stopped = self.scheduler.close(timeout)
+        self._stop.set()
+        if threading.current_thread() is not self._watcher:
+            self._watcher.join()
+        return stopped
+
+    def __enter__(self) -> Generations:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def run_generation(decoder: Any, request: GenerateRequest, sink: ResponseSink,
+                   prompt: Sequence[int] | None = None) -> Any:
+    """One request, alone, through the serving path (`Generations` over a batch-1 scheduler whose KV budget fits
+    any request): the responses spec_decode would send to `sink`. Raises the request's error (RequestCancelled when
+    the sink said so; prompt errors as InputError before anything runs); returns the final GenerationDelta."""
+    ids = prompt_ids(decoder, request) if prompt is None else list(prompt)
+    budget = decoder.model.cache_bytes(decoder.max_context + decoder.max_tree_nodes)
+    ended: list[tuple[BaseException | None, Any]] = []
+    config = SchedulerConfig(max_batch_size=1, max_queue_size=0, kv_budget_bytes=budget)
+    with Generations(decoder, config, on_done=lambda _r, error, final: ended.append((error, final)),
+                     name="run_generation") as gens:
+        gens.submit(request, ids, sink).wait()
+    error, final = ended[0]
+    if error is not None:
+        raise error
+    return final
 
 
 # ---- metrics --------------------------------------------------------------------------------------------
@@ -1213,7 +1203,8 @@ STEPS = MetricSpec("spectree_verify_steps_total", "counter",
                    "Drafts: verification steps (target forwards over a draft tree), by verification mode",
                    ("model", "verification"))
 DRAFT_TOKENS = MetricSpec("spectree_draft_tokens_total", "counter",
-                          "Draft tokens: positions speculated (the tree depth of every step)", ("model", "verification"))
+                          "Draft tokens: positions speculated (the tree depth of every step)",
+                          ("model", "verification"))
 TREE_NODES = MetricSpec("spectree_tree_nodes_total", "counter",
                         "Draft tree nodes fed to the target, roots excluded (verification work)",
                         ("model", "verification"))
@@ -1242,11 +1233,12 @@ ACCEPTED_PER_STEP = MetricSpec("spectree_accepted_tokens_per_step", "histogram",
                                ("model", "verification"), (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 64))
 TAU = MetricSpec("spectree_tau", "histogram", "Tokens emitted per verification step, per request (tau)",
                  ("model", "verification"), (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0))
-ACTIVE = MetricSpec("spectree_active_requests", "gauge", "Generations running now, per model instance",
+ACTIVE = MetricSpec("spectree_active_requests", "gauge", "Requests in the batch now, per model instance",
                     ("model", "instance"))
-CAPACITY = MetricSpec("spectree_generation_slots", "gauge", "Concurrent generations allowed, per model instance",
+CAPACITY = MetricSpec("spectree_generation_slots", "gauge",
+                      "Requests decoded together (the scheduler's max_batch_size), per model instance",
                       ("model", "instance"))
-QUEUED = MetricSpec("spectree_queued_requests", "gauge", "Admitted requests waiting for a generation slot",
+QUEUED = MetricSpec("spectree_queued_requests", "gauge", "Requests waiting to join the batch",
                     ("model", "instance"))
 QUEUE_CAPACITY = MetricSpec("spectree_queue_slots", "gauge", "Requests allowed to wait (max_queue_size)",
                             ("model", "instance"))
@@ -1257,10 +1249,16 @@ KV_BUDGET = MetricSpec("spectree_kv_budget_bytes", "gauge", "KV cache the runnin
                        ("model", "instance"))
 KV_USAGE = MetricSpec("spectree_kv_cache_usage_ratio", "gauge",
                       "KV cache reserved / KV budget (0 = empty, 1 = full)", ("model", "instance"))
+# In-flight batching: forwards / segments = the mean number of requests verified together per target forward.
+BATCH_FORWARDS = MetricSpec("spectree_batch_forwards_total", "counter",
+                            "Target forwards run by the scheduler (one per step, for every request in the batch)",
+                            ("model", "instance"))
+BATCH_SEGMENTS = MetricSpec("spectree_batch_segments_total", "counter",
+                            "Requests' segments (prompt chunks, draft trees) in those forwards", ("model", "instance"))
 METRICS: tuple[MetricSpec, ...] = (REQUESTS, GENERATED, STEPS, DRAFT_TOKENS, TREE_NODES, ACCEPTED,
                                    ACCEPTED_PER_POSITION, ACCEPTED_PER_STEP, MEAN_ACCEPTED_LENGTH, ACCEPTANCE_RATE,
                                    TAU, TTFT, ITL, ACTIVE, CAPACITY, QUEUED, QUEUE_CAPACITY, KV_RESERVED, KV_BUDGET,
-                                   KV_USAGE)
+                                   KV_USAGE, BATCH_FORWARDS, BATCH_SEGMENTS)
 
 OUTCOMES = ("completed", "invalid", "overloaded", "cancelled", "error")
 
@@ -1290,22 +1288,28 @@ class SpecMetrics:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _kv_budget: int = 0
 
-    def limits(self, limits: AdmissionLimits) -> None:
+    def limits(self, config: SchedulerConfig) -> None:
         labels = {"model": self.model, "instance": self.instance}
-        self.backend.set(CAPACITY, labels, limits.max_concurrent_requests)
-        self.backend.set(QUEUE_CAPACITY, labels, limits.max_queue_size)
-        self.backend.set(KV_BUDGET, labels, limits.kv_budget_bytes)
-        self._kv_budget = limits.kv_budget_bytes
+        self.backend.set(CAPACITY, labels, config.max_batch_size)
+        self.backend.set(QUEUE_CAPACITY, labels, config.max_queue_size)
+        self.backend.set(KV_BUDGET, labels, config.kv_budget_bytes)
+        self._kv_budget = config.kv_budget_bytes
         self.state(0, 0, 0)
 
     def state(self, running: int, queued: int, kv_reserved: int) -> None:
-        """The scheduler's gauges (called under its lock, so they change in order)."""
+        """The scheduler's gauges (`Generations.publish`)."""
         labels = {"model": self.model, "instance": self.instance}
         self.backend.set(ACTIVE, labels, running)
         self.backend.set(QUEUED, labels, queued)
         self.backend.set(KV_RESERVED, labels, kv_reserved)
         if self._kv_budget:
             self.backend.set(KV_USAGE, labels, kv_reserved / self._kv_budget)
+
+    def batches(self, forwards: int, segments: int) -> None:
+        """Forwards the scheduler ran since the last call, and the request segments in them."""
+        labels = {"model": self.model, "instance": self.instance}
+        self.backend.add(BATCH_FORWARDS, labels, forwards)
+        self.backend.add(BATCH_SEGMENTS, labels, segments)
 
     def finished(self, exc: BaseException | None, final: Any = None, timing: RequestTiming | None = None) -> None:
         """One request ended (exc None: completed; final: its last GenerationDelta when it got that far; timing:
@@ -1368,8 +1372,9 @@ class SpecDecodeSettings:
 
     engine_dir: str
     load_options: dict[str, Any]  # keyword arguments of runtime.load (JSON in the config)
-    max_concurrent_requests: int
+    max_concurrent_requests: int  # the scheduler's max_batch_size
     max_queue_size: int
+    prefill_chunk: int  # prompt tokens per request per step
     max_tokens_limit: int
     kv_memory_mb: int  # 0: half the memory free once the model is loaded
     max_prompt_bytes: int
@@ -1378,7 +1383,8 @@ class SpecDecodeSettings:
     torch_threads: int  # 0: torch's default
     device: str  # "cpu" | "cuda"
 
-    KEYS = ("engine_dir", "load_options", "max_concurrent_requests", "max_queue_size", "max_tokens_limit",
+    KEYS = ("engine_dir", "load_options", "max_concurrent_requests", "max_queue_size", "prefill_chunk",
+            "max_tokens_limit",
             "kv_memory_mb", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes", "torch_threads", "device",
             "verification_at_temperature_0", "verification_above_temperature_0")
 
@@ -1403,6 +1409,7 @@ class SpecDecodeSettings:
             load_options=options,
             max_concurrent_requests=_int_param(params, "max_concurrent_requests", 1, model),
             max_queue_size=_int_param(params, "max_queue_size", 0, model),
+            prefill_chunk=_int_param(params, "prefill_chunk", 1, model),
             max_tokens_limit=_int_param(params, "max_tokens_limit", 1, model),
             kv_memory_mb=_int_param(params, "kv_memory_mb", 0, model),
             max_prompt_bytes=_int_param(params, "max_prompt_bytes", 1, model),
@@ -1422,6 +1429,11 @@ class SpecDecodeSettings:
         if self.kv_memory_mb:
             return self.kv_memory_mb * 2**20
         return max(1, free_bytes() // 2)
+
+    def scheduler_config(self, free_bytes: Callable[[], int]) -> SchedulerConfig:
+        """The instance's `runtime.batching.Scheduler` settings."""
+        return SchedulerConfig(max_batch_size=self.max_concurrent_requests, max_queue_size=self.max_queue_size,
+                               kv_budget_bytes=self.kv_budget_bytes(free_bytes), prefill_chunk=self.prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -1525,19 +1537,16 @@ __all__ = [
     "TEXT_OUTPUT",
     "VERIFICATION_GREEDY",
     "VERIFICATION_SAMPLED",
-    "AdmissionLimits",
     "CallerOptions",
     "CancelBoard",
     "EnsembleSettings",
+    "Generations",
     "ErrorCode",
     "GenerateRequest",
-    "GenerationJob",
-    "GenerationScheduler",
     "InFlight",
     "InputError",
     "MetricSpec",
     "MetricsBackend",
-    "OverloadedError",
     "PreprocessingSettings",
     "RequestCancelled",
     "RequestLimits",
@@ -1547,8 +1556,8 @@ __all__ = [
     "SettingsError",
     "SpecDecodeSettings",
     "SpecMetrics",
-    "ThreadedScheduler",
     "available_memory_bytes",
+    "check_kv_budget",
     "check_prompt_bytes",
     "coded_error_message",
     "decode_error_message",
@@ -1560,13 +1569,11 @@ __all__ = [
     "error_code",
     "error_message",
     "is_final_response",
-    "kv_bytes_per_token",
     "load_tokenizer",
     "outcome_of",
     "parse_generate_request",
     "preprocess",
     "prompt_ids",
-    "request_kv_bytes",
     "response_tensors",
     "split_batch",
     "run_generation",

@@ -31,6 +31,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from model_repo import pipeline
@@ -42,6 +43,7 @@ from model_repo.schema import (
     ModelParameter,
     TransactionPolicy,
 )
+from runtime.batching import SchedulerConfig
 from runtime.errors import ConfigError
 from runtime.files import remove_stale_work_dirs, work_dir
 
@@ -68,11 +70,15 @@ class RepoOptions:
     # None: the engine's absolute local path
     device: str = "cpu"  # cpu | cuda: instance kind of spec_decode (KIND_CPU / KIND_GPU)
     instances: int = 1  # spec_decode instances (each loads its own copy of the model)
-    max_concurrent_requests: int = 8  # generations running at once per spec_decode instance; more wait in the queue
+    # requests decoded together per spec_decode instance (its batching scheduler's max_batch_size: one target
+    # forward per step verifies all their draft trees); more wait in the queue
+    max_concurrent_requests: int = 8
     # rows per request the entry model takes: it batches like tensorrtllm_backend's ensemble (max_batch_size > 0,
     # [batch, 1] tensors); each row is one spec_decode request, the rows of a request run one after another
     max_batch_size: int = 8
     max_queue_size: int = 32  # requests waiting (FIFO) per instance; beyond it: UNAVAILABLE ("overloaded: ...")
+    prefill_chunk: int = SchedulerConfig.prefill_chunk  # prompt tokens per request per step (a long prompt joins
+    # the batch over several steps instead of stalling it)
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: the engine's context length
     # KV cache the running generations of an instance may reserve together (each: prompt + max_tokens + one draft
     # tree, capped at the context); a request that could never fit is refused, the rest wait for room.
@@ -102,7 +108,7 @@ class RepoOptions:
         if self.device not in ("cpu", "cuda"):
             raise RenderError(f"device: expected cpu or cuda, got {self.device!r}")
         for name, minimum in (("instances", 1), ("max_concurrent_requests", 1), ("max_batch_size", 1),
-                              ("max_queue_size", 0),
+                              ("max_queue_size", 0), ("prefill_chunk", 1),
                               ("torch_threads", 0), ("max_stop_words", 1), ("max_stop_word_bytes", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
@@ -189,6 +195,7 @@ def model_configs(
             "load_options": options.load_options(),
             "max_concurrent_requests": str(options.max_concurrent_requests),
             "max_queue_size": str(options.max_queue_size),
+            "prefill_chunk": str(options.prefill_chunk),
             "max_tokens_limit": str(max_tokens_limit),
             "kv_memory_mb": str(options.kv_memory_mb or 0),  # 0: decided at load (half the free memory)
             "max_prompt_bytes": prompt_bytes,
@@ -221,14 +228,47 @@ def model_configs(
 ADAPTERS = {ENSEMBLE: "EnsembleModel", PREPROCESSING: "PreprocessingModel", SPEC_DECODE: "SpecDecodeModel"}
 
 
-def adapter_source(model: str) -> str:
-    """model.py of a python model: one import of package code."""
-    cls = ADAPTERS[model]
+def adapter_module(model: str, cls: str, rendered_by: str) -> str:
+    """model.py of a python model: one import of package code (model_repo.triton_adapter's `cls`)."""
     return (
-        f'"""Triton python-backend entry point of {model} (rendered by `python -m model_repo render`)."""\n\n'
+        f'"""Triton python-backend entry point of {model} (rendered by `{rendered_by}`)."""\n\n'
         f"from model_repo.triton_adapter import {cls} as TritonPythonModel\n\n"
         f'__all__ = ["TritonPythonModel"]\n'
     )
+
+
+def adapter_source(model: str) -> str:
+    """model.py of a python model: one import of package code."""
+    return adapter_module(model, ADAPTERS[model], "python -m model_repo render")
+
+
+def write_repo(out: Path, configs: Mapping[str, ModelConfig], adapters: Mapping[str, str], manifest: dict[str, Any],
+               force: bool) -> None:
+    """Write a repository into out, atomically (into a work_dir sibling, then renamed into place): every
+    config.pbtxt, parsed back before it is written; model.py of the python models (adapters: model name -> source);
+    the manifest. An existing out is replaced only with force."""
+    if out.exists() and not force:
+        raise RenderError(f"output: {str(out)!r} already exists (pass force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_work_dirs(out, RENDERING)  # a killed render's leftovers
+    tmp = work_dir(out, RENDERING)
+    tmp.mkdir()
+    try:
+        for name, config in configs.items():
+            text = dumps(config)
+            if loads(ModelConfig, text) != config:  # the writer and the parser must agree
+                raise RenderError(f"{name}/config.pbtxt does not parse back to the config it was rendered from")
+            (tmp / name / "1").mkdir(parents=True)
+            (tmp / name / "config.pbtxt").write_text(text, encoding="utf-8")
+            if name in adapters:
+                (tmp / name / "1" / "model.py").write_text(adapters[name], encoding="utf-8")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def render(options: RepoOptions) -> RenderedRepo:
@@ -250,31 +290,10 @@ def render(options: RepoOptions) -> RenderedRepo:
     configs = model_configs(options, engine_path, max_context, limit)
 
     out = Path(options.output)
-    if out.exists() and not options.force:
-        raise RenderError(f"output: {str(out)!r} already exists (pass force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_work_dirs(out, RENDERING)  # a killed render's leftovers
-    tmp = work_dir(out, RENDERING)
-    tmp.mkdir()
-    try:
-        for name, config in configs.items():
-            text = dumps(config)
-            if loads(ModelConfig, text) != config:  # the writer and the parser must agree
-                raise RenderError(f"{name}/config.pbtxt does not parse back to the config it was rendered from")
-            (tmp / name / "1").mkdir(parents=True)
-            (tmp / name / "config.pbtxt").write_text(text, encoding="utf-8")
-            if name in ADAPTERS:
-                (tmp / name / "1" / "model.py").write_text(adapter_source(name), encoding="utf-8")
-        manifest = {"format": "spectree-model-repo", "format_version": 1, "options": dataclasses.asdict(options),
-                    "engine_path_in_server": engine_path, "max_context": max_context, "max_tokens_limit": limit,
-                    "models": list(configs)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    manifest = {"format": "spectree-model-repo", "format_version": 1, "options": dataclasses.asdict(options),
+                "engine_path_in_server": engine_path, "max_context": max_context, "max_tokens_limit": limit,
+                "models": list(configs)}
+    write_repo(out, configs, {name: adapter_source(name) for name in ADAPTERS}, manifest, options.force)
     return RenderedRepo(path=out, configs=configs, max_context=max_context, max_tokens_limit=limit)
 
 
@@ -298,8 +317,10 @@ __all__ = [
     "RenderError",
     "RenderedRepo",
     "RepoOptions",
+    "adapter_module",
     "adapter_source",
     "model_configs",
     "read_repo",
     "render",
+    "write_repo",
 ]

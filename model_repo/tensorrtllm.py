@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from model_repo.pbtxt import dumps, loads
-from model_repo.render import MANIFEST, RenderError
+from model_repo.pbtxt import loads
+from model_repo.render import RenderError, adapter_module, write_repo
 from model_repo.schema import (
     DataType,
     DynamicBatching,
@@ -402,12 +400,7 @@ ADAPTERS = {PREPROCESSING: "TrtllmPreprocessingModel", POSTPROCESSING: "TrtllmPo
 
 def adapter_source(model: str) -> str:
     """model.py of a python model: one import of package code."""
-    return (
-        f'"""Triton python-backend entry point of {model} (rendered by `python -m model_repo render '
-        f'--backend tensorrtllm`)."""\n\n'
-        f"from model_repo.triton_adapter import {ADAPTERS[model]} as TritonPythonModel\n\n"
-        f'__all__ = ["TritonPythonModel"]\n'
-    )
+    return adapter_module(model, ADAPTERS[model], "python -m model_repo render --backend tensorrtllm")
 
 
 @dataclass(frozen=True)
@@ -437,31 +430,12 @@ def render_tensorrtllm(options: TrtllmRepoOptions) -> RenderedTrtllmRepo:
         else f"{options.engine_path_in_server.rstrip('/')}/{TRTLLM_ENGINE_DIR}")
     configs = model_configs(options, facts, engine_path, trtllm_path)
     out = Path(options.output)
-    if out.exists() and not options.force:
-        raise RenderError(f"output: {str(out)!r} already exists (pass force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        for name, config in configs.items():
-            text = dumps(config)
-            if loads(ModelConfig, text) != config:
-                raise RenderError(f"{name}/config.pbtxt does not parse back to the config it was rendered from")
-            (tmp / name / "1").mkdir(parents=True)
-            (tmp / name / "config.pbtxt").write_text(text, encoding="utf-8")
-            if name in ADAPTERS:
-                (tmp / name / "1" / "model.py").write_text(adapter_source(name), encoding="utf-8")
-        manifest = {"format": "spectree-model-repo", "format_version": 1, "backend": BACKEND,
-                    "options": dataclasses.asdict(options), "engine_path_in_server": engine_path,
-                    "trtllm_engine_path_in_server": trtllm_path, "models": list(configs),
-                    "tested": "configs parse with Triton's ModelConfig protobuf; not loaded by a tensorrtllm-backend "
-                              "server (no GPU / TensorRT-LLM where this was rendered and tested)"}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    manifest = {"format": "spectree-model-repo", "format_version": 1, "backend": BACKEND,
+                "options": dataclasses.asdict(options), "engine_path_in_server": engine_path,
+                "trtllm_engine_path_in_server": trtllm_path, "models": list(configs),
+                "tested": "configs parse with Triton's ModelConfig protobuf; not loaded by a tensorrtllm-backend "
+                          "server (no GPU / TensorRT-LLM where this was rendered and tested)"}
+    write_repo(out, configs, {name: adapter_source(name) for name in ADAPTERS}, manifest, options.force)
     return RenderedTrtllmRepo(path=out, configs=configs, trtllm_engine=trtllm_path)
 
 

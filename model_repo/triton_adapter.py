@@ -4,11 +4,15 @@ Each rendered model.py imports one class from here as TritonPythonModel. This mo
 the python backend's stub process (where triton_python_backend_utils exists); tests drive it through a real
 tritonserver.
 
-spec_decode is decoupled: `execute` parses each request, encodes its prompt and hands it to the instance's
-`pipeline.ThreadedScheduler` (a bad request, one that can never fit the KV budget, or one beyond the slots and
-the queue is answered at once with a Triton error: INVALID_ARG / UNAVAILABLE). Admitted requests run on worker
-threads, up to max_concurrent_requests at once (each has its own KV cache and drafter session; torch releases the
-GIL inside its kernels); the rest wait in FIFO order. Workers check cancellation after every decode step.
+spec_decode is decoupled: `execute` parses each request, encodes its prompt and submits it to the instance's
+`pipeline.Generations`: ONE `runtime.batching.Scheduler` (in-flight batching: up to max_concurrent_requests
+requests decoded together, every one's draft tree verified in one target forward per step; the rest wait in FIFO
+order). A bad request, one that can never fit the KV budget, or one beyond the batch and the queue is answered at
+once with a Triton error: INVALID_ARG / UNAVAILABLE. Responses go out from the scheduler's thread as deltas come;
+cancellation (client gone, CancelBoard mark) is checked after every delta and every 0.1 s for waiting requests.
+A scheduler whose loop failed ends every request with an error and then this stub process exits, which
+`deploy serve` sees as a dead stub (not ready; it stops the server, exit status 3): tritonserver 2.51 has no way
+for a python model to declare itself not ready.
 
 ensemble is the entry point (decoupled, BLS): it calls preprocessing, then streams spec_decode's responses back
 to its client. Unlike a Triton ensemble (platform "ensemble", which in 2.51 does not pass a client's cancellation
@@ -37,19 +41,18 @@ from model_repo.pipeline import (
     PREPROCESSING_INPUTS,
     SPEC_DECODE_INPUTS,
     SPEC_DECODE_OUTPUTS,
-    AdmissionLimits,
     CallerOptions,
     CancelBoard,
     EnsembleSettings,
     ErrorCode,
-    GenerationJob,
+    GenerateRequest,
+    Generations,
     InFlight,
     MetricSpec,
     PreprocessingSettings,
     RequestCancelled,
     SpecDecodeSettings,
     SpecMetrics,
-    ThreadedScheduler,
     available_memory_bytes,
     batch_row_outputs,
     coded_error_message,
@@ -63,11 +66,11 @@ from model_repo.pipeline import (
     parse_generate_request,
     preprocess,
     prompt_ids,
-    request_kv_bytes,
     split_batch,
 )
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+DEAD_SCHEDULER_EXIT_DELAY_S = 1.0  # lets the error responses of a failed scheduler's requests go out first
 CANCEL_POLL_S = 0.1  # how often the ensemble model asks whether its clients are still there
 KEEP_BLS_ITERATORS = 256  # finished BLS response iterators the ensemble model holds on to (EnsembleModel._keep)
 
@@ -190,7 +193,9 @@ class PreprocessingModel:
 
 class _Sink:
     """pipeline.ResponseSink over a decoupled response sender; cancelled when the client cancels, when the model
-    shuts down, or when the ensemble model marked the request's token on the CancelBoard."""
+    shuts down, or when the ensemble model marked the request's token on the CancelBoard. Asked from the scheduler's
+    thread and the watcher's, so the sender's is_cancelled() and the final response are serialised (2.51 crashes
+    when is_cancelled() is asked after the final response: see _Watched)."""
 
     def __init__(self, sender: Any, stopping: threading.Event, board: CancelBoard, caller: CallerOptions,
                  model: str) -> None:
@@ -201,19 +206,27 @@ class _Sink:
         self.coded = caller.coded_errors
         self.model = model
         self.closed = False
+        self.lock = threading.Lock()
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
-        self.sender.send(_response(outputs), flags=_FINAL if final else 0)
-        self.closed = final
+        with self.lock:
+            self.closed = self.closed or final
+            self.sender.send(_response(outputs), flags=_FINAL if final else 0)
 
     def is_cancelled(self) -> bool:
-        return (self.stopping.is_set() or (self.token is not None and self.board.is_marked(self.token))
-                or self.sender.is_cancelled())
+        if self.stopping.is_set() or (self.token is not None and self.board.is_marked(self.token)):
+            return True
+        with self.lock:
+            return not self.closed and self.sender.is_cancelled()
 
     def fail(self, exc: BaseException) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._send_error(exc)
+
+    def _send_error(self, exc: BaseException) -> None:
         try:
             if self.coded:  # a BLS caller (the ensemble model): see pipeline.error_outputs
                 self.sender.send(_response(error_outputs(exc)), flags=_FINAL)
@@ -224,8 +237,8 @@ class _Sink:
 
 
 class SpecDecodeModel:
-    """The decoupled generation model: the runtime's draft -> verify -> commit loop per request, admitted by a
-    `pipeline.ThreadedScheduler` (slots, bounded FIFO queue, KV budget)."""
+    """The decoupled generation model: its requests batched in flight by one `pipeline.Generations` (a
+    `runtime.batching.Scheduler`: batch, bounded FIFO queue, KV budget)."""
 
     def initialize(self, args: dict[str, str]) -> None:
         import torch
@@ -247,22 +260,17 @@ class SpecDecodeModel:
             options["device"] = self.settings.device
         self.decoder = runtime.load(self.settings.engine_dir, **options)
         self.limits = self.settings.request_limits(self.decoder.model.config.vocab_size)
-        admission = AdmissionLimits(
-            max_concurrent_requests=self.settings.max_concurrent_requests,
-            max_queue_size=self.settings.max_queue_size,
-            kv_budget_bytes=self.settings.kv_budget_bytes(lambda: available_memory_bytes(self.settings.device)),
-        )
+        config = self.settings.scheduler_config(lambda: available_memory_bytes(self.settings.device))
         pb_utils.Logger.log_info(
-            f"{self.name}: {admission.max_concurrent_requests} generation slots, queue of {admission.max_queue_size}, "
-            f"KV budget {admission.kv_budget_bytes / 2**20:.0f} MiB"
+            f"{self.name}: in-flight batching of up to {config.max_batch_size} requests, queue of "
+            f"{config.max_queue_size}, KV budget {config.kv_budget_bytes / 2**20:.0f} MiB"
             + ("" if self.settings.kv_memory_mb else " (half the memory free after loading; kv_memory_mb: 0)"))
         self.metrics_backend = PrometheusMetrics(METRICS)
         self.metrics = SpecMetrics(self.metrics_backend, self.name, args["model_instance_name"])
-        self.metrics.limits(admission)
         self.stopping = threading.Event()
         self.board = CancelBoard.of_server()
-        self.scheduler = ThreadedScheduler(self.decoder, admission, on_done=self._done, on_state=self.metrics.state,
-                                           name=self.name)
+        self.generations = Generations(self.decoder, config, self.metrics, on_done=self._done, on_dead=self._dead,
+                                       name=self.name)
 
     def execute(self, requests: list[Any]) -> None:
         names = tuple(s.name for s in SPEC_DECODE_INPUTS)
@@ -273,20 +281,32 @@ class SpecDecodeModel:
                 if self.stopping.is_set():
                     raise RequestCancelled("the model is shutting down")
                 ids = prompt_ids(self.decoder, parsed)
-                kv = request_kv_bytes(self.decoder, len(ids), parsed.params.max_tokens)
-                self.scheduler.submit(GenerationJob(parsed, tuple(ids), kv, sink))
+                self.generations.submit(parsed, ids, sink)
             except Exception as exc:  # noqa: BLE001  (bad, oversized or one too many: answered now, as a Triton error)
                 sink.fail(exc)
                 self.metrics.finished(exc)
+                if error_code(exc) is ErrorCode.INTERNAL:
+                    pb_utils.Logger.log_error(f"{self.name}: request refused: {error_message(exc)}")
 
-    def _done(self, job: GenerationJob, error: BaseException | None, final: Any) -> None:
-        self.metrics.finished(error, final, job.request.timing)
+    def _done(self, request: GenerateRequest, error: BaseException | None, final: Any) -> None:
         if error is not None and error_code(error) is ErrorCode.INTERNAL:
             pb_utils.Logger.log_error(f"{self.name}: request failed: {error_message(error)}")
 
+    def _dead(self, error: BaseException | None) -> None:
+        """The scheduler's loop failed (its requests have ended with an error): this process exits, so the server
+        stops being served as ready (see the module docstring)."""
+        import os
+        import time
+
+        pb_utils.Logger.log_error(f"{self.name}: the batching scheduler failed ({error!r}); exiting this process so "
+                                  "the server is no longer ready (deploy serve stops it with exit status 3)")
+        self.generations.scheduler.close(timeout=5)
+        time.sleep(DEAD_SCHEDULER_EXIT_DELAY_S)
+        os._exit(1)
+
     def finalize(self) -> None:
-        self.stopping.set()  # running generations end at their next step with CANCELLED
-        self.scheduler.close()
+        self.stopping.set()  # requests end CANCELLED ("shutting down") at the next step
+        self.generations.close(timeout=30)
         self.metrics_backend.close()
         self.board.close()
 

@@ -88,32 +88,55 @@ def _levels(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _add_model_source(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", type=Path, help="builder YAML (model.checkpoint, draft, build.dtype)")
+    src.add_argument("--engine", type=Path, help="engine directory (python -m builder build)")
+
+
+def _add_draft_models_and_prompts(p: argparse.ArgumentParser, cls: type, draft_model_help: str) -> None:
+    p.add_argument("--draft-model", type=_draft_model, action="append", default=[], metavar="KIND=DIR",
+                   help=draft_model_help)
+    p.add_argument("--prompts", type=Path, action="append", default=[], metavar="FILE",
+                   help="prompt file, JSON Lines (repeatable; default perf/prompts/code.jsonl and prose.jsonl)")
+    p.add_argument("--prompts-per-set", type=int, default=_default(cls, "prompts_per_set"))
+
+
+def _add_threads(p: argparse.ArgumentParser, cls: type) -> None:
+    p.add_argument("--threads", type=int, default=_default(cls, "threads"),
+                   help="torch intra-op threads (default: every usable core)")
+
+
+def _add_dtype(p: argparse.ArgumentParser, cls: type) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(cls, "dtype"))
+
+
+def _add_out(p: argparse.ArgumentParser, cls: type, quiet_help: str) -> None:
+    p.add_argument("--out", default=_default(cls, "out"),
+                   help="output directory; {date} and {machine} are filled in (default %(default)s)")
+    p.add_argument("--quiet", action="store_true", help=quiet_help)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m perf", description="spectree benchmarks",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="speculative decoding against plain decoding and transformers")
-    src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", type=Path, help="builder YAML (model.checkpoint, draft, build.dtype)")
-    src.add_argument("--engine", type=Path, help="engine directory (python -m builder build)")
+    _add_model_source(b)
     b.add_argument("--drafters", type=_specs, default=_default(BenchConfig, "drafters"),
                    help="comma-separated KIND[:TREE][+KEY=VALUE...], e.g. lookup,medusa:mc_sim_7b_63,"
                         "medusa:chain-3,eagle,eagle:dynamic+total_tokens=30 (default: the configured drafter)")
-    b.add_argument("--draft-model", type=_draft_model, action="append", default=[], metavar="KIND=DIR",
-                   help="head weights for medusa / eagle specs beyond the configured drafter's (repeatable)")
-    b.add_argument("--prompts", type=Path, action="append", default=[], metavar="FILE",
-                   help="prompt file, JSON Lines (repeatable; default perf/prompts/code.jsonl and prose.jsonl)")
-    b.add_argument("--prompts-per-set", type=int, default=_default(BenchConfig, "prompts_per_set"))
+    _add_draft_models_and_prompts(
+        b, BenchConfig, "head weights for medusa / eagle specs beyond the configured drafter's (repeatable)")
     b.add_argument("--max-tokens", type=int, default=_default(BenchConfig, "max_tokens"),
                    help="tokens generated per prompt, exactly (EOS ignored)")
     b.add_argument("--warmup", type=int, default=_default(BenchConfig, "warmup"),
                    help="untimed generations per variant first")
     b.add_argument("--repeats", type=int, default=_default(BenchConfig, "repeats"),
                    help="timed runs per (variant, prompt); the median counts")
-    b.add_argument("--threads", type=int, default=_default(BenchConfig, "threads"),
-                   help="torch intra-op threads (default: every usable core)")
-    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(BenchConfig, "dtype"))
+    _add_threads(b, BenchConfig)
+    _add_dtype(b, BenchConfig)
     b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers greedy baseline")
     b.add_argument("--hf-lookup", type=int, metavar="N", default=_default(BenchConfig, "hf_lookup"),
                    help="also measure transformers' prompt lookup decoding (generate(prompt_lookup_num_tokens=N); "
@@ -121,9 +144,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-assistant", type=Path, metavar="DIR", default=_default(BenchConfig, "hf_assistant"),
                    help="also measure transformers' assisted generation with this draft checkpoint (same "
                         "tokenizer and vocabulary as the target)")
-    b.add_argument("--out", default=_default(BenchConfig, "out"),
-                   help="output directory; {date} and {machine} are filled in (default %(default)s)")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_out(b, BenchConfig, "no progress bar")
 
     s = sub.add_parser("serve", help="perf_analyzer or genai-perf against a served model")
     s.add_argument("--url", required=True, help="gRPC endpoint HOST:PORT")
@@ -174,30 +195,22 @@ def parser() -> argparse.ArgumentParser:
                    help="timed passes over every (dtype, mask, N); the median counts (default %(default)s)")
     v.add_argument("--warmup", type=int, default=_default(VerifyCostConfig, "warmup"),
                    help="untimed passes first (default %(default)s)")
-    v.add_argument("--threads", type=int, default=_default(VerifyCostConfig, "threads"),
-                   help="torch intra-op threads (default: every usable core)")
+    _add_threads(v, VerifyCostConfig)
     v.add_argument("--device", default=_default(VerifyCostConfig, "device"), help="cpu, cuda or cuda:K")
     v.add_argument("--seed", type=int, default=_default(VerifyCostConfig, "seed"),
                    help="random context, tokens, trees and pass orders")
     v.add_argument("--profile", type=_list_of("profile", int), default=_default(VerifyCostConfig, "profile"),
                    help="sizes (among --sizes) whose chain forward is also run under torch.profiler: the share of "
                         "matmul, attention and everything else, e.g. 1,16 (default: none)")
-    v.add_argument("--out", default=_default(VerifyCostConfig, "out"),
-                   help="output directory; {date} and {machine} are filled in (default %(default)s)")
-    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_out(v, VerifyCostConfig, "no progress bar")
 
     a = sub.add_parser("batch", help="N concurrent requests through the in-flight batching scheduler vs one by one")
-    src = a.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", type=Path, help="builder YAML (model.checkpoint, draft, build.dtype)")
-    src.add_argument("--engine", type=Path, help="engine directory (python -m builder build)")
+    _add_model_source(a)
     a.add_argument("--drafter", default=_default(BatchBenchConfig, "drafter"),
                    help="one drafter spec in bench's grammar (lookup, medusa:chain-3, eagle, ...) or plain "
                         "(default: the configured drafter)")
-    a.add_argument("--draft-model", type=_draft_model, action="append", default=[], metavar="KIND=DIR",
-                   help="head weights for a medusa / eagle spec beyond the configured drafter's")
-    a.add_argument("--prompts", type=Path, action="append", default=[], metavar="FILE",
-                   help="prompt file, JSON Lines (repeatable; default perf/prompts/code.jsonl and prose.jsonl)")
-    a.add_argument("--prompts-per-set", type=int, default=_default(BatchBenchConfig, "prompts_per_set"))
+    _add_draft_models_and_prompts(
+        a, BatchBenchConfig, "head weights for a medusa / eagle spec beyond the configured drafter's")
     a.add_argument("--concurrency", type=_list_of("concurrency", int),
                    default=_default(BatchBenchConfig, "concurrency"),
                    help="comma-separated numbers of concurrent requests (default "
@@ -207,14 +220,11 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--warmup", type=int, default=_default(BatchBenchConfig, "warmup"), help="untimed rounds first")
     a.add_argument("--repeats", type=int, default=_default(BatchBenchConfig, "repeats"),
                    help="timed rounds; the median counts")
-    a.add_argument("--threads", type=int, default=_default(BatchBenchConfig, "threads"),
-                   help="torch intra-op threads (default: every usable core)")
-    a.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(BatchBenchConfig, "dtype"))
+    _add_threads(a, BatchBenchConfig)
+    _add_dtype(a, BatchBenchConfig)
     a.add_argument("--prefill-chunk", type=int, default=_default(BatchBenchConfig, "prefill_chunk"),
                    help="the scheduler's prompt tokens per request per step (default %(default)s)")
-    a.add_argument("--out", default=_default(BatchBenchConfig, "out"),
-                   help="output directory; {date} and {machine} are filled in (default %(default)s)")
-    a.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_out(a, BatchBenchConfig, "no progress lines")
 
     g = sub.add_parser("report", help="regenerate the Markdown and PNGs of a results directory from its JSON")
     g.add_argument("results_dir", type=Path,

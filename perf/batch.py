@@ -29,11 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from perf import stats
-from perf.bench import BenchConfig, BenchConfigError, DrafterSpec, build_decoder, encode_prompt, load_target, resolve
-from perf.machine import machine_info, now_iso, settings_dict, usable_cores
+from perf.bench import BenchConfig, BenchConfigError, DrafterSpec, build_decoder, encode_prompts, load_target, resolve
+from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import load_prompts
 from runtime.batching import SchedulerConfig
 from runtime.files import shown_path
@@ -209,17 +207,10 @@ def summarize(samples: Sequence[Sample], max_tokens: int) -> list[dict[str, Any]
 
 def run_batch_bench(config: BatchBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load, measure and summarise; returns the report (JSON-ready). Sets torch's threads for the duration."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(config.resolved_threads())
-    try:
+    with torch_threads(config.resolved_threads()):
         prompts = load_prompts(config.prompts or None, config.prompts_per_set)
         target = load_target(BenchConfig(config=config.config, engine=config.engine, dtype=config.dtype))
-        encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
-        too_long = [p.key for p, ids in zip(prompts, encoded)
-                    if len(ids) + config.max_tokens > target.model.config.max_context]
-        if too_long:
-            raise BatchBenchError(f"prompts {too_long[:3]} plus max_tokens {config.max_tokens} exceed the model's "
-                                  f"context of {target.model.config.max_context} tokens")
+        encoded = encode_prompts(prompts, target, config.max_tokens, BatchBenchError)
         spec = DrafterSpec.parse(config.drafter) if config.drafter else DrafterSpec(kind=target.drafter.method)
         if spec.kind == "none":
             decoder, info = build_decoder(target, None)
@@ -252,15 +243,9 @@ def run_batch_bench(config: BatchBenchConfig, progress: Callable[[str], None] | 
                 samples += one_round(n, MODES if r % 2 == 0 else MODES[::-1])
         elapsed = time.perf_counter() - started
         machine = machine_info()
-    finally:
-        torch.set_num_threads(previous)
     rows = summarize(samples, config.max_tokens)
     return {
-        "format": REPORT_FORMAT,
-        "format_version": REPORT_VERSION,
-        "created": now_iso(),
-        "machine": machine,
-        "settings": config.to_dict(),
+        **report_header(REPORT_FORMAT, REPORT_VERSION, config.to_dict(), machine),
         "target": target.describe(),
         "drafter": info,
         "prompts": [{"key": p.key, "prompt_tokens": len(ids)} for p, ids in zip(prompts, encoded)],

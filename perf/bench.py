@@ -33,10 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from perf import stats
-from perf.machine import machine_info, now_iso, settings_dict, usable_cores
+from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import shown_path
@@ -526,6 +524,18 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
         raise BenchConfigError(f"prompt {prompt.key} (chat: {str(prompt.chat).lower()}): {exc}") from exc
 
 
+def encode_prompts(prompts: Sequence[Prompt], target: Target, max_tokens: int,
+                   error: type[BenchConfigError] = BenchConfigError) -> list[list[int]]:
+    """Each prompt's ids; `error` when a prompt plus max_tokens would not fit the target's context."""
+    encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
+    context = target.model.config.max_context
+    too_long = [p.key for p, ids in zip(prompts, encoded) if len(ids) + max_tokens > context]
+    if too_long:
+        raise error(f"prompts {too_long[:3]} plus max_tokens {max_tokens} exceed the model's context of {context} "
+                    "tokens")
+    return encoded
+
+
 def measure(variants: Sequence[Variant], prompts: Sequence[Prompt], encoded: Sequence[list[int]],
             config: BenchConfig, progress: ProgressFn | None = None) -> list[Run]:
     """Warm up every variant, then time every (variant, prompt, repeat) on the prompts' ids (`encoded`, in the
@@ -659,17 +669,10 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
 
 def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Load, measure and summarise; returns the report (JSON-ready). Sets torch's threads for the duration."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(config.resolved_threads())
-    try:
+    with torch_threads(config.resolved_threads()):
         prompts = load_prompts(config.prompts or None, config.prompts_per_set)
         target = load_target(config)
-        encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
-        too_long = [p.key for p, ids in zip(prompts, encoded)
-                    if len(ids) + config.max_tokens > target.model.config.max_context]
-        if too_long:
-            raise BenchConfigError(f"prompts {too_long[:3]} plus max_tokens {config.max_tokens} exceed the model's "
-                                   f"context of {target.model.config.max_context} tokens")
+        encoded = encode_prompts(prompts, target, config.max_tokens)
         variants = make_variants(config, target)
         total = len(variants) * (config.warmup + len(prompts) * config.repeats)
         started = time.perf_counter()
@@ -683,18 +686,12 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
         summaries = summarize(variants, runs, prompts, mismatches)
         best_hf = best_hf_peer(variants, {v["name"]: v["tokens_per_s"] for v in summaries})
         machine = machine_info()
-    finally:
-        torch.set_num_threads(previous)
     plain_ids = {r.prompt: list(r.token_ids) for r in runs if r.variant == "plain" and r.repeat == 0}
     strict = {v.name for v in variants if identity_enforced(v)}
     enforced = [m for m in mismatches if m.variant in strict]
     recorded = [m for m in mismatches if m.variant not in strict]
     return {
-        "format": REPORT_FORMAT,
-        "format_version": REPORT_VERSION,
-        "created": now_iso(),
-        "machine": machine,
-        "settings": config.to_dict(),
+        **report_header(REPORT_FORMAT, REPORT_VERSION, config.to_dict(), machine),
         "target": target.describe(),
         "measure_seconds": elapsed,
         "prompts": [{"key": p.key, "set": p.set, "id": p.id, "source": p.source, "chat": p.chat,
@@ -728,6 +725,7 @@ __all__ = [
     "check_identity",
     "describe_drafter",
     "encode_prompt",
+    "encode_prompts",
     "hf_variant",
     "hf_variants",
     "identity_enforced",

@@ -30,13 +30,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from perf.analyzer import locate
-from perf.machine import machine_info, now_iso, settings_dict
+from perf.machine import report_header, settings_dict
 from perf.prompt_sets import load_prompts
 from runtime.errors import ConfigError, SpectreeError
 
@@ -50,7 +50,8 @@ METRICS = ("time_to_first_token", "inter_token_latency", "request_latency", "inp
 STATS = ("avg", "p50", "p90", "p99")
 # Triton metrics (counters, summed over their label sets) behind the speculation statistics.
 SPEC_COUNTERS = {"steps": "spectree_verify_steps_total", "draft_tokens": "spectree_draft_tokens_total",
-                 "accepted_tokens": "spectree_accepted_tokens_total", "generated_tokens": "spectree_generated_tokens_total"}
+                 "accepted_tokens": "spectree_accepted_tokens_total",
+                 "generated_tokens": "spectree_generated_tokens_total"}
 
 
 class GenaiPerfMissing(SpectreeError, RuntimeError):
@@ -252,11 +253,7 @@ def run_genai_perf(config: GenaiPerfConfig, out: Path, on_level: Callable[[str],
             levels.append(level)
         results[endpoint.name] = levels
     return {
-        "format": REPORT_FORMAT,
-        "format_version": REPORT_VERSION,
-        "created": now_iso(),
-        "machine": machine_info(),
-        "settings": config.to_dict(),
+        **report_header(REPORT_FORMAT, REPORT_VERSION, config.to_dict()),
         "genai_perf": {"binary": str(binary), "version": _version(binary, env)},
         "perf_analyzer": pa.describe(),
         "num_prompts": len(prompts),

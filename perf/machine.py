@@ -1,15 +1,18 @@
 """What a measurement ran on: CPU model, cores, memory, library versions, torch threads; a short machine slug.
 
-Every report (bench and serve) embeds `machine_info()`, so a number is never separated from the machine it was
-measured on. Nothing here changes any state (torch threads are set by the caller and only read here).
+Every report (bench and serve) embeds `machine_info()` (through `report_header`), so a number is never separated
+from the machine it was measured on. Nothing here changes any state, except `torch_threads`: a block that sets
+torch's intra-op threads and restores them after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
 import re
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -115,6 +118,25 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def report_header(fmt: str, format_version: int, settings: dict[str, Any],
+                  machine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fields every perf report starts with; machine: `machine_info()` taken by the caller (e.g. while its
+    torch threads were set), else now."""
+    return {"format": fmt, "format_version": format_version, "created": now_iso(),
+            "machine": machine_info() if machine is None else machine, "settings": settings}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to n for the block, restored after (also when it raises)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def expand_out(template: str | Path, info: dict[str, Any] | None = None) -> Path:
     """An output directory template with {date} (YYYY-MM-DD) and {machine} (machine_slug) filled in."""
     text = str(template)
@@ -132,6 +154,8 @@ __all__ = [
     "memory_gib",
     "now_iso",
     "package_version",
+    "report_header",
     "today",
+    "torch_threads",
     "usable_cores",
 ]

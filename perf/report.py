@@ -22,6 +22,22 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.0f}%"
 
 
+P50_90 = ("p50", "p90")
+P50_90_99 = ("p50", "p90", "p99")
+
+
+def _quantiles(d: dict[str, float], keys: tuple[str, ...], fmt: str = ".1f") -> str:
+    """e.g. "12.0 / 15.3" for keys ("p50", "p90")."""
+    return " / ".join(format(d[k], fmt) for k in keys)
+
+
+def _document(lines: list[str], images: list[str] | None) -> str:
+    """The Markdown of lines followed by the images (one paragraph each, alt text from the file name)."""
+    for img in images or []:
+        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
+    return "\n".join(lines) + "\n"
+
+
 def machine_line(m: dict[str, Any], threads: int | None = None) -> str:
     """One line: CPU, cores (and torch threads when given), memory, GPU, library versions, OS."""
     thr = f" (torch threads {threads})" if threads is not None else ""
@@ -147,9 +163,7 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
     if best:
         lines[-1] += (" transformers' speculative variants draft a chain (≤: at most that many nodes per step); "
                       "their target forwards are counted on the target only (an assistant's are not).")
-    for img in images or []:
-        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
-    return "\n".join(lines) + "\n"
+    return _document(lines, images)
 
 
 def serve_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
@@ -171,8 +185,8 @@ def serve_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
         ttft, itl, lat = r["ttft_ms"], r["itl_ms"], r["request_latency_ms"]
         lines.append(
             f"| {r['concurrency']} | {r['requests']} | {_num(r['requests_per_s'], '.2f')} "
-            f"| {_num(r['output_tokens_per_s'], '.1f')} | {ttft['p50']:.1f} / {ttft['p90']:.1f} / {ttft['p99']:.1f} "
-            f"| {itl['p50']:.2f} / {itl['p90']:.2f} / {itl['p99']:.2f} | {lat['p50']:.1f} / {lat['p99']:.1f} "
+            f"| {_num(r['output_tokens_per_s'], '.1f')} | {_quantiles(ttft, P50_90_99)} "
+            f"| {_quantiles(itl, P50_90_99, '.2f')} | {_quantiles(lat, ('p50', 'p99'))} "
             f"| {r['mean_output_tokens']:.1f} | {_num(r.get('server_tau'))} |"
         )
     if report.get("short_outputs_at"):
@@ -183,9 +197,7 @@ def serve_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
               "over the span from its first request to its last response (perf_analyzer's own windowed figure is "
               "in serve.json as pa_requests_per_s). tau (server): tokens per verification step the server reported "
               "on its final responses.")]
-    for img in images or []:
-        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
-    return "\n".join(lines) + "\n"
+    return _document(lines, images)
 
 
 def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
@@ -227,9 +239,7 @@ def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None
             top = ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_forward']:.2f}" for o in p["top_other"][:4])
             lines.append(f"| {p['dtype']} | {p['size']} | {p['ms_per_forward']:.2f} | {sh['matmul']:.0%} | "
                          f"{sh['attention']:.0%} | {sh['other']:.0%} | {top} |")
-    for img in images or []:
-        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
-    return "\n".join(lines) + "\n"
+    return _document(lines, images)
 
 
 def batch_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
@@ -253,20 +263,18 @@ def batch_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
     ]
     for r in report["levels"]:
         b, ttft, itl = r["batched"], r["batched"]["ttft_ms"], r["batched"]["itl_ms"]
-        itl_cell = "—" if itl is None else f"{itl['p50']:.1f} / {itl['p90']:.1f}"
+        itl_cell = "—" if itl is None else _quantiles(itl, P50_90)
         same = "yes" if r["greedy_identical"] else f"**NO** ({len(r['differences'])} request(s))"
         lines.append(
             f"| {r['concurrency']} | {_num(r['sequential']['tokens_per_s'], '.1f')} | {_num(b['tokens_per_s'], '.1f')} "
             f"| {_num(r['speedup'], '.2f', 'x')} | {_num(b['mean_batch'], '.2f')} "
-            f"| {ttft['p50']:.1f} / {ttft['p90']:.1f} | {itl_cell} | {same} |"
+            f"| {_quantiles(ttft, P50_90)} | {itl_cell} | {same} |"
         )
     lines += ["", ("tokens/s = N x max_tokens / wall time of the N requests. mean batch = request segments per target "
               "forward (prompt chunks and draft trees; one forward verifies every request's tree). TTFT: submit -> "
               "first delta; ITL: (last delta - first delta) / (tokens - 1), per batched request. greedy identical: "
               "every batched output equals the same request's sequential output.")]
-    for img in images or []:
-        lines += ["", f"![{Path(img).stem.replace('_', ' ')}]({img})"]
-    return "\n".join(lines) + "\n"
+    return _document(lines, images)
 
 
 def write_json(report: dict[str, Any], path: Path) -> Path:

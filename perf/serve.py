@@ -33,7 +33,7 @@ from typing import Any
 
 from perf import stats
 from perf.analyzer import PerfAnalyzer, locate
-from perf.machine import machine_info, now_iso, settings_dict
+from perf.machine import report_header, settings_dict
 from perf.prompt_sets import Prompt, load_prompts
 from runtime.errors import ConfigError, SpectreeError
 
@@ -302,11 +302,7 @@ def run_serve(config: ServeConfig, out: Path, on_level: Callable[[str], None] | 
     sources = sorted({lv["token_source"] for lv in levels})
     short = [lv["concurrency"] for lv in levels if config.ignore_eos and lv["min_output_tokens"] < config.max_tokens]
     return {
-        "format": REPORT_FORMAT,
-        "format_version": REPORT_VERSION,
-        "created": now_iso(),
-        "machine": machine_info(),
-        "settings": config.to_dict(),
+        **report_header(REPORT_FORMAT, REPORT_VERSION, config.to_dict()),
         "url": config.url,
         "model": config.model,
         "perf_analyzer": pa.describe(),

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from perf import stats
-from perf.machine import machine_info, now_iso, settings_dict, usable_cores
+from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from runtime.errors import ConfigError
 from runtime.files import shown_path
 
@@ -256,9 +256,7 @@ def run_verify_cost(config: VerifyCostConfig,
         raise VerifyCostError(f"device: got {config.device!r}, but torch sees no CUDA device here")
     device = torch.device(config.device)
     path = checkpoint_path(config)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(config.resolved_threads())
-    try:
+    with torch_threads(config.resolved_threads()):
         models = {d: TargetModel.from_pretrained(path, dtype=d, device=device) for d in config.dtypes}
         c = next(iter(models.values())).config
         need = config.context + max(config.sizes)
@@ -300,14 +298,8 @@ def run_verify_cost(config: VerifyCostConfig,
         if any(cache.length != config.context for cache in caches.values()):
             raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
         machine = machine_info()
-    finally:
-        torch.set_num_threads(previous)
     return {
-        "format": REPORT_FORMAT,
-        "format_version": REPORT_VERSION,
-        "created": now_iso(),
-        "machine": machine,
-        "settings": config.to_dict(),
+        **report_header(REPORT_FORMAT, REPORT_VERSION, config.to_dict(), machine),
         "target": {"path": shown_path(path), "architecture": c.architecture,
                    "parameters": sum(p.numel() for p in next(iter(models.values())).parameters()),
                    "num_hidden_layers": c.num_hidden_layers,

@@ -97,7 +97,8 @@ class GenerationDelta:
     stats: GenerationStats | None = None  # on the final delta only
     # With SamplingParams.logprobs set: one entry per token id (see runtime.sampling.token_logprobs).
     logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # (token id, log-probability), likeliest first
+    # per token: (token id, log-probability) of the likeliest alternatives, likeliest first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     @property
     def finished(self) -> bool:

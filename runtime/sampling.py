@@ -91,7 +91,8 @@ class SamplingParams:
                 raise RequestError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
             object.__setattr__(self, name, float(v))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                               f"got {self.min_tokens!r}")
         words = self.bad_words
         if not isinstance(words, (tuple, list)) or not all(
             isinstance(w, (tuple, list)) and w and all(_is_int(t) and t >= 0 for t in w) for w in words

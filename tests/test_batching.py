@@ -33,6 +33,7 @@ from tests.test_decode import (
     chi2_stat,
     chi2_threshold,
     exact_joint,
+    lossy_verify,
 )
 from tests.tiny import make_checkpoint
 
@@ -264,20 +265,6 @@ def test_batch_distribution_test_catches_lossy_acceptance(model, monkeypatch):
     """Negative control: the same statistic, inside the batch, rejects a lossy acceptance rule (accept any child
     the target gives >= 10%)."""
     import runtime.decode as decode_mod
-    from runtime.protocol import Verdict
-    from runtime.sampling import target_probs
-
-    def lossy_verify(draft, logits, params, gen):
-        tree, path, node, toks = draft.tree, [0], 0, []
-        while True:
-            p = target_probs(logits[node], params)
-            nxt = next((c for c in tree.children(node) if p[draft.tokens[c]] >= 0.1), None)
-            if nxt is None:
-                toks.append(int(torch.multinomial(p, 1, generator=gen)))
-                return Verdict(torch.tensor(path), torch.tensor(toks), not tree.children(node))
-            path.append(nxt)
-            toks.append(int(draft.tokens[nxt]))
-            node = nxt
 
     monkeypatch.setattr(decode_mod, "verify", lossy_verify)
     tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])

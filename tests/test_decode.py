@@ -15,7 +15,7 @@ from runtime.decode import SpecDecoder, StopChecker
 from runtime.drafters import load_drafter
 from runtime.errors import RequestError
 from runtime.model import TargetModel
-from runtime.protocol import Draft, Proposal
+from runtime.protocol import Draft, Proposal, Verdict
 from runtime.sampling import SamplingParams, target_probs
 from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
@@ -296,24 +296,26 @@ def test_sampled_first_tokens_match_target(ckpts, kw):
     assert stat < chi2_threshold(df), (stat, df)
 
 
+def lossy_verify(draft, logits, params, gen):
+    """A lossy stand-in for runtime.decode.verify (accept any child the target gives >= 10%, as typical acceptance
+    does), for the negative controls of the distribution tests."""
+    tree, p_path, node = draft.tree, [0], 0
+    toks: list[int] = []
+    while True:
+        p = target_probs(logits[node], params)
+        nxt = next((c for c in tree.children(node) if p[draft.tokens[c]] >= 0.1), None)
+        if nxt is None:
+            toks.append(int(torch.multinomial(p, 1, generator=gen)))
+            return Verdict(torch.tensor(p_path), torch.tensor(toks), not tree.children(node))
+        p_path.append(nxt)
+        toks.append(int(draft.tokens[nxt]))
+        node = nxt
+
+
 def test_sampled_distribution_test_catches_lossy_acceptance(ckpts, monkeypatch):
     """Negative control at the loop level: a lossy rule (accept any child the target gives >= 10%, as typical
     acceptance does) must fail the same statistic."""
     import runtime.decode as decode_mod
-    from runtime.protocol import Verdict
-
-    def lossy_verify(draft, logits, params, gen):
-        tree, p_path, node = draft.tree, [0], 0
-        toks: list[int] = []
-        while True:
-            p = target_probs(logits[node], params)
-            nxt = next((c for c in tree.children(node) if p[draft.tokens[c]] >= 0.1), None)
-            if nxt is None:
-                toks.append(int(torch.multinomial(p, 1, generator=gen)))
-                return Verdict(torch.tensor(p_path), torch.tensor(toks), not tree.children(node))
-            p_path.append(nxt)
-            toks.append(int(draft.tokens[nxt]))
-            node = nxt
 
     monkeypatch.setattr(decode_mod, "verify", lossy_verify)
     model = TargetModel.from_pretrained(ckpts["llama3"])

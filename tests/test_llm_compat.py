@@ -14,6 +14,7 @@ from model_repo import pipeline
 from model_repo.pipeline import InputError, RequestLimits, parse_generate_request, run_generation
 from model_repo.render import RepoOptions, model_configs
 from model_repo.schema import DataType
+from runtime.batching import SchedulerConfig
 from runtime.sampling import SamplingParams
 from tests.heads import write_medusa_head
 from tests.tiny import make_checkpoint, vocab_size
@@ -205,7 +206,8 @@ def test_split_batch_and_row_outputs():
     assert [r["text_input"].tolist() for r in rows] == [[b"a"], [b"b"]]
     assert rows[1]["stop_words"].tolist() == [b"y", b"z"] and rows[1]["max_tokens"].shape == (1,)
     # a streamed row never repeats the prompt (tensorrtllm_backend), a whole one keeps the client's choice
-    assert rows[0]["exclude_input_in_output"].tolist() == [True] and rows[1]["exclude_input_in_output"].tolist() == [False]
+    assert rows[0]["exclude_input_in_output"].tolist() == [True]
+    assert rows[1]["exclude_input_in_output"].tolist() == [False]
     with pytest.raises(InputError, match=r"text_input: shape \[1\]; this model batches"):
         pipeline.split_batch({"text_input": np.array([b"a"], dtype=object)})
     with pytest.raises(InputError, match="max_tokens: batch size 2, but other inputs have 1"):
@@ -242,7 +244,7 @@ def test_speculation_and_latency_metrics(decoder):
     """vLLM's spec-decode counters, per-position acceptance, TTFT / inter-token latency, KV usage."""
     backend = RecordingBackend()
     metrics = pipeline.SpecMetrics(backend, "spec_decode", "spec_decode_0")
-    metrics.limits(pipeline.AdmissionLimits(max_concurrent_requests=2, max_queue_size=3, kv_budget_bytes=1000))
+    metrics.limits(SchedulerConfig(max_batch_size=2, max_queue_size=3, kv_budget_bytes=1000))
     metrics.state(1, 2, 250)
     r = parse_generate_request(req(stream=np.array([True]), max_tokens=np.array([20], np.int32),
                                    sampling_parameters=s(json.dumps({"ignore_eos": True}))), LIMITS)

@@ -5,6 +5,7 @@ codes, metrics and config parameters."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -16,25 +17,23 @@ from model_repo import pipeline
 from model_repo.pipeline import (
     ErrorCode,
     InputError,
-    AdmissionLimits,
     CallerOptions,
     CancelBoard,
-    GenerationJob,
-    OverloadedError,
+    Generations,
     RequestCancelled,
     RequestLimits,
     SettingsError,
     SpecDecodeSettings,
-    ThreadedScheduler,
     SpecMetrics,
     error_code,
+    error_message,
     parse_generate_request,
     preprocess,
     prompt_ids,
-    request_kv_bytes,
     run_generation,
 )
-from runtime.errors import CacheError, RequestError
+from runtime.batching import SchedulerConfig
+from runtime.errors import CacheError, OverloadedError, RequestError, SchedulerStopped
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import ChatMessage
 from tests.heads import write_medusa_head
@@ -315,38 +314,44 @@ def test_prompt_too_long_is_an_input_error(decoder):
         run_generation(decoder, request, ListSink())
 
 
-# ---- slots, error codes, metrics, settings --------------------------------------------------------------
+# ---- in-flight batching, error codes, metrics, settings -------------------------------------------------
+
+LONG = '{"ignore_eos": true}'
 
 
 class GateSink(ListSink):
-    """A sink whose generation stops at its first cancellation check until `go` is set (holds a slot), and which
-    records what the scheduler reported when its final response went out."""
+    """A sink whose first delta stops the scheduler's thread (its delta callback asks is_cancelled) until `go` is
+    set: the batch is held where the test wants it. Records the batch size when its final response went out."""
 
-    def __init__(self, scheduler_ref: list, cancelled: bool = False) -> None:
+    def __init__(self, gens_ref: list, cancelled: bool = False) -> None:
         super().__init__()
         self.go = threading.Event()
         self.started = threading.Event()
         self.cancelled = cancelled
-        self.running_at_final: int | None = None
-        self.scheduler_ref = scheduler_ref
+        self.active_at_final: int | None = None
+        self.gens_ref = gens_ref
 
     def is_cancelled(self):
-        if "-gen-" in threading.current_thread().name:  # the worker running it (not a queue sweep)
+        if threading.current_thread().name.endswith("-scheduler"):  # the delta callback (not the watcher)
             self.started.set()
             self.go.wait(30)
         return self.cancelled
 
     def send(self, outputs, final):
         if final:
-            self.running_at_final = self.scheduler_ref[0].running
+            self.active_at_final = self.gens_ref[0].scheduler.stats().active
+            self.final_at = time.monotonic()
         super().send(outputs, final)
 
 
-def _job(decoder, sink, max_tokens=6, kv_bytes=None):
-    request = parse_generate_request(req(max_tokens=i32(max_tokens), stream=b(True)), LIMITS)
-    ids = prompt_ids(decoder, request)
-    kv = request_kv_bytes(decoder, len(ids), max_tokens) if kv_bytes is None else kv_bytes
-    return GenerationJob(request, tuple(ids), kv, sink)
+def _request(max_tokens=6, long=False, **inputs):
+    extra = {"sampling_parameters": s(LONG)} if long else {}
+    return parse_generate_request(req(max_tokens=i32(max_tokens), stream=b(True), **extra, **inputs), LIMITS)
+
+
+def _submit(gens, sink, max_tokens=6, long=False, **inputs):
+    request = _request(max_tokens, long, **inputs)
+    return gens.submit(request, prompt_ids(gens.decoder, request), sink)
 
 
 def _wait(cond, what):
@@ -356,96 +361,158 @@ def _wait(cond, what):
         time.sleep(0.01)
 
 
-def test_scheduler_runs_queues_in_order_and_refuses_beyond_the_queue(decoder):
+def test_generations_queue_in_order_and_refuse_beyond_the_queue(decoder):
     done: list = []
-    states: list = []
     ref: list = []
-    sched = ThreadedScheduler(decoder, AdmissionLimits(1, 2, 2**40), on_done=lambda j, e, f: done.append((j, e)),
-                              on_state=lambda r, q, kv: states.append((r, q)))
-    ref.append(sched)
+    backend = RecordingBackend()
+    metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0_0")
+    gens = Generations(decoder, SchedulerConfig(max_batch_size=1, max_queue_size=2, kv_budget_bytes=2**40), metrics,
+                       on_done=lambda r, e, f: done.append((r, e)))
+    ref.append(gens)
     sinks = [GateSink(ref) for _ in range(3)]
-    jobs = [_job(decoder, sk) for sk in sinks]
-    for job in jobs:
-        sched.submit(job)
+    requests = [_submit(gens, sk) for sk in sinks]
     sinks[0].started.wait(30)
-    assert (sched.running, sched.queued) == (1, 2)
-    extra = _job(decoder, ListSink())
-    with pytest.raises(OverloadedError, match=r"^overloaded: 1 generations running and 2 waiting "
-                                              r"\(max_concurrent_requests 1, max_queue_size 2\)") as e:
-        sched.submit(extra)
+    st = gens.scheduler.stats()
+    assert (st.active, st.waiting) == (1, 2)
+    with pytest.raises(OverloadedError) as e:
+        _submit(gens, ListSink())
     assert error_code(e.value) is ErrorCode.UNAVAILABLE
+    assert re.match(r"^overloaded: .*1 requests running and 2 queued \(max_batch_size 1 \+ max_queue_size 2\)",
+                    error_message(e.value)), error_message(e.value)
     for sk in sinks:
         sk.go.set()
-    _wait(lambda: len(done) == 3, "the jobs never finished")
-    assert [j for j, _ in done] == jobs and all(err is None for _, err in done)  # FIFO, all completed
+    _wait(lambda: len(done) == 3, "the requests never finished")
+    assert all(err is None for _, err in done) and [h.id for h in requests] == sorted(h.id for h in requests)
+    assert [sk.final_at for sk in sinks] == sorted(sk.final_at for sk in sinks)  # FIFO
     ref_text = decoder.generate(PROMPT, max_tokens=6).text
     assert all(sk.text() == ref_text for sk in sinks)
-    # The slot is free before the final response goes out (a client sending its next request at once finds room).
-    assert all(sk.running_at_final == 0 for sk in sinks)
-    assert max(r for r, _ in states) == 1 and states[-1] == (0, 0)
-    sched.close()
+    # The batch has room before the final response goes out (a client sending its next request at once finds it).
+    assert all(sk.active_at_final == 0 for sk in sinks)
+    gens.close()
+    inst = (("instance", "spec_decode_0_0"), ("model", "spec_decode"))
+    assert backend.values[("spectree_generation_slots", inst)] == 1
+    assert backend.values[("spectree_active_requests", inst)] == 0
+    assert backend.values[("spectree_queued_requests", inst)] == 0
+    assert backend.values[("spectree_batch_forwards_total", inst)] >= 3
 
 
-def test_scheduler_kv_budget(decoder):
+def test_concurrent_requests_are_batched_and_equal_offline(decoder):
+    """Greedy and seeded requests verified together in one forward per step: each output equals its offline run
+    (greedy = plain decoding; same seed => same output with others in the batch); the mean batch is above 1."""
+    backend = RecordingBackend()
+    metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0_0")
+    cases = [{}, {"temperature": f32(0.9), "random_seed": np.array([5], dtype=np.uint64)}, {},
+             {"temperature": f32(0.7), "top_k": i32(20), "random_seed": np.array([9], dtype=np.uint64)}]
+    sinks = [ListSink() for _ in cases]
+    with Generations(decoder, SchedulerConfig(max_batch_size=4, max_queue_size=0, kv_budget_bytes=2**40),
+                     metrics) as gens:
+        gate = GateSink([gens])
+        held = _submit(gens, gate, max_tokens=4)  # holds the loop until every request is in
+        gate.started.wait(30)
+        handles = [_submit(gens, sk, max_tokens=24, long=True, **case) for sk, case in zip(sinks[:3], cases[:3])]
+        gate.go.set()
+        held.wait(30)
+        handles.append(_submit(gens, sinks[3], max_tokens=24, long=True, **cases[3]))
+        for h in handles:
+            assert h.wait(30)
+        stats = gens.scheduler.stats()
+    assert stats.mean_batch > 1, stats
+    for sk, case in zip(sinks, cases):
+        ref = decoder.generate(PROMPT, _request(24, True, **case).params)
+        assert sk.error is None and sk.text() == ref.text and sk.ids() == list(ref.token_ids)
+    inst = (("instance", "spec_decode_0_0"), ("model", "spec_decode"))
+    assert backend.values[("spectree_batch_segments_total", inst)] > backend.values[
+        ("spectree_batch_forwards_total", inst)] > 0
+
+
+def test_generations_kv_budget(decoder):
     done: list = []
     ref: list = []
-    one = _job(decoder, ListSink())
-    budget = int(one.kv_bytes * 1.5)  # one request fits, two do not
-    sched = ThreadedScheduler(decoder, AdmissionLimits(4, 4, budget), on_done=lambda j, e, f: done.append((j, e)))
-    ref.append(sched)
-    with pytest.raises(InputError) as e:
-        sched.submit(_job(decoder, ListSink(), max_tokens=50, kv_bytes=budget + 1))
+    one = _request()
+    ids = prompt_ids(decoder, one)
+    need = decoder.model.cache_bytes(decoder.cache_tokens(len(ids), one.params))
+    # A request whose worst case (prompt + max_tokens + one tree, within the context) can never fit is refused
+    # before it is queued, with the largest max_tokens that would fit.
+    with Generations(decoder, SchedulerConfig(max_batch_size=4, max_queue_size=4, kv_budget_bytes=need - 1)) as small:
+        with pytest.raises(InputError) as e:
+            _submit(small, ListSink())
     message = str(e.value)
-    assert message.startswith("max_tokens: 50 with a ") and "KV budget" in message and "kv_memory_mb" in message
+    assert message.startswith("max_tokens: 6 with a 20-token prompt needs ") and "kv_memory_mb" in message
     allowed = int(message.rsplit("max_tokens <= ", 1)[1])
-    assert request_kv_bytes(decoder, len(one.prompt), allowed) <= budget < request_kv_bytes(
-        decoder, len(one.prompt), allowed + 1) or allowed + len(one.prompt) + decoder.max_tree_nodes >= decoder.max_context
+    assert allowed == max(0, (need - 1) // decoder.model.cache_bytes(1) - len(ids) - decoder.max_tree_nodes)
+    budget = int(need * 1.5)  # one request fits, two do not
+    gens = Generations(decoder, SchedulerConfig(max_batch_size=4, max_queue_size=4, kv_budget_bytes=budget),
+                       on_done=lambda r, e, f: done.append((r, e)))
+    ref.append(gens)
     first, second = GateSink(ref), GateSink(ref)
-    sched.submit(_job(decoder, first))
-    sched.submit(_job(decoder, second))
+    _submit(gens, first)
+    _submit(gens, second)
     first.started.wait(30)
-    time.sleep(0.2)
-    assert (sched.running, sched.queued) == (1, 1)  # a free slot, but the budget holds the second back
+    st = gens.scheduler.stats()
+    assert (st.active, st.waiting) == (1, 1)  # room in the batch, but the budget holds the second back
     assert not second.started.is_set()
     first.go.set()
     second.go.set()
-    _wait(lambda: len(done) == 2, "the jobs never finished")
+    _wait(lambda: len(done) == 2, "the requests never finished")
     assert all(err is None for _, err in done)
-    sched.close()
+    assert gens.scheduler.stats().kv_bytes == 0
+    gens.close()
 
 
-def test_scheduler_drops_cancelled_jobs_and_close_ends_the_queue(decoder):
+def test_generations_cancel_waiting_requests_and_close_ends_the_queue(decoder):
     done: list = []
     ref: list = []
-    sched = ThreadedScheduler(decoder, AdmissionLimits(1, 1, 2**40), on_done=lambda j, e, f: done.append((j, e)))
-    ref.append(sched)
+    gens = Generations(decoder, SchedulerConfig(max_batch_size=1, max_queue_size=2, kv_budget_bytes=2**40),
+                       on_done=lambda r, e, f: done.append((r, e)), poll_s=0.01)
+    ref.append(gens)
     holder = GateSink(ref)
     gone = ListSink(cancel_after=0)  # its client left while it waited
-    sched.submit(_job(decoder, holder))
+    _submit(gens, holder, max_tokens=40, long=True)
     holder.started.wait(30)
-    sched.submit(_job(decoder, gone))
-    # The queue is full, but its only job is cancelled: it makes room instead of an OverloadedError.
+    gone_handle = _submit(gens, gone)
     waiting = ListSink()
-    sched.submit(_job(decoder, waiting))
-    _wait(lambda: gone.error is not None, "the cancelled job was not ended")
-    assert isinstance(gone.error, RequestCancelled) and not gone.responses
+    _submit(gens, waiting)
+    _wait(lambda: gone_handle.cancel_requested, "the watcher did not cancel the waiting request")
     holder.go.set()
-    _wait(lambda: len(done) == 3, "the jobs never finished")
-    assert waiting.responses[-1][1]
-    # close(): a queued job ends CANCELLED (the model is shutting down); new jobs are refused.
+    _wait(lambda: len(done) == 3, "the requests never finished")
+    assert isinstance(gone.error, RequestCancelled) and not gone.responses
+    assert waiting.responses[-1][1] and holder.responses[-1][1]
+    # close(): the request waiting behind a running one ends CANCELLED (shutting down); new ones are refused.
     holder2 = GateSink(ref)
     queued = ListSink()
-    sched.submit(_job(decoder, holder2))
+    _submit(gens, holder2, max_tokens=40, long=True)
     holder2.started.wait(30)
-    sched.submit(_job(decoder, queued))
-    holder2.cancelled = True
+    _submit(gens, queued)
+    closer = threading.Thread(target=gens.close)
+    closer.start()
+    _wait(lambda: not gens.healthy, "close() did not stop the scheduler")
     holder2.go.set()
-    sched.close()
+    closer.join(30)
     assert isinstance(queued.error, RequestCancelled) and "shutting down" in str(queued.error)
+    assert isinstance(holder2.error, RequestCancelled)
     with pytest.raises(RequestCancelled, match="shutting down"):
-        sched.submit(_job(decoder, ListSink()))
-    with pytest.raises(SettingsError, match="max_concurrent_requests must be an int >= 1"):
-        AdmissionLimits(0, 1, 1)
+        _submit(gens, ListSink())
+    assert gens.scheduler.stats().kv_bytes == 0
+
+
+def test_a_failed_scheduler_ends_every_request_and_is_reported(decoder, monkeypatch):
+    """A failure of the shared forward stops the scheduler: each request in flight ends with SchedulerStopped (an
+    INTERNAL error to its client) and on_dead is called once with the cause (spec_decode's stub then exits)."""
+    dead: list = []
+    with Generations(decoder, SchedulerConfig(max_batch_size=2, max_queue_size=2, kv_budget_bytes=2**40),
+                     on_dead=dead.append, poll_s=0.01) as gens:
+        monkeypatch.setattr(decoder.model, "forward_segments",
+                            lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+        sinks = [ListSink(), ListSink()]
+        handles = [_submit(gens, sk) for sk in sinks]
+        for h in handles:
+            assert h.wait(30)
+        _wait(lambda: dead, "the dead scheduler was not reported")
+        monkeypatch.undo()
+    assert len(dead) == 1 and "device lost" in repr(dead[0])
+    for sk in sinks:
+        assert isinstance(sk.error, SchedulerStopped) and error_code(sk.error) is ErrorCode.INTERNAL
+        assert "device lost" in error_message(sk.error)
 
 
 def test_request_limits_are_checked_before_the_work(decoder):
@@ -553,7 +620,7 @@ class RecordingBackend:
 def test_metrics_follow_the_stats(decoder):
     backend = RecordingBackend()
     metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0_0")
-    metrics.limits(AdmissionLimits(8, 4, 2**30))
+    metrics.limits(SchedulerConfig(max_batch_size=8, max_queue_size=4, kv_budget_bytes=2**30))
     metrics.state(3, 2, 1000)
     inst = (("instance", "spec_decode_0_0"), ("model", "spec_decode"))
     assert backend.values[("spectree_active_requests", inst)] == 3
@@ -584,7 +651,7 @@ def test_metrics_follow_the_stats(decoder):
 
 def settings_params(**over: str) -> dict[str, str]:
     p = {"engine_dir": "/e", "load_options": '{"draft": "lookup"}', "max_concurrent_requests": "8",
-         "max_queue_size": "4", "max_tokens_limit": "100", "kv_memory_mb": "0", "max_prompt_bytes": "1000",
+         "max_queue_size": "4", "prefill_chunk": "64", "max_tokens_limit": "100", "kv_memory_mb": "0", "max_prompt_bytes": "1000",
          "max_stop_words": "4", "max_stop_word_bytes": "32", "torch_threads": "0", "device": "cpu",
          "verification_at_temperature_0": "greedy", "verification_above_temperature_0": "rejection_sampling"}
     p.update(over)
@@ -597,6 +664,8 @@ def test_spec_decode_settings_are_strict():
     assert st.request_limits(50) == RequestLimits(max_tokens=100, vocab_size=50, max_prompt_bytes=1000,
                                                   max_stop_words=4, max_stop_word_bytes=32)
     assert st.kv_budget_bytes(lambda: 3000) == 1500  # kv_memory_mb 0: half the free memory
+    assert st.scheduler_config(lambda: 3000) == SchedulerConfig(max_batch_size=8, max_queue_size=4,
+                                                                 kv_budget_bytes=1500, prefill_chunk=64)
     assert SpecDecodeSettings.from_parameters(settings_params(kv_memory_mb="2")).kv_budget_bytes(lambda: 1) == 2 * 2**20
     for over, message in (
         ({"max_concurrent_requests": "zero"}, "max_concurrent_requests: expected an integer, got 'zero'"),

@@ -424,6 +424,34 @@ def test_eight_concurrent_streams(served):
     assert after.get("spectree_active_requests", model="spec_decode") == 0
 
 
+def test_concurrent_streams_are_verified_in_one_batch(served):
+    """spec_decode batches in flight: concurrent greedy streams share target forwards (mean batch above 1 on the
+    scheduler's counters) and each equals the offline runtime, which equals plain greedy decoding; two requests
+    with the same seed, in flight together with the others, give the same output, the offline one."""
+    long = {"sampling_parameters": {"ignore_eos": True}}
+    seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 4242}
+    jobs = [(PROMPTS[i % len(PROMPTS)], {}) for i in range(4)] + [(PROMPTS[1], seeded), (PROMPTS[1], seeded)]
+    start = threading.Barrier(len(jobs))
+
+    def one(job):
+        prompt, sampling = job
+        start.wait(30)
+        return stream(served, "spec_decode", prompt, 48, **sampling, **long)
+
+    before = settled_scrape(served)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(one, jobs))
+    after = settled_scrape(served)
+    for (prompt, sampling), events in zip(jobs, results):
+        offline_sampling = {"temperature": f32(0.8), "top_p": f32(0.9), "seed": 4242} if sampling else {}
+        check_equal(events, offline(served, prompt, max_tokens=48, ignore_eos=True, **offline_sampling))
+    assert [t for e in results[4] for t in e.token_ids] == [t for e in results[5] for t in e.token_ids]
+    inst = {"model": "spec_decode", "instance": "spec_decode_0_0"}
+    forwards = after.get("spectree_batch_forwards_total", **inst) - before.get("spectree_batch_forwards_total", **inst)
+    segments = after.get("spectree_batch_segments_total", **inst) - before.get("spectree_batch_segments_total", **inst)
+    assert forwards > 0 and segments / forwards > 1, (forwards, segments)
+
+
 def test_a_full_house_queues_and_a_cancelled_stream_frees_its_slot(served):
     long = {"sampling_parameters": {"ignore_eos": True}}
     busy = [generate_stream(served.grpc, "spec_decode", PROMPTS[i % 4], MAX_TOKENS_LIMIT, timeout_s=60, **long)
