@@ -187,7 +187,9 @@ def linear(
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out]
     """F.linear, in blocks of INVARIANT_ROWS rows when the weights run batch-invariant."""
-    if not batch_invariant(weight.dtype, weight.device):  # first: a static test, no guard on traced shapes
+    # Static tests first (no guard on traced shapes); an exported or compiled graph (the ONNX model TensorRT builds
+    # from) runs other kernels: the blocks are for the eager CPU runtime.
+    if not batch_invariant(weight.dtype, weight.device) or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if rows <= INVARIANT_ROWS:

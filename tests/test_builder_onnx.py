@@ -121,3 +121,18 @@ def test_engine_json_records_onnx_and_the_skipped_tensorrt_stage(built):
     eng.path("model.onnx")
     for name in m["onnx"]["external_data"]:
         eng.path(name)
+
+
+def test_bfloat16_build_exports_a_valid_graph(tmp_path):
+    """A bfloat16 engine exports too: the eager runtime's batch-invariant matmul blocks (runtime.model.linear)
+    stay out of traced graphs, whose data-dependent split would be a bf16 SplitToSequence the checker rejects."""
+    ck = make_checkpoint(tmp_path / "llama3", "llama3")
+    heads = write_medusa_head(tmp_path / "heads", 64, vocab_size(), num_heads=2)
+    data = {"model": {"checkpoint": str(ck)},
+            "draft": {"method": "medusa", "checkpoint": str(heads), "tree": {"preset": "chain-2"}},
+            "build": {"output": str(tmp_path / "engine"), "dtype": "bfloat16", "max_seq_len": 128}}
+    result = build_engine(parse_config(data, tmp_path, "bf16.yaml"))
+    register_plugin_schema()
+    onnx.checker.check_model(str(result.output / "model.onnx"), full_check=True)
+    model = onnx.load(str(result.output / "model.onnx"), load_external_data=False)
+    assert not [n for n in model.graph.node if n.op_type == "SplitToSequence"]
