@@ -501,10 +501,16 @@ def test_a_failed_scheduler_ends_every_request_and_is_reported(decoder, monkeypa
     dead: list = []
     with Generations(decoder, SchedulerConfig(max_batch_size=2, max_queue_size=2, kv_budget_bytes=2**40),
                      on_dead=dead.append, poll_s=0.01) as gens:
-        monkeypatch.setattr(decoder.model, "forward_segments",
-                            lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+        both_submitted = threading.Event()
+
+        def lost(*a, **k):  # fails only once both requests are in (else the second submit races the failure)
+            both_submitted.wait(30)
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(decoder.model, "forward_segments", lost)
         sinks = [ListSink(), ListSink()]
         handles = [_submit(gens, sk) for sk in sinks]
+        both_submitted.set()
         for h in handles:
             assert h.wait(30)
         _wait(lambda: dead, "the dead scheduler was not reported")

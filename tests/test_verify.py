@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from runtime.errors import ConfigError
@@ -117,6 +117,7 @@ def test_sampling_verdict_structure(drafted, seed, proposal):
         # q with full support, so that any drafted token has q > 0
         draft_probs = torch.softmax(torch.randn(tree.num_nodes, 6, generator=torch.Generator().manual_seed(seed)), -1)
     if proposal is Proposal.WITHOUT_REPLACEMENT:  # siblings drawn without replacement are distinct
+        assume(all(len(tree.children(i)) <= 6 for i in range(tree.num_nodes)))  # at most vocab of them
         tokens = list(tokens)
         for i in range(tree.num_nodes):
             for r, c in enumerate(tree.children(i)):
