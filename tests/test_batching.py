@@ -453,16 +453,19 @@ def test_one_request_failing_does_not_stop_the_others(model, references):
 def test_a_failing_forward_stops_the_scheduler_and_is_reported(plain, monkeypatch):
     calls = [0]
     original = plain.model.forward_segments
+    all_submitted = threading.Event()
 
     def flaky(segments, check=True):
         calls[0] += 1
         if calls[0] == 4:
+            all_submitted.wait(WAIT)  # fail only once every request is in (else a late submit races the failure)
             raise RuntimeError("device lost")
         return original(segments, check)
 
     monkeypatch.setattr(plain.model, "forward_segments", flaky)
     sched = Scheduler(plain, SchedulerConfig(max_batch_size=2))
     handles = [sched.submit(p, greedy(50)) for p in PROMPTS]
+    all_submitted.set()
     for h in handles:
         assert h.wait(WAIT)  # streams end, they do not hang
         with pytest.raises(SchedulerStopped, match="device lost") as info:
