@@ -26,7 +26,7 @@ import collections
 import inspect
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -116,6 +116,22 @@ def _response(outputs: Mapping[str, np.ndarray]) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
 
+def _respond(requests: list[Any], compute: Callable[[Any], Mapping[str, np.ndarray]],
+             error: Callable[[Any, BaseException], Any] | None = None) -> list[Any]:
+    """One response per request of a non-decoupled model: compute(request)'s tensors, or the failure as a Triton
+    error (error(request, exc); default `_triton_error(exc)`), so one bad request never fails its batch."""
+    responses = []
+    for request in requests:
+        try:
+            outputs = compute(request)
+        except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
+            responses.append(pb_utils.InferenceResponse(
+                error=_triton_error(exc) if error is None else error(request, exc)))
+        else:
+            responses.append(_response(outputs))
+    return responses
+
+
 def _parameters(args: dict[str, str]) -> dict[str, str]:
     config = json.loads(args["model_config"])
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -179,16 +195,12 @@ class PreprocessingModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         names = tuple(s.name for s in PREPROCESSING_INPUTS)
-        responses = []
-        for request in requests:
-            try:
-                outputs = preprocess(_inputs(request, names), self.tokenizer, self.settings.max_context,
-                                     self.settings.max_prompt_bytes)
-            except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
-                responses.append(pb_utils.InferenceResponse(error=_triton_error(exc, _caller(request).coded_errors)))
-            else:
-                responses.append(_response(outputs))
-        return responses
+        return _respond(
+            requests,
+            lambda request: preprocess(_inputs(request, names), self.tokenizer, self.settings.max_context,
+                                       self.settings.max_prompt_bytes),
+            lambda request, exc: _triton_error(exc, _caller(request).coded_errors),
+        )
 
 
 class _Sink:
@@ -512,16 +524,8 @@ class TrtllmPreprocessingModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         from model_repo.tensorrtllm import preprocess_batch
 
-        responses = []
-        for request in requests:
-            try:
-                outputs = preprocess_batch(_inputs(request, self.names), self.tokenizer, self.add_special_tokens,
-                                           self.max_context)
-            except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
-                responses.append(pb_utils.InferenceResponse(error=_triton_error(exc)))
-            else:
-                responses.append(_response(outputs))
-        return responses
+        return _respond(requests, lambda request: preprocess_batch(
+            _inputs(request, self.names), self.tokenizer, self.add_special_tokens, self.max_context))
 
 
 class TrtllmPostprocessingModel:
@@ -535,16 +539,8 @@ class TrtllmPostprocessingModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         from model_repo.tensorrtllm import postprocess_batch
 
-        responses = []
-        for request in requests:
-            try:
-                outputs = postprocess_batch(_inputs(request, ("TOKENS_BATCH", "SEQUENCE_LENGTH")), self.tokenizer,
-                                            self.skip_special_tokens)
-            except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
-                responses.append(pb_utils.InferenceResponse(error=_triton_error(exc)))
-            else:
-                responses.append(_response(outputs))
-        return responses
+        return _respond(requests, lambda request: postprocess_batch(
+            _inputs(request, ("TOKENS_BATCH", "SEQUENCE_LENGTH")), self.tokenizer, self.skip_special_tokens))
 
 
 class TrtllmBlsModel:
@@ -594,15 +590,7 @@ class SpectreeVerifyModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         from model_repo.tensorrtllm import verify_tree_logits
 
-        responses = []
-        for request in requests:
-            try:
-                outputs = verify_tree_logits(_inputs(request, self.names), self.settings)
-            except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
-                responses.append(pb_utils.InferenceResponse(error=_triton_error(exc)))
-            else:
-                responses.append(_response(outputs))
-        return responses
+        return _respond(requests, lambda request: verify_tree_logits(_inputs(request, self.names), self.settings))
 
 
 __all__ += ["SpectreeVerifyModel", "TrtllmBlsModel", "TrtllmPostprocessingModel", "TrtllmPreprocessingModel"]

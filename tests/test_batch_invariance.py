@@ -11,6 +11,7 @@ import runtime.model
 from runtime.model import INVARIANT_ROWS, linear
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.model import TargetModel, causal_mask
+from tests.test_model import tree_paths
 from tests.tiny import make_checkpoint
 
 
@@ -27,13 +28,6 @@ def ckpts(tmp_path_factory):
     return get
 
 
-def _paths(parents: list[int]) -> list[list[int]]:
-    paths: list[list[int]] = []
-    for i, p in enumerate(parents):
-        paths.append([i] if p < 0 else paths[p] + [i])
-    return paths
-
-
 @torch.no_grad()
 def _mismatches(model: TargetModel, prefix_len: int, num_nodes: int, seed: int) -> int:
     """Tree nodes whose logits differ (in any bit) from feeding their root-to-node path one token at a time."""
@@ -42,7 +36,7 @@ def _mismatches(model: TargetModel, prefix_len: int, num_nodes: int, seed: int) 
     prefix = torch.randint(3, v, (1, prefix_len), generator=g)
     parents = random_parents(num_nodes, g)
     tokens = torch.randint(3, v, (1, num_nodes), generator=g)
-    paths = _paths(parents)
+    paths = tree_paths(parents)
     depth = torch.tensor([[len(p) - 1 for p in paths]])
 
     cache = model.new_cache(prefix_len + num_nodes)
