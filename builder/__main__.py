@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from builder.config import BuildSection, default_of
+from runtime.draft_spec import WEIGHTED_KINDS
 from runtime.errors import SpectreeError
 
 
@@ -50,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     tt.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
     th = sub.add_parser("train-heads", help="train Medusa-1 and/or EAGLE-1 draft heads for a frozen target")
     th.add_argument("--config", required=True, help="training YAML (corpus + heads sections)")
-    th.add_argument("--only", choices=("medusa", "eagle"), help="train only these heads")
+    th.add_argument("--only", choices=WEIGHTED_KINDS, help="train only these heads")
     th.add_argument("--fresh", action="store_true", help="discard the resumable state in heads.work_dir")
     th.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
     ig = sub.add_parser("import-gguf", help="convert a GGUF file (Llama / Mistral / Qwen2) into a Hugging Face "
@@ -209,11 +210,8 @@ def _cmd_validate(args) -> int:
     config = load_config(args.config).with_output(args.output)
     plan = plan_build(config, require_output=False)
     console = _console()
-    tree = (f"static, {plan.tree.num_nodes} nodes, depth {plan.tree.max_depth}" if plan.tree is not None
-            else f"dynamic {plan.dynamic}" if plan.dynamic is not None
-            else f"lookup {plan.lookup}" if plan.lookup is not None else "none")
-    console.print(f"[green]ok[/green] {args.config}: {plan.model.architecture} ({plan.dtype}), drafter {plan.method}, "
-                  f"tree {tree}, {plan.draft_nodes} draft nodes <= max_draft_len {config.build.max_draft_len}, "
+    console.print(f"[green]ok[/green] {args.config}: {plan.model.architecture} ({plan.dtype}), drafter "
+                  f"{plan.draft.describe()}: {plan.draft.draft_nodes} draft nodes per step, "
                   f"max_seq_len {plan.max_seq_len}, tp_size {config.build.tp_size}"
                   + (f", output {config.build.output}" if config.build.output else ", no output set"))
     return 0

@@ -26,6 +26,7 @@ from builder import trtllm
 from builder.config import BuildConfig, BuildPlan, make_drafter, plan_build
 from builder.progress import NullProgress, Progress
 from runtime.checkpoint import load_checkpoint
+from runtime.draft_spec import WEIGHTED_KINDS
 from runtime.engine import (
     BUILD_SCRIPT,
     DRAFT_DIR,
@@ -81,11 +82,14 @@ class BuildResult:
         return tuple(s for s in self.stages if s.status == "skipped")
 
 
+DISTRIBUTION = "spectree-llm"  # pyproject.toml's [project] name ("spectree" on the package index is another project)
+
+
 def tool_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("spectree")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:
         return "unknown"
 
@@ -102,7 +106,8 @@ def build_engine(config: BuildConfig, force: bool = False, progress: Progress | 
     t0 = time.perf_counter()
     with progress.stage("validate config against checkpoints"):
         plan = plan_build(config)
-    record("validate", "done", f"{plan.model.architecture}, {plan.method}, {plan.dtype}, tp {config.build.tp_size}", t0)
+    record("validate", "done", f"{plan.model.architecture}, {plan.draft.kind}, {plan.dtype}, tp {config.build.tp_size}",
+           t0)
     output = plan.output
     _check_output(output, force)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +173,7 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
 
     t0 = time.perf_counter()
     tp = config.build.tp_size
-    eagle_cfg = drafter.head.config if plan.method == "eagle" else None
+    eagle_cfg = drafter.head.config if plan.draft.kind == "eagle" else None
     with progress.stage("TensorRT-LLM checkpoint", total=tp, unit="rank") as advance:
         trt_tensors, layout = trtllm.checkpoint_tensors(plan, tensors, drafter)
         ckpt_config = trtllm.checkpoint_config(plan, eagle_cfg)
@@ -189,11 +194,11 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
         record("target", "done", f"{TARGET_FILE} ({plan.dtype})", t0)
 
     draft_path = None
-    if plan.method in ("medusa", "eagle"):
+    if plan.draft.kind in WEIGHTED_KINDS:
         t0 = time.perf_counter()
         with progress.stage("draft weights"):
             draft_path = _write_draft(tmp / DRAFT_DIR, plan, drafter)
-        record("draft", "done", f"{DRAFT_DIR}/ ({plan.method})", t0)
+        record("draft", "done", f"{DRAFT_DIR}/ ({plan.draft.kind})", t0)
 
     onnx_record = _onnx_stage(tmp, plan, model, progress, record)
     trt_record = _tensorrt_stage(tmp, plan, onnx_record, progress, record)
@@ -236,8 +241,7 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
             "run_args": trtllm.run_args(plan),
             "run_launcher": trtllm.run_launcher(plan).strip(),
             "engine_dir": trtllm.TRTLLM_ENGINE_DIR,
-            "choices": None if plan.tree is None or plan.method not in ("medusa", "eagle")
-            else trtllm.choices_string(plan.tree),
+            "choices": None if plan.draft.static_tree is None else trtllm.choices_string(plan.draft.static_tree),
         },
         "onnx": onnx_record,
         "tensorrt": trt_record,
@@ -266,7 +270,7 @@ def _write_draft(out: Path, plan: BuildPlan, drafter: Any) -> str:
     out.mkdir(parents=True)
     src = plan.config.draft.checkpoint
     shutil.copyfile(src / "config.json", out / "config.json")
-    if plan.method == "medusa":
+    if plan.draft.kind == "medusa":
         h = drafter.heads
         state: dict[str, torch.Tensor] = {}
         num_layers = h.config.num_layers
@@ -281,34 +285,27 @@ def _write_draft(out: Path, plan: BuildPlan, drafter: Any) -> str:
         vocab = drafter.head.vocab
     if vocab is not None:  # a reduced draft vocabulary travels with the weights (EAGLE-3's d2t / t2d)
         state.update(vocab.state())
-    save_file(state, str(out / (MEDUSA_WEIGHTS if plan.method == "medusa" else EAGLE_WEIGHTS)),
+    save_file(state, str(out / (MEDUSA_WEIGHTS if plan.draft.kind == "medusa" else EAGLE_WEIGHTS)),
               metadata={"format": "pt"})
     return DRAFT_DIR
 
 
 def _draft_section(plan: BuildPlan, drafter: Any, draft_path: str | None) -> dict[str, Any]:
+    """engine.json "draft": the plan's DraftSpec record (its weights at `draft_path` in the engine) plus the heads'
+    shapes under "config"."""
     cfg: dict[str, Any] = {}
-    options: dict[str, Any] = {}
-    tree: dict[str, Any] | None = None
-    if plan.method == "medusa":
+    if plan.draft.kind == "medusa":
         c = drafter.heads.config
         cfg = {"num_heads": c.num_heads, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
                "vocab_size": c.vocab_size,
                "draft_vocab_size": None if drafter.heads.vocab is None else drafter.heads.vocab.size}
-    elif plan.method == "eagle":
+    elif plan.draft.kind == "eagle":
         head = drafter.head
         cfg = {"num_layers": len(head.layers), "fc_bias": head.fc.bias is not None,
                "own_embedding": head.embed_tokens is not None, "head": model_config_dict(head.config),
                "draft_vocab_size": None if head.vocab is None else head.vocab.size}
-    if plan.tree is not None:
-        tree = {"kind": "static", "choices": [list(p) for p in plan.tree.choices], "num_nodes": plan.tree.num_nodes,
-                "max_depth": plan.tree.max_depth}
-    elif plan.dynamic is not None:
-        options = dataclasses.asdict(plan.dynamic)
-        tree = {"kind": "dynamic", **options}
-    if plan.lookup is not None:
-        options = dataclasses.asdict(plan.lookup)
-    return {"method": plan.method, "path": draft_path, "config": cfg, "tree": tree, "options": options}
+    d = dataclasses.replace(plan.draft, path=draft_path, max_draft_len=None).to_dict()  # "limits" holds the max
+    return {"method": d["method"], "path": d["path"], "config": cfg, "tree": d["tree"], "options": d["options"]}
 
 
 def _onnx_stage(tmp: Path, plan: BuildPlan, model: Any, progress: Progress, record) -> dict[str, Any]:

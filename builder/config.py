@@ -29,9 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
-import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,16 +37,17 @@ from typing import Any, Literal
 
 import torch
 
+from runtime import schema
 from runtime.api import LoadConfig
 from runtime.config import ModelConfig
+from runtime.draft_spec import DYNAMIC, KINDS, DraftSpec, DynamicTreeOptions, LookupOptions, field_names
 from runtime.drafters import load_drafter
-from runtime.drafters.eagle import DynamicTreeOptions
-from runtime.drafters.lookup import LookupOptions
 from runtime.engine import QKVLayout
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
+from runtime.schema import setting
 from runtime.tree import Tree
 
-Method = Literal["medusa", "eagle", "lookup", "none"]
+Method = Literal[KINDS]  # type: ignore[valid-type]  (the drafter kinds, as the YAML checks them)
 MAX_EAGLE_DRAFT_LEN = 256  # TensorRT-LLM's EAGLE converter rejects a larger max_draft_len
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -77,63 +76,61 @@ class TreeSection:
                 f"draft.tree: exactly one of preset, choices, dynamic must be set, got {', '.join(given) if given else 'none'}"
             )
         try:
-            self.static  # noqa: B018  (validates the preset name / choice paths)
+            self.draft_tree  # noqa: B018  (validates the preset name / choice paths)
         except SpectreeError as exc:
             raise BuildConfigError(f"draft.tree: {exc}") from exc
 
     @property
-    def static(self) -> Tree | None:
-        """The static tree (validated by runtime.tree), or None for a dynamic tree."""
+    def draft_tree(self) -> Tree | str:
+        """DraftSpec.tree: the static tree (validated by runtime.tree), or DYNAMIC."""
         if self.preset is not None:
             return Tree.preset(self.preset)
         if self.choices is not None:
             return Tree.from_choices(self.choices) if self.choices else Tree.root_only()
-        return None
+        return DYNAMIC
+
+
+# DraftSpec's fields as the YAML names them.
+DRAFT_KEYS = {"kind": "draft.method", "path": "draft.checkpoint", "tree": "draft.tree",
+              "dynamic": "draft.tree.dynamic", "lookup": "draft.lookup", "max_draft_len": "build.max_draft_len"}
 
 
 @dataclass(frozen=True)
 class DraftSection:
+    """The YAML form of a `runtime.draft_spec.DraftSpec` (`spec()`), whose rules it is checked by."""
+
     method: Method = "none"
     checkpoint: Path | None = None  # head weights: FasterDecoding Medusa or SafeAILab EAGLE-1 directory
     tree: TreeSection | None = None  # default: the drafter's own (Medusa: mc_sim_7b_63 / chain; EAGLE: dynamic)
     lookup: LookupOptions | None = None  # prompt-lookup bounds (method lookup)
 
     def __post_init__(self) -> None:
-        weights = self.method in ("medusa", "eagle")
-        if weights and self.checkpoint is None:
-            raise BuildConfigError(f"draft.checkpoint is required for method {self.method!r} (the head weights)")
-        if not weights and self.checkpoint is not None:
-            raise BuildConfigError(f"draft.checkpoint is only for medusa / eagle, not method {self.method!r}")
-        if self.method in ("lookup", "none") and self.tree is not None:
-            raise BuildConfigError(
-                f"draft.tree does not apply to method {self.method!r} "
-                f"({'lookup builds its trees from matches' if self.method == 'lookup' else 'none drafts nothing'})"
-            )
-        if self.method == "medusa" and self.tree is not None and self.tree.dynamic is not None:
-            raise BuildConfigError("draft.tree.dynamic is EAGLE-2's dynamic tree; Medusa needs a static tree "
-                                   "(preset or choices)")
-        if self.lookup is not None and self.method != "lookup":
-            raise BuildConfigError(f"draft.lookup applies to method 'lookup' only, not {self.method!r}")
+        with field_names(DRAFT_KEYS, BuildConfigError):
+            self.spec().require_weights()
+
+    def spec(self, max_draft_len: int | None = None) -> DraftSpec:
+        """The drafter this section describes (paths as resolved from the config file)."""
+        with field_names(DRAFT_KEYS, BuildConfigError):
+            return DraftSpec(self.method, path=self.checkpoint, tree=None if self.tree is None else self.tree.draft_tree,
+                             dynamic=None if self.tree is None else self.tree.dynamic, lookup=self.lookup,
+                             max_draft_len=max_draft_len)
 
 
 @dataclass(frozen=True)
 class BuildSection:
     dtype: Dtype | None = None  # None: the checkpoint's own dtype
-    tp_size: int = 1
-    max_seq_len: int | None = None  # prompt + generated tokens; None: the model's context (max_position_embeddings)
-    max_draft_len: int = LoadConfig.max_draft_len  # draft nodes per step, root excluded (TensorRT-LLM's meaning)
-    max_batch_size: int = 8
+    tp_size: int = setting(1, ge=1)
+    # prompt + generated tokens; None: the model's context (max_position_embeddings)
+    max_seq_len: int | None = setting(None, ge=2)
+    # draft nodes per step, root excluded (TensorRT-LLM's meaning)
+    max_draft_len: int = setting(LoadConfig.max_draft_len, ge=0)
+    max_batch_size: int = setting(8, ge=1)
     output: Path | None = None  # engine directory (the CLI's --output overrides it)
     onnx: bool = True
     tensorrt: bool = True
 
     def __post_init__(self) -> None:
-        for name, minimum in (("tp_size", 1), ("max_seq_len", 2), ("max_draft_len", 0), ("max_batch_size", 1)):
-            value = getattr(self, name)
-            if value is None and name == "max_seq_len":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise BuildConfigError(f"build.{name}: got {value!r}, expected an integer >= {minimum}")
+        schema.check(self, BuildConfigError, "build")
         if self.max_seq_len is not None and self.max_draft_len + 1 > self.max_seq_len:
             raise BuildConfigError(
                 f"build.max_draft_len: got {self.max_draft_len}, expected at most max_seq_len - 1 = "
@@ -146,11 +143,11 @@ class BuildConfig:
     model: ModelSection
     draft: DraftSection = field(default_factory=DraftSection)
     build: BuildSection = field(default_factory=BuildSection)
-    source: str = field(default="config", metadata={"yaml": False})  # where it came from, for error messages
+    source: str = setting("config", parsed=False)  # where it came from, for error messages
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, as engine.json records it (paths absolute)."""
-        return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if _in_yaml(f)})
+        return schema.jsonable(self)
 
     def config_hash(self) -> str:
         """sha256 of the canonical JSON of everything that determines the engine (the output path excluded)."""
@@ -164,21 +161,12 @@ class BuildConfig:
         return dataclasses.replace(self, build=dataclasses.replace(self.build, output=Path(output).resolve()))
 
 
-# ---- YAML -> dataclasses ------------------------------------------------------------------------------
+# ---- YAML -> dataclasses (runtime.schema, raising BuildConfigError) -------------------------------------
 
 
 def read_yaml(path: str | Path, error: type[BuildConfigError] = BuildConfigError) -> tuple[Any, Path]:
     """The YAML document in `path` and the directory relative paths in it resolve from; failures raise `error`."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise error(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise error(f"cannot read {path}: {exc}") from exc
-    return data, path.resolve().parent
+    return schema.read_yaml(path, error)
 
 
 def load_config(path: str | Path) -> BuildConfig:
@@ -193,119 +181,12 @@ def parse_config(data: Any, base_dir: str | Path = ".", source: str = "config") 
     return dataclasses.replace(config, source=source)
 
 
-def _in_yaml(f: dataclasses.Field) -> bool:
-    return f.metadata.get("yaml", True)
-
-
-def _key(path: str, name: str | int) -> str:
-    if isinstance(name, int):
-        return f"{path}[{name}]"
-    return f"{path}.{name}" if path else name
-
-
-def _fail(source: str, key: str, value: Any, expected: str) -> BuildConfigError:
-    return BuildConfigError(f"{source}: {key or '<top level>'}: got {value!r}, expected {expected}")
-
-
-def from_mapping(cls: type, data: Any, path: str, base_dir: Path, source: str) -> Any:
-    """A YAML mapping -> the frozen dataclass `cls` (nested dataclasses, Literal / Path / tuple fields), rejecting
-    unknown keys and wrong types with the key path; `path` is the key path of `data` in its document."""
-    fields = [f for f in dataclasses.fields(cls) if _in_yaml(f)]
-    names = [f.name for f in fields]
-    if not isinstance(data, Mapping):
-        raise _fail(source, path, data, f"a mapping with keys {', '.join(names)}")
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        k = unknown[0]
-        raise BuildConfigError(
-            f"{source}: {_key(path, str(k))}: unknown key (value {data[k]!r}); expected one of {', '.join(names)}"
-        )
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in fields:
-        if f.name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise BuildConfigError(f"{source}: {_key(path, f.name)}: missing (required)")
-            continue
-        kwargs[f.name] = _convert(hints[f.name], data[f.name], _key(path, f.name), base_dir, source)
-    try:
-        return cls(**kwargs)
-    except BuildConfigError as exc:  # our dataclasses' own checks name their keys
-        raise BuildConfigError(f"{source}: {exc}") from exc
-    except SpectreeError as exc:  # runtime option dataclasses (DynamicTreeOptions, LookupOptions) do not
-        raise BuildConfigError(f"{source}: {path + ': ' if path else ''}{exc}") from exc
-
-
-def _is_optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if _is_optional(tp):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
-    if origin is tuple:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    if tp is Path:
-        return "a path"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _convert(tp: Any, value: Any, key: str, base_dir: Path, source: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if _is_optional(tp):
-        if value is None:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]  # the config uses `X | None` only
-        return _convert(inner, value, key, base_dir, source)
-    if origin is Literal:
-        if value in args and type(value) is type(args[args.index(value)]):
-            return value
-        raise _fail(source, key, value, f"one of {', '.join(repr(a) for a in args)}")
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise _fail(source, key, value, _describe(tp))
-        item = args[0]
-        return tuple(_convert(item, v, _key(key, i), base_dir, source) for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return from_mapping(tp, value, key, base_dir, source)
-    if tp is Path:
-        if not isinstance(value, str) or not value:
-            raise _fail(source, key, value, "a path (string)")
-        p = Path(value).expanduser()
-        return (p if p.is_absolute() else base_dir / p).resolve()
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:
-        raise TypeError(f"unsupported config field type {tp}")
-    raise _fail(source, key, value, _describe(tp))
-
-
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if _in_yaml(f)}
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return value
+def from_mapping(cls: type, data: Any, path: str, base_dir: Path, source: str,
+                 error: type[BuildConfigError] = BuildConfigError) -> Any:
+    """A YAML mapping -> the frozen dataclass `cls` (`runtime.schema.load`: nested dataclasses, Literal / Path /
+    tuple fields, declared bounds), rejecting unknown keys and wrong types with the key path; `path` is the key
+    path of `data` in its document."""
+    return schema.load(cls, data, error, path=path, source=source, base_dir=base_dir)
 
 
 # ---- checking the config against its checkpoints ---------------------------------------------------------
@@ -317,10 +198,9 @@ class BuildPlan:
 
     config: BuildConfig
     model: ModelConfig  # the target, in the build dtype
-    method: str
-    tree: Tree | None  # static tree (medusa, eagle-1); None for dynamic / lookup / none
-    dynamic: DynamicTreeOptions | None  # EAGLE-2
-    lookup: LookupOptions | None
+    # The drafter as loaded: its tree and options resolved (the drafter's defaults filled in), the config's weights
+    # path, max_draft_len = build.max_draft_len.
+    draft: DraftSpec
     num_medusa_heads: int | None
     num_medusa_layers: int | None
     output: Path | None  # None only when plan_build(require_output=False)
@@ -329,28 +209,6 @@ class BuildPlan:
     @property
     def dtype(self) -> str:
         return self.model.dtype
-
-    @property
-    def max_tree_depth(self) -> int:
-        """Deepest draft node (TensorRT-LLM's num_eagle_layers for EAGLE)."""
-        if self.tree is not None:
-            return self.tree.max_depth
-        if self.dynamic is not None:
-            return min(self.dynamic.depth + 1, self.dynamic.total_tokens - 1)
-        if self.lookup is not None:
-            return self.lookup.depth_limit
-        return 0
-
-    @property
-    def draft_nodes(self) -> int:
-        """Most draft nodes per step, root excluded."""
-        if self.tree is not None:
-            return self.tree.num_nodes - 1
-        if self.dynamic is not None:
-            return self.dynamic.total_tokens - 1
-        if self.lookup is not None:
-            return self.lookup.num_draft_tokens
-        return 0
 
 
 @contextmanager
@@ -394,16 +252,8 @@ def make_drafter(config: BuildConfig, model: Any, source: str = "config"):
     The drafters' loaders do all head validation (files, hidden / vocab sizes, tree depth vs Medusa heads).
     """
     d = config.draft
-    options: dict[str, Any] = {}
-    tree = None
-    if d.tree is not None:
-        tree = d.tree.static
-        if d.tree.dynamic is not None:
-            options = dataclasses.asdict(d.tree.dynamic)
-    if d.lookup is not None:
-        options = dataclasses.asdict(d.lookup)
     try:
-        return load_drafter(d.method, model, path=d.checkpoint, tree=tree, **options)
+        return load_drafter(d.spec(), model)
     except CheckpointError as exc:  # head files: missing, corrupt, or not matching the target
         raise BuildConfigError(f"{source}: draft.checkpoint: {exc}") from exc
     except ConfigError as exc:  # e.g. a tree deeper than the Medusa heads
@@ -442,11 +292,9 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
         )
 
     drafter = make_drafter(config, meta_target(model), source)
-    tree = getattr(drafter, "tree", None)
-    dynamic = getattr(drafter, "dynamic", None)
-    lookup = getattr(drafter, "options", None) if config.draft.method == "lookup" else None
-    heads = getattr(drafter, "heads", None)
-    if config.draft.method == "eagle":
+    draft = dataclasses.replace(drafter.spec, path=config.draft.spec().path, max_draft_len=b.max_draft_len)
+    heads = drafter.heads if draft.kind == "medusa" else None
+    if draft.kind == "eagle":
         if b.max_draft_len > MAX_EAGLE_DRAFT_LEN:
             raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
                                    f"{MAX_EAGLE_DRAFT_LEN} for EAGLE (TensorRT-LLM's limit)")
@@ -459,10 +307,7 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
     plan = BuildPlan(
         config=config,
         model=model,
-        method=config.draft.method,
-        tree=tree if config.draft.method in ("medusa", "eagle") else None,
-        dynamic=dynamic,
-        lookup=lookup,
+        draft=draft,
         num_medusa_heads=None if heads is None else heads.config.num_heads,
         num_medusa_layers=None if heads is None else heads.config.num_layers,
         output=b.output,
@@ -471,11 +316,12 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
     if b.max_draft_len + 1 > plan.max_seq_len:
         raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
                                f"{plan.max_seq_len - 1} (max_seq_len - 1)")
-    if plan.draft_nodes > b.max_draft_len:
-        what = "draft.lookup.num_draft_tokens" if plan.method == "lookup" else "draft.tree"
-        default = " (the drafter's default; set draft.tree)" if plan.method != "lookup" and config.draft.tree is None else ""
+    if draft.draft_nodes > b.max_draft_len:
+        what = "draft.lookup.num_draft_tokens" if draft.kind == "lookup" else "draft.tree"
+        default = (" (the drafter's default; set draft.tree)" if draft.kind != "lookup" and config.draft.tree is None
+                   else "")
         raise BuildConfigError(
-            f"{source}: {what}: {plan.draft_nodes} draft nodes per step (root excluded){default}, expected at most "
+            f"{source}: {what}: {draft.draft_nodes} draft nodes per step (root excluded){default}, expected at most "
             f"build.max_draft_len = {b.max_draft_len}"
         )
     if b.output is None and require_output:

@@ -35,7 +35,7 @@ def profile_shapes(plan: BuildPlan) -> dict[str, list[list[int]]]:
     """Input name -> [min, opt, max] shape of the optimization profile."""
     m = plan.model
     b = plan.config.build
-    tree = max(1, plan.draft_nodes + 1)
+    tree = max(1, plan.draft.draft_nodes + 1)
     max_tokens = plan.max_seq_len
     past_opt = max(0, plan.max_seq_len // 2)
     shapes: dict[str, list[list[int]]] = {}

@@ -60,6 +60,7 @@ from builder.training.corpus import (
     split_corpus,
 )
 from builder.training.loop import LEGACY_STATE_SUFFIX, STATE_SUFFIX, optimise
+from runtime.draft_spec import WEIGHTED_KINDS
 from runtime.drafters.draft_vocab import DraftVocab, top_frequent
 from runtime.files import shown_path
 
@@ -330,7 +331,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
     h = config.heads
     if h is None:
         raise TrainConfigError(f"{config.source}: heads: missing; train-heads needs a heads section")
-    kinds = [k for k in ("medusa", "eagle") if getattr(h, k) is not None and only in (None, k)]
+    kinds = [k for k in WEIGHTED_KINDS if getattr(h, k) is not None and only in (None, k)]
     if not kinds:
         raise TrainConfigError(f"{config.source}: heads.{only}: not configured")
     work = h.work_dir

@@ -1,9 +1,10 @@
 """TensorRT-LLM 1.2 outputs: the unified checkpoint (config.json + rank{N}.safetensors) and the trtllm-build commands.
 
 TensorRT-LLM is not a dependency: this writes what its docs and converters produce (reference-facts section 6,
-examples/{medusa,eagle,ngram} of TensorRT-LLM) so that `trtllm-build` 1.2.x builds from it. The tensor names and
-sharding rules live in runtime/engine.py, next to their inverse the runtime reads back. Every config key, flag and
-value written here is traced to its TensorRT-LLM source in ARCHITECTURE.md ("TensorRT-LLM export: sources").
+examples/{medusa,eagle,ngram} of TensorRT-LLM) so that `trtllm-build` 1.2.x builds from it. The tensors and their
+shards come from builder/trtllm_layout.py (the layout is runtime/engine.py's, which reads it back). Every config
+key, flag and value written here is traced to its TensorRT-LLM source in ARCHITECTURE.md ("TensorRT-LLM export:
+sources").
 """
 
 from __future__ import annotations
@@ -17,20 +18,10 @@ from typing import Any
 import torch
 
 from builder.config import BuildPlan
+from builder.trtllm_layout import eagle_to_trtllm, medusa_to_trtllm, shard_rank, target_to_trtllm
 from runtime.config import DTYPES, ModelConfig
+from runtime.engine import TARGET_FILE, TRTLLM_CONFIG, TRTLLM_DIR, QKVLayout, TPLayout, rank_file
 from runtime.errors import ConfigError
-from runtime.engine import (
-    TARGET_FILE,
-    TRTLLM_CONFIG,
-    TRTLLM_DIR,
-    QKVLayout,
-    TPLayout,
-    eagle_to_trtllm,
-    medusa_to_trtllm,
-    rank_file,
-    shard_rank,
-    target_to_trtllm,
-)
 from runtime.tree import Tree
 
 TRTLLM_ENGINE_DIR = "trtllm_engine"  # trtllm-build.sh's default output, inside the engine directory
@@ -126,23 +117,24 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
         # MedusaConfig picks QWenConfig as its base when "qwen" is in model_type (tensorrt_llm/models/medusa/
         # config.py); QWenDecoderLayer branches on qwen_type; seq_length: see QWEN_SEQ_LENGTH.
         cfg.update(qwen_type="qwen2", model_type="qwen2", seq_length=QWEN_SEQ_LENGTH)
-    if plan.method == "medusa":
+    if plan.draft.kind == "medusa":
         cfg.update(
             architecture="MedusaForCausalLM",
             num_medusa_heads=plan.num_medusa_heads,
             num_medusa_layers=plan.num_medusa_layers,
             max_draft_len=plan.config.build.max_draft_len,
         )
-    elif plan.method == "eagle":
+    elif plan.draft.kind == "eagle":
         assert eagle_head is not None
+        tree = plan.draft.static_tree
         net = {"architecture": "LlamaForCausalLM", **_decoder_fields(eagle_head, dtype, tp)}
         net.update(tie_word_embeddings=False, mlp_bias=False, head_dim=eagle_head.head_dim)
         cfg.update(
             architecture="EagleForCausalLM",
-            num_eagle_layers=plan.max_tree_depth,
+            num_eagle_layers=plan.draft.max_tree_depth,
             max_draft_len=plan.config.build.max_draft_len,
             max_non_leaves_per_layer=(
-                max_non_leaves_per_layer(plan.tree) if plan.tree is not None else plan.dynamic.top_k
+                plan.draft.dynamic.top_k if tree is None else max_non_leaves_per_layer(tree)
             ),
             eagle_net_config=net,
         )
@@ -160,7 +152,7 @@ def checkpoint_tensors(
     """
     tensors = target_to_trtllm(plan.model, target)
     eagle = None
-    if plan.method == "medusa":
+    if plan.draft.kind == "medusa":
         h = drafter.heads
         lm = h.lm_weight  # [heads, K, H]
         if h.vocab is not None:
@@ -171,14 +163,14 @@ def checkpoint_tensors(
             full[:, h.vocab.target_ids.to(lm.device)] = lm
             lm = full
         tensors.update(medusa_to_trtllm(h.res_weight, h.res_bias, lm))
-    elif plan.method == "eagle":
+    elif plan.draft.kind == "eagle":
         head = drafter.head
         eagle = QKVLayout.of(head.config)
         tensors.update(
             eagle_to_trtllm(
                 head.state_dict(),
                 head.config,
-                plan.max_tree_depth,
+                plan.draft.max_tree_depth,
                 target["model.embed_tokens.weight"],
                 tensors["lm_head.weight"],
             )
@@ -241,12 +233,12 @@ def build_args(plan: BuildPlan) -> list[str]:
         "--max_seq_len", str(plan.max_seq_len),
         "--workers", str(b.tp_size),
     ]
-    if plan.method == "medusa":
+    if plan.draft.kind == "medusa":
         args += ["--speculative_decoding_mode", "medusa", "--max_draft_len", str(b.max_draft_len)]
-    elif plan.method == "eagle":
+    elif plan.draft.kind == "eagle":
         args += ["--speculative_decoding_mode", "eagle", "--max_draft_len", str(b.max_draft_len),
                  "--use_paged_context_fmha", "enable"]
-    elif plan.method == "lookup":
+    elif plan.draft.kind == "lookup":
         args += ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(b.max_draft_len),
                  "--use_paged_context_fmha", "enable"]
     return args
@@ -255,21 +247,22 @@ def build_args(plan: BuildPlan) -> list[str]:
 def run_args(plan: BuildPlan) -> list[str]:
     """Extra arguments of TensorRT-LLM 1.2's examples/run.py for this drafter (flags of examples/utils.py
     add_common_args; the checks quoted are run.py's own)."""
-    if plan.method == "medusa":
-        assert plan.tree is not None
+    tree = plan.draft.static_tree
+    if plan.draft.kind == "medusa":
+        assert tree is not None
         # run.py asserts `args.temperature == 1.0, "Medusa should use temperature == 1.0"`; greedy is top-k 1 (its
         # default). TensorRT-LLM runs Medusa greedily only (its typical acceptance is lossy).
-        return [f"--medusa_choices={choices_string(plan.tree)}", "--temperature=1.0", "--top_k=1", "--use_py_session"]
-    if plan.method == "eagle":
+        return [f"--medusa_choices={choices_string(tree)}", "--temperature=1.0", "--top_k=1", "--use_py_session"]
+    if plan.draft.kind == "eagle":
         # run.py asserts `not args.use_py_session, "Eagle does not support py session"`.
-        if plan.tree is not None:
-            return [f"--eagle_choices={choices_string(plan.tree)}"]
-        return ["--eagle_use_dynamic_tree", f"--eagle_dynamic_tree_max_top_k={plan.dynamic.top_k}"]
-    if plan.method == "lookup":
+        if tree is not None:
+            return [f"--eagle_choices={choices_string(tree)}"]
+        return ["--eagle_use_dynamic_tree", f"--eagle_dynamic_tree_max_top_k={plan.draft.dynamic.top_k}"]
+    if plan.draft.kind == "lookup":
         # --ngram_config [max_draft_len, max_matching_ngram_size, device_list] (1.x; pre-1.0 --prompt_lookup_config);
         # the device list has one GPU per rank (examples/ngram/README.md), and run.py asserts
         # kv_cache_enable_block_reuse and not use_py_session for it.
-        lk = plan.lookup
+        lk = plan.draft.lookup
         devices = ",".join(str(r) for r in range(plan.config.build.tp_size))
         return [f"--ngram_config=[{lk.num_draft_tokens},{lk.max_ngram},[{devices}]]", "--kv_cache_enable_block_reuse"]
     return []
@@ -279,7 +272,7 @@ def run_launcher(plan: BuildPlan) -> str:
     """What runs examples/run.py: mpirun with one process per rank, except for NGram, whose run.py path
     (examples/ngram/run_dtm_ngram.py) is orchestrator mode and spreads ranks over its device list itself."""
     tp = plan.config.build.tp_size
-    return f"mpirun -n {tp} --allow-run-as-root " if tp > 1 and plan.method != "lookup" else ""
+    return f"mpirun -n {tp} --allow-run-as-root " if tp > 1 and plan.draft.kind != "lookup" else ""
 
 
 def build_script(plan: BuildPlan, header: str) -> str:

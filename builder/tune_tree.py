@@ -6,13 +6,16 @@
    counts for every accepted chain node at depth d - 1 whether its rank-r child was accepted:
        P[d][r] = hits[d][r] / trials[d]            (rows: depth 1 .. depth, columns: rank 0 .. width - 1)
    Steps the decode loop could prune (too close to max_tokens) are not counted.
-2. Sequoia's DP (`runtime.tree_search`) gives the best tree for every (nodes, levels) budget under P.
+2. Sequoia's DP (`builder.tree_search`) gives the best tree for every (nodes, levels) budget under P.
 3. Step costs on this machine, through the same decode loop: for each depth the smallest, middle and largest DP
    tree, the references (mc_sim_7b_63, chains) and plain decoding run on a few calibration prompts; per-step
    draft / verify (target forward + acceptance) / other times are averaged over all their steps and fitted by
-   least squares as a + b * depth + c * nodes (a shared CPU makes any single timing noisy). The choice maximises
-   predicted tokens per second = F(tree) / fitted step cost; the timed trees also report their measured tau
-   and tokens/s.
+   least squares as a + b * depth + c * nodes. The trees take turns on each prompt and each tree's per-step costs
+   are medians over its runs (a shared CPU makes any single timing noisy). The model ranks every candidate by
+   predicted tokens per second = F(tree) / fitted step cost; with objective tokens_per_s its best few
+   (`finalists`) and the fastest timed tree are then decoded again side by side with plain decoding, and the
+   fastest *measured* one is chosen (a line in depth and nodes misses steps in the real cost curve, e.g. where
+   the matmul kernels change blocking).
 4. The chosen choice paths go into draft.tree.choices of a copy of the config (or the config itself with
    --in-place); the written config is validated with `plan_build` before it replaces anything.
 """
@@ -31,7 +34,9 @@ import numpy as np
 import torch
 
 from builder.config import BuildConfig, BuildConfigError, load_config, plan_build
+from builder.tree_search import best_tree, expected_tokens
 from runtime.decode import SpecDecoder
+from runtime.draft_spec import WEIGHTED_KINDS, DraftSpec
 from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.model import TargetModel
@@ -39,7 +44,6 @@ from runtime.prompts import load_prompt_file
 from runtime.protocol import Draft
 from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
-from runtime.tree_search import best_tree, expected_tokens
 
 OBJECTIVES = ("tokens_per_s", "tau")
 TUNED_NOTE = "# tune-tree: "
@@ -62,7 +66,9 @@ class TuneSettings:
                     step costs about the same as a plain one, e.g. a GPU at batch 1), the smaller tree on ties
     require_speedup with tokens_per_s: fail when no tree is predicted to beat plain decoding here (the honest
                     answer for this machine); False writes the fastest tree anyway (a demo, or a config meant for
-                    another machine), its predicted speedup recorded in the config's note
+                    another machine), its speedup recorded in the config's note
+    finalists       with tokens_per_s: the cost model's best this many trees (plus the fastest timed one) are
+                    decoded again beside plain decoding, and the fastest measured is chosen
     """
 
     max_tokens: int = 64
@@ -74,11 +80,13 @@ class TuneSettings:
     references: tuple[str, ...] = ("mc_sim_7b_63", "chain-3", "chain-5")
     objective: str = "tokens_per_s"
     require_speedup: bool = True
+    finalists: int = 4
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise TuneTreeError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        for name, lo in (("width", 1), ("depth", 1), ("max_nodes", 2), ("max_tokens", 2), ("timing_prompts", 1)):
+        for name, lo in (("width", 1), ("depth", 1), ("max_nodes", 2), ("max_tokens", 2), ("timing_prompts", 1),
+                         ("finalists", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise TuneTreeError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -192,20 +200,35 @@ class StepTiming:
     tokens_per_s: float  # measured, prefill included
 
 
+def time_trees(model: TargetModel, tokenizer: Tokenizer, runs: Sequence[tuple[str, Any, int, int]],
+               prompts: Sequence[str], max_tokens: int) -> dict[str, StepTiming]:
+    """runs: (name, drafter, num_nodes, depth). Each prompt is decoded by every drafter in turn (interleaved, so a
+    burst of load on a shared machine hits them all alike); a tree's per-step costs are the medians over its
+    prompts' runs (one disturbed run does not move them), tau and tokens/s its totals over all of them."""
+    decoders = {name: SpecDecoder(model, tokenizer, drafter, max_tree_nodes=nodes) for name, drafter, nodes, _ in runs}
+    per_run: dict[str, list[tuple[float, float, float]]] = {name: [] for name in decoders}
+    totals = {name: [0, 0, 0, 0.0] for name in decoders}  # steps, emitted, generated, seconds
+    for prompt in prompts:
+        for name, decoder in decoders.items():
+            s = decoder.generate(prompt, max_tokens=max_tokens, temperature=0.0).stats
+            n = max(s.steps, 1)
+            per_run[name].append((s.time_draft / n, s.time_verify / n, s.time_other / n))
+            t = totals[name]
+            t[0], t[1], t[2], t[3] = t[0] + s.steps, t[1] + s.generated_tokens - 1, t[2] + s.generated_tokens, \
+                t[3] + s.time_total
+    out = {}
+    for name, _, nodes, depth in runs:
+        draft, verify, other = (float(np.median(col)) for col in zip(*per_run[name]))
+        steps, emitted, generated, seconds = totals[name]
+        out[name] = StepTiming(nodes, depth, draft, verify, other, emitted / max(steps, 1),
+                               generated / max(seconds, 1e-9))
+    return out
+
+
 def time_tree(model: TargetModel, tokenizer: Tokenizer, drafter, num_nodes: int, depth: int,
               prompts: Sequence[str], max_tokens: int) -> StepTiming:
-    """Run `drafter` over `prompts` with SpecDecoder (greedy) and average its per-step costs."""
-    decoder = SpecDecoder(model, tokenizer, drafter, max_tree_nodes=num_nodes)
-    steps = emitted = generated = 0
-    draft = verify = other = total = 0.0
-    for prompt in prompts:
-        s = decoder.generate(prompt, max_tokens=max_tokens, temperature=0.0).stats
-        steps += s.steps
-        emitted += s.generated_tokens - 1
-        generated += s.generated_tokens
-        draft, verify, other, total = draft + s.time_draft, verify + s.time_verify, other + s.time_other, total + s.time_total
-    n = max(steps, 1)
-    return StepTiming(num_nodes, depth, draft / n, verify / n, other / n, emitted / n, generated / max(total, 1e-9))
+    """Run `drafter` over `prompts` with SpecDecoder (greedy): its per-step costs (`time_trees`)."""
+    return time_trees(model, tokenizer, [("tree", drafter, num_nodes, depth)], prompts, max_tokens)["tree"]
 
 
 # ---- 3. choice --------------------------------------------------------------------------------------------
@@ -231,6 +254,12 @@ class Candidate:
     @property
     def tokens_per_s(self) -> float:
         return self.expected / self.step_s
+
+    def speedup(self, plain: Candidate) -> float:
+        """Over plain decoding: measured side by side when both ran together (the finalists), else predicted."""
+        if self.measured_tokens_per_s is not None and plain.measured_tokens_per_s is not None:
+            return self.measured_tokens_per_s / plain.measured_tokens_per_s
+        return self.tokens_per_s / plain.tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -266,14 +295,14 @@ def tune(
     grid, references, objective = settings.grid, settings.references, settings.objective
     say = progress or (lambda msg: None)
     d = config.draft
-    if d.method not in ("medusa", "eagle"):
+    if d.method not in WEIGHTED_KINDS:
         raise TuneTreeError(f"{config.source}: draft.method: got {d.method!r}, expected 'medusa' or 'eagle' "
                             "(tune-tree chooses static trees for draft heads)")
     if not prompts:
         raise TuneTreeError("no calibration prompts")
     model = TargetModel.from_pretrained(config.model.checkpoint, dtype=config.build.dtype)
     tokenizer = Tokenizer.from_dir(config.model.checkpoint)
-    base = load_drafter(d.method, model, path=d.checkpoint, tree=Tree.chain(1))
+    base = load_drafter(DraftSpec(d.method, path=d.checkpoint, tree=Tree.chain(1)), model)
     if d.method == "medusa":
         depth = min(depth, base.heads.config.num_heads)
     max_nodes = min(max_nodes, config.build.max_draft_len + 1)
@@ -321,12 +350,11 @@ def tune(
         by_depth.setdefault(c[1].max_depth, []).append(c)
     timed_set = {id(c) for group in by_depth.values() for c in (group[0], group[len(group) // 2], group[-1])}
     timed = [c for c in found_trees if id(c) in timed_set] + ref_trees
-    timings: dict[str, StepTiming] = {}
-    for i, (name, tree, _) in enumerate(timed):
-        say(f"timing {name} ({i + 1}/{len(timed)})")
-        timings[name] = time_tree(model, tokenizer, _drafter_with_tree(base, model, tree), tree.num_nodes,
-                                  tree.max_depth, timing_prompts, max_tokens)
-    plain_t = time_tree(model, tokenizer, NoneDrafter(), 1, 0, timing_prompts, max_tokens)
+    say(f"timing {len(timed)} trees and plain decoding, interleaved over {len(timing_prompts)} prompts")
+    timings = time_trees(model, tokenizer, [(name, _drafter_with_tree(base, model, tree), tree.num_nodes,
+                                             tree.max_depth) for name, tree, _ in timed]
+                         + [("plain", NoneDrafter(), 1, 0)], timing_prompts, max_tokens)
+    plain_t = timings.pop("plain")
     feats = np.array([[1.0, t.depth, t.num_nodes] for t in timings.values()])  # [R, 3]
 
     def fit(part: str) -> np.ndarray:
@@ -346,17 +374,37 @@ def tune(
     refs = [candidate(*c) for c in ref_trees]
     plain = Candidate("plain", (), 1, 0, 1.0, plain_t.draft_s, plain_t.verify_s, plain_t.other_s, plain_t.tau,
                       plain_t.tokens_per_s)
+    finalists: dict[str, dict[str, float]] = {}
     if objective == "tau":
         best = max(candidates, key=lambda c: (round(c.expected, 9), -c.num_nodes), default=plain)
     else:
-        best = max(candidates, key=lambda c: c.tokens_per_s, default=plain)
+        # The fitted model ranks every candidate; the finalists (its best few, and the timed tree that ran fastest)
+        # are decoded again side by side with plain decoding, and the fastest measured one is chosen: a straight
+        # line in depth and nodes cannot follow every step in a machine's cost curve, a measurement can.
+        ranked = sorted(candidates, key=lambda c: c.tokens_per_s, reverse=True)
+        picks = ranked[:settings.finalists]
+        ran = [c for c in candidates if c.measured_tokens_per_s is not None]
+        if ran:
+            fastest_run = max(ran, key=lambda c: c.measured_tokens_per_s)
+            picks += [fastest_run] if fastest_run not in picks else []
+        say(f"timing the finalists {', '.join(c.name for c in picks)} against plain decoding")
+        final = time_trees(model, tokenizer, [(c.name, _drafter_with_tree(base, model, Tree.from_choices(c.choices)),
+                                               c.num_nodes, c.depth) for c in picks]
+                           + [("plain", NoneDrafter(), 1, 0)], timing_prompts, max_tokens)
+        finalists = {name: {"tau": t.tau, "tokens_per_s": t.tokens_per_s} for name, t in final.items()}
+        picks = [dataclasses.replace(c, measured_tau=final[c.name].tau,
+                                     measured_tokens_per_s=final[c.name].tokens_per_s) for c in picks]
+        best = max(picks, key=lambda c: c.measured_tokens_per_s, default=plain)
+        plain = dataclasses.replace(plain, measured_tau=final["plain"].tau,
+                                    measured_tokens_per_s=final["plain"].tokens_per_s)
+        candidates = [next((p for p in picks if p.name == c.name), c) for c in candidates]
     if best.expected <= 1.0:
         raise TuneTreeError(f"the heads in {d.checkpoint} never matched the target on the calibration prompts "
                             f"(acceptance by depth {[round(float(r.sum()), 3) for r in P]}): were they trained for it?")
-    if objective == "tokens_per_s" and settings.require_speedup and best.tokens_per_s <= plain.tokens_per_s:
+    if objective == "tokens_per_s" and settings.require_speedup and best.speedup(plain) <= 1.0:
         raise TuneTreeError(
             f"no draft tree beats plain decoding on this machine: the best, {best.name} (predicted tau "
-            f"{best.expected:.2f}), gives {best.tokens_per_s:.1f} tok/s vs {plain.tokens_per_s:.1f} plain (draft "
+            f"{best.expected:.2f}), ran at {best.speedup(plain):.2f}x plain decoding (predicted: draft "
             f"{1e3 * best.t_draft:.2f} ms + target {1e3 * best.t_target:.2f} ms per step vs {1e3 * plain.t_target:.2f} "
             f"ms); use objective 'tau' to choose for acceptance alone, or --even-if-slower")
     calibration = {"prompts": len(prompts), "max_tokens": max_tokens, "comb_width": width, "comb_depth": depth,
@@ -364,7 +412,8 @@ def tune(
                    "time_total_s": t_total, "timing_prompts": len(timing_prompts),
                    "step_cost_model_ms": {part: dict(zip(("intercept", "per_level", "per_node"), (1e3 * c).tolist()))
                                           for part, c in coef.items()},
-                   "timed": {n: dataclasses.asdict(t) for n, t in timings.items()}}
+                   "timed": {n: dataclasses.asdict(t) for n, t in timings.items()},
+                   "finalists": finalists}
     return TuneResult(d.method, P.round(6).tolist(), counts.trials.tolist(), calibration, plain, best, refs,
                       candidates)
 
@@ -441,6 +490,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads while measuring")
     p.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
                    help="tokens_per_s: fastest here (default); tau: most tokens per step within --max-nodes")
+    p.add_argument("--finalists", type=int, default=d.finalists,
+                   help="with tokens_per_s: trees re-timed beside plain decoding before the fastest is chosen")
     p.add_argument("--even-if-slower", action="store_true", default=not d.require_speedup,
                    help="with tokens_per_s: write the fastest tree even when plain decoding is predicted faster here")
 
@@ -480,7 +531,7 @@ def run_cli(args: argparse.Namespace, console) -> int:
         Path(args.save_prompts).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
     settings = TuneSettings(max_tokens=args.max_tokens, width=args.width, depth=args.depth, max_nodes=args.max_nodes,
                             timing_prompts=args.timing_prompts, objective=args.objective,
-                            require_speedup=not args.even_if_slower)
+                            require_speedup=not args.even_if_slower, finalists=args.finalists)
     result = tune(config, prompts, settings, progress=lambda m: console.log(m))
     console.print(f"acceptance P[depth][rank] (rows depth 1..{len(result.acceptance)}, first 4 ranks): "
                   + "; ".join(" ".join(f"{x:.2f}" for x in row[:4]) for row in result.acceptance))
@@ -488,7 +539,8 @@ def run_cli(args: argparse.Namespace, console) -> int:
     best = result.best
     note = (f"draft.tree chosen by `python -m builder tune-tree` ({result.method}, {len(prompts)} prompts): "
             f"{best.num_nodes} nodes, depth {best.depth}, predicted tau {best.expected:.2f}, "
-            f"{best.tokens_per_s / result.plain.tokens_per_s:.2f}x plain decoding")
+            f"{best.speedup(result.plain):.2f}x plain decoding"
+            f"{' (measured on the calibration prompts)' if result.calibration.get('finalists') else ' (predicted)'}")
     write_choices(config_path, best.choices, output, note)
     console.print(f"[green]wrote[/green] {output} ({best.name}: {len(best.choices)} choice paths)")
     if args.report:

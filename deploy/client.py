@@ -8,7 +8,7 @@
 Closing the iterator early (or leaving the loop) cancels the request on the server (gRPC stream cancellation).
 
 Error codes: a gRPC stream carries an error response as a bare message. Requests ask for coded errors (request
-parameter spectree_coded_errors, model_repo.pipeline.CODED_ERRORS_PARAMETER), so the server's messages come as
+parameter spectree_coded_errors, model_repo.bls.CODED_ERRORS_PARAMETER), so the server's messages come as
 "[CODE] message" (or, from spec_decode, as a final response whose finish_reason is "error"); ClientError carries the
 code: INVALID_ARG (a bad request), UNAVAILABLE (overloaded: retry later), CANCELLED, INTERNAL. Tritonserver's own
 `triton_grpc_error: true` stream header would end the stream with the gRPC status instead, but in 2.51 that mode
@@ -32,7 +32,7 @@ from runtime.errors import SpectreeError
 
 class ClientError(SpectreeError, RuntimeError):
     """The server answered a request with an error (the message is the server's; `code` the Triton error code,
-    model_repo.pipeline.ErrorCode's value: "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"; None when the
+    model_repo.errors.ErrorCode's value: "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"; None when the
     answer did not come from a model, e.g. "no response within N s")."""
 
     def __init__(self, message: str, code: str | None = None) -> None:
@@ -46,7 +46,7 @@ class ClientError(SpectreeError, RuntimeError):
 
 
 def _server_error(message: str) -> ClientError:
-    from model_repo.pipeline import decode_error_message
+    from model_repo.errors import decode_error_message
 
     code, text = decode_error_message(message)
     return ClientError(text, code.value)
@@ -180,7 +180,7 @@ def stream_infer(url: str, model: str, inputs: list[Any], timeout_s: float = 120
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from model_repo.pipeline import CODED_ERRORS_PARAMETER, ERROR_FINISH_REASON
+    from model_repo.bls import CODED_ERRORS_PARAMETER, ERROR_FINISH_REASON
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)

@@ -25,12 +25,22 @@ from typing import Any
 
 import yaml
 
-from deploy.server import project_root
+from deploy.server import project_root, tcp_port
+from runtime import schema
 from runtime.errors import ConfigError
+from runtime.schema import setting
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # tritonserver 2.51.0, the version the CPU tests run
-_QUANTITY = re.compile(r"^\d+(\.\d+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
-_DNS = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"  # a DNS label (RFC 1123), without its 63-character cap
+
+
+def _quantity(default: str) -> str:
+    return setting(default, pattern=r"\d+(\.\d+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?",
+                   what="a Kubernetes quantity such as 4, 500m or 32Gi")
+
+
+def _container_path(default: str) -> str:
+    return setting(default, pattern="/.*", what="an absolute path inside the container")
 
 
 class DeployConfigError(ConfigError):
@@ -41,57 +51,38 @@ class DeployConfigError(ConfigError):
 class DeployConfig:
     """Everything `python -m deploy k8s` / `docker` accept (flags are these field names)."""
 
-    name: str = "spectree"  # Kubernetes object / compose service name
+    # Kubernetes object / compose service name
+    name: str = setting("spectree", pattern=f"(?=.{{1,63}}$){_DNS}",
+                        what="a DNS label (lowercase letters, digits, '-'; at most 63)")
     image: str = "spectree-triton:latest"  # the image the Dockerfile builds and the manifests run
     base_image: str = TRITON_IMAGE
-    namespace: str | None = None
-    replicas: int = 1
+    namespace: str | None = setting(None, pattern=_DNS, what="a DNS label")
+    replicas: int = setting(1, ge=1)
     engine_claim: str = "spectree-engines"  # PersistentVolumeClaim holding the engine directory (k8s)
     engine_subpath: str = "engine"  # the engine directory inside that claim
     engine_host_dir: str = "./engine"  # the engine directory on the docker host (compose)
-    engine_mount: str = "/engines/engine"  # where the container sees the engine
-    repo_dir: str = "/tmp/spectree-repo"  # where the container renders its model repository
-    device: str = "cuda"  # spec_decode instance kind: cuda (KIND_GPU) or cpu
-    max_concurrent_requests: int = 8
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    gpus: int = 1
-    cpu_request: str = "4"
-    cpu_limit: str = "8"
-    memory_request: str = "32Gi"
-    memory_limit: str = "64Gi"
-    shm_size: str = "2Gi"  # the python backend moves tensors through /dev/shm
+    engine_mount: str = _container_path("/engines/engine")  # where the container sees the engine
+    repo_dir: str = _container_path("/tmp/spectree-repo")  # where the container renders its model repository
+    # spec_decode instance kind: cuda (KIND_GPU) or cpu
+    device: str = setting("cuda", choices=("cpu", "cuda"))
+    max_concurrent_requests: int = setting(8, ge=1)
+    http_port: int = tcp_port(8000)
+    grpc_port: int = tcp_port(8001)
+    metrics_port: int = tcp_port(8002)
+    gpus: int = setting(1, ge=0)
+    cpu_request: str = _quantity("4")
+    cpu_limit: str = _quantity("8")
+    memory_request: str = _quantity("32Gi")
+    memory_limit: str = _quantity("64Gi")
+    shm_size: str = _quantity("2Gi")  # the python backend moves tensors through /dev/shm
 
     def __post_init__(self) -> None:
-        if not _DNS.match(self.name) or len(self.name) > 63:
-            raise DeployConfigError(f"name: expected a DNS label (lowercase letters, digits, '-'), got {self.name!r}")
-        if self.namespace is not None and not _DNS.match(self.namespace):
-            raise DeployConfigError(f"namespace: expected a DNS label, got {self.namespace!r}")
-        for n in ("replicas", "gpus", "max_concurrent_requests"):
-            v = getattr(self, n)
-            minimum = 0 if n == "gpus" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise DeployConfigError(f"{n}: expected an integer >= {minimum}, got {v!r}")
+        schema.check(self, DeployConfigError)
         ports = [self.http_port, self.grpc_port, self.metrics_port]
-        for n, v in zip(("http_port", "grpc_port", "metrics_port"), ports):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 65536:
-                raise DeployConfigError(f"{n}: expected a TCP port, got {v!r}")
         if len(set(ports)) != 3:
             raise DeployConfigError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
-        for n in ("cpu_request", "cpu_limit", "memory_request", "memory_limit", "shm_size"):
-            if not _QUANTITY.match(getattr(self, n)):
-                raise DeployConfigError(f"{n}: expected a Kubernetes quantity such as 4, 500m or 32Gi, "
-                                        f"got {getattr(self, n)!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise DeployConfigError(f"device: expected cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and self.gpus < 1:
             raise DeployConfigError("gpus: device cuda needs at least 1 GPU")
-        for n in ("engine_mount", "repo_dir"):
-            if not getattr(self, n).startswith("/"):
-                raise DeployConfigError(
-                    f"{n}: expected an absolute path inside the container, got {getattr(self, n)!r}"
-                )
 
     @property
     def labels(self) -> dict[str, str]:

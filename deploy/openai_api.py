@@ -40,7 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from deploy.server import tcp_port
+from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
+from runtime.files import read_json_object
+from runtime.schema import setting
 
 MAX_TOP_LOGPROBS = 20  # runtime.sampling.MAX_LOGPROBS; OpenAI's own limit for top_logprobs
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -52,17 +56,14 @@ class OpenAIConfig:
 
     grpc_url: str  # tritonserver's gRPC endpoint, HOST:PORT
     repo: str  # the served model repository (spectree-repo.json names the engine: tokenizer, context, limits)
-    port: int = 8080
+    port: int = tcp_port(8080)
     host: str = "127.0.0.1"
     model: str = "spec_decode"  # the Triton model requests go to (vllm_backend's shapes, max_batch_size 0)
     served_model_name: str | None = None  # the id /v1/models lists and requests name; None: the engine's name
-    timeout_s: float = 600.0  # a request's gRPC stream is cancelled after this long
+    timeout_s: float = setting(600.0, gt=0.0)  # a request's gRPC stream is cancelled after this long (seconds)
 
     def __post_init__(self) -> None:
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
-            raise ConfigError(f"openai port: expected a TCP port in 1..65535, got {self.port!r}")
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ConfigError(f"openai timeout_s: expected seconds > 0, got {self.timeout_s!r}")
+        schema.check(self, ConfigError, "openai")
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,14 @@ class ServedModel:
 
     @classmethod
     def from_repo(cls, repo: str | Path, name: str | None = None) -> ServedModel:
-        from model_repo.pipeline import load_tokenizer
+        from model_repo.engines import load_tokenizer
 
         manifest_path = Path(repo) / "spectree-repo.json"
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            manifest = read_json_object(manifest_path, ConfigError)
             engine = manifest["options"]["engine"]
             limit = int(manifest["max_tokens_limit"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (ConfigError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{manifest_path}: not a rendered repository's manifest ({exc}); render the repository "
                               "with python -m model_repo render") from exc
         return cls(name=name or Path(engine).resolve().name, tokenizer=load_tokenizer(engine),
@@ -374,7 +375,7 @@ def piece_of(result: Any) -> Piece:
 
 def _server_error(message: str) -> APIError:
     """A Triton error response (coded: "[INVALID_ARG] ...") -> the API error it means."""
-    from model_repo.pipeline import ErrorCode, decode_error_message
+    from model_repo.errors import ErrorCode, decode_error_message
 
     code, text = decode_error_message(message)
     if code is ErrorCode.INVALID_ARG:
@@ -392,7 +393,7 @@ async def triton_pieces(client: Any, model: str, call: GenerationCall, timeout_s
     import tritonclient.grpc.aio as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
-    from model_repo.pipeline import CODED_ERRORS_PARAMETER, ERROR_FINISH_REASON
+    from model_repo.bls import CODED_ERRORS_PARAMETER, ERROR_FINISH_REASON
 
     tensors = []
     for name, value in call.inputs.items():

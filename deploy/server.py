@@ -45,27 +45,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
+from runtime.schema import setting
 
 
 class ServerError(SpectreeError, RuntimeError):
     """tritonserver could not be found, did not become ready, or exited."""
 
 
-def _port(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-        raise ConfigError(f"{name}: expected a TCP port in 1..65535, got {value!r}")
-    return value
+def tcp_port(default: int) -> int:
+    """A TCP port field (deploy's configs): an integer in 1..65535."""
+    return setting(default, ge=1, le=65535, what="a TCP port in 1..65535")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     repo: str  # model repository directory
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    address: str = "127.0.0.1"  # every endpoint binds here (0.0.0.0 to serve other hosts)
-    exit_timeout_s: int = 30  # how long tritonserver lets in-flight requests finish on shutdown
+    http_port: int = tcp_port(8000)
+    grpc_port: int = tcp_port(8001)
+    metrics_port: int = tcp_port(8002)
+    # every endpoint binds here (0.0.0.0 to serve other hosts)
+    address: str = setting("127.0.0.1", nonempty=True, what="an IP address to bind")
+    # how long tritonserver lets in-flight requests finish on shutdown
+    exit_timeout_s: int = setting(30, ge=0)
     ready_timeout_s: float = 300.0  # how long `start` waits for /v2/health/ready
     log_verbose: int = 0
     tritonserver: str | None = None  # explicit binary; None: PATH, then the nvidia-pytriton wheel
@@ -75,15 +78,12 @@ class ServerConfig:
     admin_token: str | None = None
 
     def __post_init__(self) -> None:
-        ports = {n: _port(getattr(self, n), n) for n in ("http_port", "grpc_port", "metrics_port")}
+        schema.check(self, ConfigError)
+        ports = {n: getattr(self, n) for n in ("http_port", "grpc_port", "metrics_port")}
         if len(set(ports.values())) != 3:
             raise ConfigError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
         if not Path(self.repo).is_dir():
             raise ConfigError(f"repo: {self.repo!r} is not a directory")
-        if not self.address:
-            raise ConfigError("address: expected an IP address to bind, got an empty string")
-        if isinstance(self.exit_timeout_s, bool) or not isinstance(self.exit_timeout_s, int) or self.exit_timeout_s < 0:
-            raise ConfigError(f"exit_timeout_s: expected an int >= 0, got {self.exit_timeout_s!r}")
         if self.admin_token is not None and not re.fullmatch(r"[A-Za-z0-9_\-]{16,}", self.admin_token):
             raise ConfigError("admin_token: expected at least 16 letters, digits, '-' or '_' (it goes into an HTTP "
                               "header and the server's command line)")

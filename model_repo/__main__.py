@@ -19,11 +19,11 @@ import dataclasses
 import sys
 import typing
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from model_repo.render import RenderError, RepoOptions, read_repo, render
 from model_repo.tensorrtllm import BACKENDS, TrtllmRepoOptions, render_tensorrtllm
+from runtime import schema
 from runtime.errors import SpectreeError
 
 _HELP = {
@@ -100,26 +100,15 @@ def _options(ns: argparse.Namespace) -> RepoOptions | TrtllmRepoOptions:
         raise RenderError(f"--backend {ns.backend} does not take {flags}")
     data: dict[str, Any] = {}
     if ns.config:
-        import yaml
-
-        path = Path(ns.config)
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise RenderError(f"--config {path}: cannot read ({exc})") from exc
+        loaded, _ = schema.read_yaml(ns.config, RenderError)
         if not isinstance(loaded, dict):
-            raise RenderError(f"--config {path}: expected a mapping of option -> value, got {type(loaded).__name__}")
+            raise RenderError(f"--config {ns.config}: expected a mapping of option -> value, got "
+                              f"{type(loaded).__name__}")
         data.update(loaded)
     for f in dataclasses.fields(cls):
         if hasattr(ns, f.name):
             data[f.name] = getattr(ns, f.name)
-    if cls is RepoOptions:
-        return RepoOptions.from_mapping(data, ns.config or "command line")
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise RenderError(f"{ns.config}: unknown option(s) {unknown} for --backend {ns.backend}; "
-                          f"accepted: {sorted(names)}")
-    return cls(**data)
+    return schema.load(cls, data, RenderError, source=ns.config or "command line")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ Messages are frozen dataclasses; a field's Python type says how it is written:
     dict[str, scalar | dataclass]   one `name { key: "k" value: ... }` entry per item (a protobuf map)
     X | None                        omitted when None
 
-`dumps(message)` renders a message; `loads(cls, text)` parses text back into `cls`, failing with PbtxtError on an
+`dumps(message)` renders a message; `loads(cls, text)` parses text back into `cls`, failing with ConfigError on an
 unknown field, a missing required field, a repeated singular field or a value of the wrong kind. The parser
 reads the text format generally (comments, `name: { }` or `name { }`, repeated fields written either as
 lists or as repeated entries), so it also reads configs this module did not write.
@@ -31,10 +31,6 @@ from typing import Any
 from runtime.errors import ConfigError
 
 
-class PbtxtError(ConfigError):
-    """A protobuf text document is malformed or does not match the message type it is read as."""
-
-
 # ---- writer ---------------------------------------------------------------------------------------------
 
 _INDENT = "  "
@@ -43,7 +39,7 @@ _INDENT = "  "
 def dumps(message: Any) -> str:
     """Protobuf text of a message dataclass (fields in declaration order, None fields omitted)."""
     if not dataclasses.is_dataclass(message) or isinstance(message, type):
-        raise PbtxtError(f"dumps expects a message dataclass instance, got {type(message).__name__}")
+        raise ConfigError(f"dumps expects a message dataclass instance, got {type(message).__name__}")
     return "".join(_fields(message, 0))
 
 
@@ -59,13 +55,13 @@ def _field(name: str, tp: Any, value: Any, depth: int, where: str) -> Iterator[s
     inner, optional = _unwrap_optional(tp)
     if value is None:
         if not optional:
-            raise PbtxtError(f"{where} is required but unset (None)")
+            raise ConfigError(f"{where} is required but unset (None)")
         return
     origin = typing.get_origin(inner)
     if origin is tuple:
         item_tp = _tuple_item(inner, where)
         if not isinstance(value, tuple):
-            raise PbtxtError(f"{where} must be a tuple, got {type(value).__name__}")
+            raise ConfigError(f"{where} must be a tuple, got {type(value).__name__}")
         if not value:
             return  # an empty repeated field is simply absent
         if _is_message(item_tp):
@@ -83,7 +79,7 @@ def _field(name: str, tp: Any, value: Any, depth: int, where: str) -> Iterator[s
     elif origin is dict:
         key_tp, value_tp = typing.get_args(inner)
         if not isinstance(value, dict):
-            raise PbtxtError(f"{where} must be a dict, got {type(value).__name__}")
+            raise ConfigError(f"{where} must be a dict, got {type(value).__name__}")
         for key in sorted(value):
             yield f"{pad}{name} {{\n"
             yield f"{pad}{_INDENT}key: {_scalar(key_tp, key, f'{where} key')}\n"
@@ -107,31 +103,31 @@ def _field(name: str, tp: Any, value: Any, depth: int, where: str) -> Iterator[s
 
 def _check_message(value: Any, tp: type, where: str) -> None:
     if type(value) is not tp:
-        raise PbtxtError(f"{where} must be a {tp.__name__}, got {type(value).__name__}")
+        raise ConfigError(f"{where} must be a {tp.__name__}, got {type(value).__name__}")
 
 
 def _scalar(tp: Any, value: Any, where: str) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if not isinstance(value, tp):
-            raise PbtxtError(f"{where} must be a {tp.__name__} member, got {value!r}")
+            raise ConfigError(f"{where} must be a {tp.__name__} member, got {value!r}")
         return value.name
     if tp is bool:
         if not isinstance(value, bool):
-            raise PbtxtError(f"{where} must be a bool, got {value!r}")
+            raise ConfigError(f"{where} must be a bool, got {value!r}")
         return "true" if value else "false"
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise PbtxtError(f"{where} must be an int, got {value!r}")
+            raise ConfigError(f"{where} must be an int, got {value!r}")
         return str(value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise PbtxtError(f"{where} must be a finite number, got {value!r}")
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
         return repr(float(value))
     if tp is str:
         if not isinstance(value, str):
-            raise PbtxtError(f"{where} must be a str, got {value!r}")
+            raise ConfigError(f"{where} must be a str, got {value!r}")
         return _quote(value)
-    raise PbtxtError(f"{where}: unsupported field type {tp!r}")
+    raise ConfigError(f"{where}: unsupported field type {tp!r}")
 
 
 def _quote(s: str) -> str:
@@ -163,7 +159,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) != 1:
-            raise PbtxtError(f"unsupported union type {tp!r}")
+            raise ConfigError(f"unsupported union type {tp!r}")
         return args[0], True
     return tp, False
 
@@ -171,7 +167,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def _tuple_item(tp: Any, where: str) -> Any:
     args = typing.get_args(tp)
     if len(args) != 2 or args[1] is not Ellipsis:
-        raise PbtxtError(f"{where}: repeated fields must be typed tuple[X, ...], got {tp!r}")
+        raise ConfigError(f"{where}: repeated fields must be typed tuple[X, ...], got {tp!r}")
     return args[0]
 
 
@@ -223,15 +219,15 @@ def _unquote(raw: str, line: int) -> str:
         elif nxt == "x":
             digits = re.match(r"[0-9a-fA-F]{1,2}", body[i + 2 :])
             if digits is None:
-                raise PbtxtError(f"line {line}: bad \\x escape in {raw}")
+                raise ConfigError(f"line {line}: bad \\x escape in {raw}")
             out.append(int(digits.group(0), 16))
             i += 2 + len(digits.group(0))
         else:
-            raise PbtxtError(f"line {line}: unknown escape \\{nxt} in {raw}")
+            raise ConfigError(f"line {line}: unknown escape \\{nxt} in {raw}")
     try:
         return out.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PbtxtError(f"line {line}: string {raw} is not valid UTF-8 ({exc})") from exc
+        raise ConfigError(f"line {line}: string {raw} is not valid UTF-8 ({exc})") from exc
 
 
 def _tokenize(text: str) -> list[_Token]:
@@ -239,7 +235,7 @@ def _tokenize(text: str) -> list[_Token]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None:
-            raise PbtxtError(f"line {line}: unexpected character {text[pos]!r}")
+            raise ConfigError(f"line {line}: unexpected character {text[pos]!r}")
         kind = m.lastgroup
         raw = m.group(0)
         if kind == "string":
@@ -266,9 +262,9 @@ class _Parser:
     def take(self, kind: str | None = None, text: str | None = None) -> _Token:
         tok = self.peek()
         if tok is None:
-            raise PbtxtError(f"unexpected end of text, expected {text or kind}")
+            raise ConfigError(f"unexpected end of text, expected {text or kind}")
         if (kind is not None and tok.kind != kind) or (text is not None and tok.text != text):
-            raise PbtxtError(f"line {tok.line}: expected {text or kind}, got {tok.text!r}")
+            raise ConfigError(f"line {tok.line}: expected {text or kind}, got {tok.text!r}")
         self.i += 1
         return tok
 
@@ -285,7 +281,7 @@ class _Parser:
             tok = self.peek()
             if tok is None:
                 if close is not None:
-                    raise PbtxtError(f"unexpected end of text, expected {close!r}")
+                    raise ConfigError(f"unexpected end of text, expected {close!r}")
                 return fields
             if close is not None and tok.kind == "punct" and tok.text == close:
                 self.i += 1
@@ -312,9 +308,9 @@ class _Parser:
             return self.message(">")
         tok = self.peek()
         if not colon_seen:
-            raise PbtxtError(f"line {tok.line if tok else '?'}: expected ':' or '{{' after a field name")
+            raise ConfigError(f"line {tok.line if tok else '?'}: expected ':' or '{{' after a field name")
         if tok is None or tok.kind == "punct":
-            raise PbtxtError(f"line {tok.line if tok else '?'}: expected a value, got {tok.text if tok else 'end'!r}")
+            raise ConfigError(f"line {tok.line if tok else '?'}: expected a value, got {tok.text if tok else 'end'!r}")
         self.i += 1
         if tok.kind == "string":
             # Adjacent string literals concatenate, as in C and protobuf.
@@ -341,7 +337,7 @@ def _build(cls: type, fields: Parsed, where: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - set(known))
     if unknown:
-        raise PbtxtError(f"{where}: unknown field(s) {unknown}; {cls.__name__} has {sorted(known)}")
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; {cls.__name__} has {sorted(known)}")
     kwargs: dict[str, Any] = {}
     for name, f in known.items():
         tp, optional = _unwrap_optional(hints[name])
@@ -356,7 +352,7 @@ def _build(cls: type, fields: Parsed, where: str) -> Any:
             elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                 continue
             else:
-                raise PbtxtError(f"{here} is required but missing")
+                raise ConfigError(f"{here} is required but missing")
             continue
         if origin is tuple:
             item_tp = _tuple_item(tp, here)
@@ -366,56 +362,56 @@ def _build(cls: type, fields: Parsed, where: str) -> Any:
             out: dict[Any, Any] = {}
             for i, entry in enumerate(values):
                 if not isinstance(entry, dict):
-                    raise PbtxtError(f"{here}[{i}]: a map entry must be a message {{ key: ... value: ... }}")
+                    raise ConfigError(f"{here}[{i}]: a map entry must be a message {{ key: ... value: ... }}")
                 extra = sorted(set(entry) - {"key", "value"})
                 if extra or len(entry.get("key", ())) != 1 or len(entry.get("value", ())) != 1:
-                    raise PbtxtError(
+                    raise ConfigError(
                         f"{here}[{i}]: a map entry needs exactly one key and one value (got {sorted(entry)})"
                     )
                 key = _value(key_tp, entry["key"][0], f"{here}[{i}].key")
                 if key in out:
-                    raise PbtxtError(f"{here}: key {key!r} appears twice")
+                    raise ConfigError(f"{here}: key {key!r} appears twice")
                 out[key] = _value(value_tp, entry["value"][0], f"{here}[{key!r}]")
             kwargs[name] = out
         else:
             if len(values) != 1:
-                raise PbtxtError(f"{here} is a singular field but appears {len(values)} times")
+                raise ConfigError(f"{here} is a singular field but appears {len(values)} times")
             kwargs[name] = _value(tp, values[0], here)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise PbtxtError(f"{where}: {exc}") from exc
+        raise ConfigError(f"{where}: {exc}") from exc
 
 
 def _value(tp: Any, raw: Any, where: str) -> Any:
     if _is_message(tp):
         if not isinstance(raw, dict):
-            raise PbtxtError(f"{where} must be a message {{ ... }}, got {raw.text!r}")
+            raise ConfigError(f"{where} must be a message {{ ... }}, got {raw.text!r}")
         return _build(tp, raw, where)
     if isinstance(raw, dict):
-        raise PbtxtError(f"{where} must be a scalar, got a message")
+        raise ConfigError(f"{where} must be a scalar, got a message")
     tok: _Token = raw
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if tok.kind != "ident" or tok.text not in tp.__members__:
-            raise PbtxtError(f"{where} must be one of {', '.join(tp.__members__)}, got {tok.text!r}")
+            raise ConfigError(f"{where} must be one of {', '.join(tp.__members__)}, got {tok.text!r}")
         return tp[tok.text]
     if tp is bool:
         if tok.kind != "ident" or tok.text not in ("true", "false", "True", "False"):
-            raise PbtxtError(f"{where} must be true or false, got {tok.text!r}")
+            raise ConfigError(f"{where} must be true or false, got {tok.text!r}")
         return tok.text in ("true", "True")
     if tp is int:
         if tok.kind != "number" or not re.fullmatch(r"[-+]?\d+", tok.text):
-            raise PbtxtError(f"{where} must be an integer, got {tok.text!r}")
+            raise ConfigError(f"{where} must be an integer, got {tok.text!r}")
         return int(tok.text)
     if tp is float:
         if tok.kind != "number":
-            raise PbtxtError(f"{where} must be a number, got {tok.text!r}")
+            raise ConfigError(f"{where} must be a number, got {tok.text!r}")
         return float(tok.text)
     if tp is str:
         if tok.kind != "string":
-            raise PbtxtError(f"{where} must be a quoted string, got {tok.text!r}")
+            raise ConfigError(f"{where} must be a quoted string, got {tok.text!r}")
         return tok.text
-    raise PbtxtError(f"{where}: unsupported field type {tp!r}")
+    raise ConfigError(f"{where}: unsupported field type {tp!r}")
 
 
-__all__ = ["PbtxtError", "dumps", "loads", "parse"]
+__all__ = ["dumps", "loads", "parse"]

@@ -34,7 +34,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-from model_repo import pipeline
+from model_repo import contract, engines
 from model_repo.pbtxt import dumps, loads
 from model_repo.schema import (
     InstanceGroup,
@@ -43,8 +43,12 @@ from model_repo.schema import (
     ModelParameter,
     TransactionPolicy,
 )
+from runtime import schema
 from runtime.batching import SchedulerConfig
+from runtime.config import DTYPES
+from runtime.draft_spec import KINDS
 from runtime.errors import ConfigError
+from runtime.schema import setting
 from runtime.files import remove_stale_work_dirs, work_dir
 
 ENSEMBLE = "ensemble"
@@ -64,81 +68,55 @@ class RenderError(ConfigError):
 class RepoOptions:
     """Everything `python -m model_repo render` accepts (CLI flags and YAML keys are these field names)."""
 
-    engine: str  # engine directory (engine.json) or Hugging Face checkpoint directory, with tokenizer.json
-    output: str  # repository directory to create
+    # engine directory (engine.json) or Hugging Face checkpoint directory, with tokenizer.json
+    engine: str = setting(nonempty=True, what="a directory path")
+    output: str = setting(nonempty=True, what="a directory path")  # repository directory to create
     engine_path_in_server: str | None = None  # the engine's path as the server sees it (a container mount);
     # None: the engine's absolute local path
-    device: str = "cpu"  # cpu | cuda: instance kind of spec_decode (KIND_CPU / KIND_GPU)
-    instances: int = 1  # spec_decode instances (each loads its own copy of the model)
+    device: str = setting("cpu", choices=("cpu", "cuda"))  # instance kind of spec_decode (KIND_CPU / KIND_GPU)
+    instances: int = setting(1, ge=1)  # spec_decode instances (each loads its own copy of the model)
     # requests decoded together per spec_decode instance (its batching scheduler's max_batch_size: one target
     # forward per step verifies all their draft trees); more wait in the queue
-    max_concurrent_requests: int = 8
+    max_concurrent_requests: int = setting(8, ge=1)
     # rows per request the entry model takes: it batches like tensorrtllm_backend's ensemble (max_batch_size > 0,
     # [batch, 1] tensors); each row is one spec_decode request, the rows of a request run one after another
-    max_batch_size: int = 8
-    max_queue_size: int = 32  # requests waiting (FIFO) per instance; beyond it: UNAVAILABLE ("overloaded: ...")
-    prefill_chunk: int = SchedulerConfig.prefill_chunk  # prompt tokens per request per step (a long prompt joins
-    # the batch over several steps instead of stalling it)
-    max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: the engine's context length
+    max_batch_size: int = setting(8, ge=1)
+    # requests waiting (FIFO) per instance; beyond it: UNAVAILABLE ("overloaded: ...")
+    max_queue_size: int = setting(32, ge=0)
+    # prompt tokens per request per step (a long prompt joins the batch over several steps instead of stalling it)
+    prefill_chunk: int = setting(SchedulerConfig.prefill_chunk, ge=1)
+    # largest max_tokens a request may ask; None: the engine's context length
+    max_tokens_limit: int | None = setting(None, ge=1)
     # KV cache the running generations of an instance may reserve together (each: prompt + max_tokens + one draft
     # tree, capped at the context); a request that could never fit is refused, the rest wait for room.
     # None: half the memory free once the instance has loaded the model (GPU memory on cuda).
-    kv_memory_mb: int | None = None
-    max_prompt_bytes: int | None = None  # text_input / messages size, checked before tokenising; None: 16 bytes
-    # per token of context (English averages about 4)
-    max_stop_words: int = 16  # stop strings per request
-    max_stop_word_bytes: int = 256  # UTF-8 bytes per stop string
+    kv_memory_mb: int | None = setting(None, ge=1)
+    # text_input / messages size, checked before tokenising; None: 16 bytes per token of context (English averages
+    # about 4)
+    max_prompt_bytes: int | None = setting(None, ge=1)
+    max_stop_words: int = setting(16, ge=1)  # stop strings per request
+    max_stop_word_bytes: int = setting(256, ge=1)  # UTF-8 bytes per stop string
     # torch intra-op threads per instance; 0: torch's default (one per core). 1 by default: on the 2-core CPU
     # machine torch's default contends with tritonserver's own threads (perf serve, demo engine, concurrency 1:
     # 69 output tokens/s with the default vs 110-130 with 1 thread).
-    torch_threads: int = 1
-    draft: str | None = None  # runtime.load overrides (None: the engine's own drafter / tree / dtype)
+    torch_threads: int = setting(1, ge=0)
+    # runtime.load overrides (None: the engine's own drafter / tree / dtype)
+    draft: str | None = setting(None, choices=KINDS)
     draft_model: str | None = None
     tree: str | None = None
-    dtype: str | None = None
-    max_draft_len: int | None = None
-    force: bool = False  # replace an existing output directory
-    skip_checksums: bool = False  # do not verify the engine's files against engine.json's sha256 before rendering
+    dtype: str | None = setting(None, choices=tuple(DTYPES))
+    max_draft_len: int | None = setting(None, ge=0)
+    force: bool = setting(False)  # replace an existing output directory
+    skip_checksums: bool = setting(False)  # do not verify the engine's files against engine.json's sha256 first
 
     def __post_init__(self) -> None:
-        for name in ("engine", "output"):
-            v = getattr(self, name)
-            if not isinstance(v, str) or not v:
-                raise RenderError(f"{name}: expected a directory path, got {v!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise RenderError(f"device: expected cpu or cuda, got {self.device!r}")
-        for name, minimum in (("instances", 1), ("max_concurrent_requests", 1), ("max_batch_size", 1),
-                              ("max_queue_size", 0), ("prefill_chunk", 1),
-                              ("torch_threads", 0), ("max_stop_words", 1), ("max_stop_word_bytes", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise RenderError(f"{name}: expected an integer >= {minimum}, got {v!r}")
-        for name, minimum in (("max_tokens_limit", 1), ("max_draft_len", 0), ("kv_memory_mb", 1),
-                              ("max_prompt_bytes", 1)):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
-                raise RenderError(f"{name}: expected an integer >= {minimum} (or unset), got {v!r}")
-        if self.draft is not None and self.draft not in ("medusa", "eagle", "lookup", "none"):
-            raise RenderError(f"draft: expected medusa, eagle, lookup or none, got {self.draft!r}")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise RenderError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("force", "skip_checksums"):
-            if not isinstance(getattr(self, name), bool):
-                raise RenderError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        schema.check(self, RenderError)
 
     @classmethod
     def from_mapping(cls, data: Any, where: str = "options") -> RepoOptions:
-        """Strict construction from a mapping (YAML): unknown keys fail, required keys must be there."""
-        if not isinstance(data, dict):
-            raise RenderError(f"{where}: expected a mapping of option -> value, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            raise RenderError(f"{where}: unknown option(s) {unknown}; accepted: {sorted(fields)}")
-        missing = sorted(n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in data)
-        if missing:
-            raise RenderError(f"{where}: missing required option(s) {missing}")
-        return cls(**data)
+        """Strict construction from a mapping (YAML, flags): unknown keys fail, required keys must be there, every
+        value is type- and bound-checked (runtime.schema)."""
+        return schema.load(cls, data, RenderError, source=where)
 
     def load_options(self) -> dict[str, Any]:
         """Keyword arguments for runtime.load (only the ones set)."""
@@ -175,8 +153,8 @@ def model_configs(
         name=PREPROCESSING,
         backend="python",
         max_batch_size=0,
-        input=pipeline.PREPROCESSING_INPUTS,
-        output=pipeline.PREPROCESSING_OUTPUTS,
+        input=contract.PREPROCESSING_INPUTS,
+        output=contract.PREPROCESSING_OUTPUTS,
         instance_group=(cpu,),
         parameters=_params({"engine_dir": engine_path, "max_context": str(max_context),
                             "max_prompt_bytes": prompt_bytes}),
@@ -185,8 +163,8 @@ def model_configs(
         name=SPEC_DECODE,
         backend="python",
         max_batch_size=0,
-        input=pipeline.SPEC_DECODE_INPUTS,
-        output=pipeline.SPEC_DECODE_OUTPUTS,
+        input=contract.SPEC_DECODE_INPUTS,
+        output=contract.SPEC_DECODE_OUTPUTS,
         instance_group=(InstanceGroup(kind=Kind.KIND_GPU if options.device == "cuda" else Kind.KIND_CPU,
                                       count=options.instances),),
         model_transaction_policy=TransactionPolicy(decoupled=True),
@@ -205,8 +183,8 @@ def model_configs(
             "device": options.device,
             # The lossless verification stage, explicit: runtime.verify's rule by temperature. spec_decode checks
             # these at load and reports the mode each request ran as its `verification` output.
-            "verification_at_temperature_0": pipeline.VERIFICATION_GREEDY,
-            "verification_above_temperature_0": pipeline.VERIFICATION_SAMPLED,
+            "verification_at_temperature_0": contract.VERIFICATION_GREEDY,
+            "verification_above_temperature_0": contract.VERIFICATION_SAMPLED,
         }),
     )
     # The entry point holds every request spec_decode's instances can run or queue; more are refused at once.
@@ -215,8 +193,8 @@ def model_configs(
         name=ENSEMBLE,
         backend="python",
         max_batch_size=options.max_batch_size,
-        input=pipeline.ENSEMBLE_INPUTS,
-        output=pipeline.ENSEMBLE_OUTPUTS,
+        input=contract.ENSEMBLE_INPUTS,
+        output=contract.ENSEMBLE_OUTPUTS,
         instance_group=(cpu,),
         model_transaction_policy=TransactionPolicy(decoupled=True),
         parameters=_params({"preprocessing_model": PREPROCESSING, "spec_decode_model": SPEC_DECODE,
@@ -277,8 +255,8 @@ def render(options: RepoOptions) -> RenderedRepo:
     if not engine.is_dir():
         raise RenderError(f"engine: {str(engine)!r} is not a directory")
     if not options.skip_checksums:
-        pipeline.verify_engine(str(engine))
-    max_context, _, has_tokenizer = pipeline.engine_facts(str(engine))
+        engines.verify_engine(str(engine))
+    max_context, _, has_tokenizer = engines.engine_facts(str(engine))
     if not has_tokenizer:
         raise RenderError(f"engine: {str(engine)!r} has no tokenizer.json; the text pipeline needs one")
     limit = options.max_tokens_limit if options.max_tokens_limit is not None else max_context

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from model_repo.pbtxt import PbtxtError
+from runtime.errors import ConfigError
 
 
 class DataType(enum.Enum):
@@ -61,7 +61,7 @@ class InstanceGroup:
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise PbtxtError(f"instance_group.count must be an int >= 1, got {self.count!r}")
+            raise ConfigError(f"instance_group.count must be an int >= 1, got {self.count!r}")
 
 
 @dataclass(frozen=True)
@@ -115,21 +115,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if (self.backend is None) == (self.platform is None):
-            raise PbtxtError(f"model {self.name!r}: exactly one of backend and platform must be set")
+            raise ConfigError(f"model {self.name!r}: exactly one of backend and platform must be set")
         if (self.platform == "ensemble") != (self.ensemble_scheduling is not None):
-            raise PbtxtError(
+            raise ConfigError(
                 f"model {self.name!r}: ensemble_scheduling goes with platform \"ensemble\" and only with it"
             )
         for group, items in (("input", self.input), ("output", self.output)):
             names = [t.name for t in items]
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
-                raise PbtxtError(f"model {self.name!r}: duplicate {group} name(s) {dup}")
+                raise ConfigError(f"model {self.name!r}: duplicate {group} name(s) {dup}")
 
     def parameter(self, key: str) -> str:
-        """A parameters value (PbtxtError naming the key when it is absent)."""
+        """A parameters value (ConfigError naming the key when it is absent)."""
         if key not in self.parameters:
-            raise PbtxtError(f"model {self.name!r}: parameters has no {key!r} (has {sorted(self.parameters)})")
+            raise ConfigError(f"model {self.name!r}: parameters has no {key!r} (has {sorted(self.parameters)})")
         return self.parameters[key].string_value
 
     @property

@@ -63,7 +63,10 @@ from model_repo.schema import (
     Reshape,
     TransactionPolicy,
 )
+from runtime import schema
+from runtime.draft_spec import DYNAMIC, WEIGHTED_KINDS
 from runtime.errors import RequestError
+from runtime.schema import setting
 
 PREPROCESSING = "preprocessing"
 TENSORRT_LLM = "tensorrt_llm"
@@ -77,7 +80,7 @@ BACKEND = "tensorrtllm"
 BACKENDS = ("python", BACKEND)  # `python -m model_repo render --backend`; the first is the default
 # The templates' literal for the executor worker inside NVIDIA's Triton TensorRT-LLM container.
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
-TREE_METHODS = ("medusa", "eagle")
+TREE_METHODS = WEIGHTED_KINDS  # the drafters TensorRT-LLM decodes trees for
 DECODING_MODES = {"medusa": "medusa", "eagle": "eagle", "lookup": "top_k_top_p", "none": "top_k_top_p"}
 
 
@@ -90,34 +93,22 @@ def unset(key: str) -> str:
 class TrtllmRepoOptions:
     """What `python -m model_repo render --backend tensorrtllm` accepts (flags and YAML keys are these names)."""
 
-    engine: str  # our engine directory (engine.json, tokenizer.json, trtllm_checkpoint/)
-    output: str  # repository directory to create
+    # our engine directory (engine.json, tokenizer.json, trtllm_checkpoint/)
+    engine: str = setting(nonempty=True, what="a directory path")
+    output: str = setting(nonempty=True, what="a directory path")  # repository directory to create
     trtllm_engine: str | None = None  # trtllm-build's output; None: ENGINE/trtllm_engine (trtllm-build.sh's default)
     engine_path_in_server: str | None = None  # ENGINE as the server sees it (a container mount); None: local path
     trtllm_engine_path_in_server: str | None = None  # the TensorRT-LLM engine as the server sees it
-    max_batch_size: int | None = None  # triton_max_batch_size; None: the engine's build.max_batch_size
-    max_queue_delay_microseconds: int = 0
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    instances: int = 1  # instances of each python model (preprocessing, postprocessing, BLS, verify)
-    force: bool = False
+    # triton_max_batch_size; None: the engine's build.max_batch_size
+    max_batch_size: int | None = setting(None, ge=1)
+    max_queue_delay_microseconds: int = setting(0, ge=0)
+    kv_cache_free_gpu_mem_fraction: float = setting(0.9, gt=0.0, le=1.0)
+    # instances of each python model (preprocessing, postprocessing, BLS, verify)
+    instances: int = setting(1, ge=1)
+    force: bool = setting(False)
 
     def __post_init__(self) -> None:
-        for name in ("engine", "output"):
-            v = getattr(self, name)
-            if not isinstance(v, str) or not v:
-                raise RenderError(f"{name}: expected a directory path, got {v!r}")
-        for name, minimum in (("instances", 1), ("max_queue_delay_microseconds", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise RenderError(f"{name}: expected an integer >= {minimum}, got {v!r}")
-        v = self.max_batch_size
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise RenderError(f"max_batch_size: expected an integer >= 1 (or unset), got {v!r}")
-        f = self.kv_cache_free_gpu_mem_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
-            raise RenderError(f"kv_cache_free_gpu_mem_fraction: expected a number in (0, 1], got {f!r}")
-        if not isinstance(self.force, bool):
-            raise RenderError(f"force: expected a bool, got {self.force!r}")
+        schema.check(self, RenderError)
 
 
 # ---- what the engine directory says -------------------------------------------------------------------------
@@ -127,7 +118,7 @@ class TrtllmRepoOptions:
 class EngineFacts:
     """The parts of engine.json the repository is filled from."""
 
-    method: str  # medusa | eagle | lookup | none
+    method: str  # the drafter kind (runtime.draft_spec.KINDS)
     choices: tuple[tuple[int, ...], ...] | None  # static tree, canonical order
     dynamic_tree: bool
     max_batch_size: int
@@ -139,11 +130,10 @@ class EngineFacts:
         from runtime.engine import open_engine
 
         engine = open_engine(engine_dir)
-        d = engine.manifest["draft"]
-        tree = d.get("tree") or {}
         trt = engine.manifest.get("trtllm") or {}
-        return cls(method=engine.draft.method, choices=engine.draft.choices,
-                   dynamic_tree=tree.get("kind") == "dynamic", max_batch_size=engine.limits.max_batch_size,
+        tree = engine.draft.static_tree
+        return cls(method=engine.draft.kind, choices=None if tree is None else tree.choices,
+                   dynamic_tree=engine.draft.tree == DYNAMIC, max_batch_size=engine.limits.max_batch_size,
                    max_seq_len=engine.limits.max_seq_len, trtllm_dtype=str(trt.get("dtype", engine.dtype)))
 
 
@@ -599,18 +589,15 @@ def bls_generate(inputs: Mapping[str, np.ndarray], decoding_mode: str, infer: In
 
 @dataclass(frozen=True)
 class VerifySettings:
+    """spectree_verify's config.pbtxt parameters (every key required, unknown keys rejected)."""
+
     engine_dir: str
     draft_method: str
-    tree_choices: tuple[tuple[int, ...], ...]
+    tree_choices: tuple[tuple[int, ...], ...]  # JSON list of choice paths in the config
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], model: str) -> VerifySettings:
-        try:
-            choices = tuple(tuple(int(r) for r in c) for c in json.loads(params["tree_choices"]))
-            return cls(engine_dir=params["engine_dir"], draft_method=params["draft_method"], tree_choices=choices)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RenderError(f"{model}: parameters engine_dir, draft_method and tree_choices are required and "
-                              f"tree_choices must be a JSON list of choice paths ({exc!r})") from exc
+        return schema.load(cls, params, RenderError, source=f"{model} config parameters", strings=True)
 
 
 def verify_tree_logits(inputs: Mapping[str, np.ndarray], settings: VerifySettings) -> dict[str, np.ndarray]:

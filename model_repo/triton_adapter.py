@@ -1,11 +1,12 @@
-"""The one module that touches triton_python_backend_utils: Triton python-backend models over `pipeline`.
+"""The one module that touches triton_python_backend_utils: Triton python-backend models over the serving
+modules of model_repo (contract, request, responses, generations, metrics, bls, settings, errors).
 
 Each rendered model.py imports one class from here as TritonPythonModel. This module is only importable inside
 the python backend's stub process (where triton_python_backend_utils exists); tests drive it through a real
 tritonserver.
 
 spec_decode is decoupled: `execute` parses each request, encodes its prompt and submits it to the instance's
-`pipeline.Generations`: ONE `runtime.batching.Scheduler` (in-flight batching: up to max_concurrent_requests
+`generations.Generations`: ONE `runtime.batching.Scheduler` (in-flight batching: up to max_concurrent_requests
 requests decoded together, every one's draft tree verified in one target forward per step; the rest wait in FIFO
 order). A bad request, one that can never fit the KV budget, or one beyond the batch and the queue is answered at
 once with a Triton error: INVALID_ARG / UNAVAILABLE. Responses go out from the scheduler's thread as deltas come;
@@ -16,8 +17,8 @@ for a python model to declare itself not ready.
 
 ensemble is the entry point (decoupled, BLS): it calls preprocessing, then streams spec_decode's responses back
 to its client. Unlike a Triton ensemble (platform "ensemble", which in 2.51 does not pass a client's cancellation
-on to a running step) it sees its client go: it marks the request on the `pipeline.CancelBoard`, and spec_decode
-stops at its next step.
+on to a running step) it sees its client go: it marks the request on the `bls.CancelBoard`, and spec_decode stops
+at its next step.
 """
 
 from __future__ import annotations
@@ -33,41 +34,29 @@ from typing import Any, ClassVar
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from model_repo.pipeline import (
+from model_repo.bls import (
     CANCEL_TOKEN_PARAMETER,
     CODED_ERRORS_PARAMETER,
-    ENSEMBLE_INPUTS,
-    METRICS,
-    PREPROCESSING_INPUTS,
-    SPEC_DECODE_INPUTS,
-    SPEC_DECODE_OUTPUTS,
-    CallerOptions,
     CancelBoard,
-    EnsembleSettings,
-    ErrorCode,
-    GenerateRequest,
-    Generations,
     InFlight,
-    MetricSpec,
-    PreprocessingSettings,
+    error_of_outputs,
+    error_outputs,
+)
+from model_repo.contract import ENSEMBLE_INPUTS, PREPROCESSING_INPUTS, SPEC_DECODE_INPUTS, SPEC_DECODE_OUTPUTS
+from model_repo.engines import load_tokenizer
+from model_repo.errors import (
+    ErrorCode,
     RequestCancelled,
-    SpecDecodeSettings,
-    SpecMetrics,
-    available_memory_bytes,
-    batch_row_outputs,
     coded_error_message,
     decode_error_message,
     error_code,
     error_message,
-    error_of_outputs,
-    error_outputs,
-    is_final_response,
-    load_tokenizer,
-    parse_generate_request,
-    preprocess,
-    prompt_ids,
-    split_batch,
 )
+from model_repo.generations import Generations, available_memory_bytes
+from model_repo.metrics import METRICS, MetricSpec, SpecMetrics
+from model_repo.request import GenerateRequest, parse_generate_request, preprocess, prompt_ids, split_batch
+from model_repo.responses import batch_row_outputs, is_final_response
+from model_repo.settings import CallerOptions, EnsembleSettings, PreprocessingSettings, SpecDecodeSettings
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DEAD_SCHEDULER_EXIT_DELAY_S = 1.0  # lets the error responses of a failed scheduler's requests go out first
@@ -144,7 +133,7 @@ def _require_decoupled(args: dict[str, str]) -> None:
 
 
 class PrometheusMetrics:
-    """pipeline.MetricsBackend over pb_utils custom metrics (served on Triton's metrics port)."""
+    """metrics.MetricsBackend over pb_utils custom metrics (served on Triton's metrics port)."""
 
     _KINDS: ClassVar[dict[str, str]] = {"counter": "COUNTER", "gauge": "GAUGE", "histogram": "HISTOGRAM"}
 
@@ -204,7 +193,7 @@ class PreprocessingModel:
 
 
 class _Sink:
-    """pipeline.ResponseSink over a decoupled response sender; cancelled when the client cancels, when the model
+    """responses.ResponseSink over a decoupled response sender; cancelled when the client cancels, when the model
     shuts down, or when the ensemble model marked the request's token on the CancelBoard. Asked from the scheduler's
     thread and the watcher's, so the sender's is_cancelled() and the final response are serialised (2.51 crashes
     when is_cancelled() is asked after the final response: see _Watched)."""
@@ -240,7 +229,7 @@ class _Sink:
 
     def _send_error(self, exc: BaseException) -> None:
         try:
-            if self.coded:  # a BLS caller (the ensemble model): see pipeline.error_outputs
+            if self.coded:  # a BLS caller (the ensemble model): see model_repo.bls.error_outputs
                 self.sender.send(_response(error_outputs(exc)), flags=_FINAL)
             else:
                 self.sender.send(pb_utils.InferenceResponse(error=_triton_error(exc)), flags=_FINAL)
@@ -249,7 +238,7 @@ class _Sink:
 
 
 class SpecDecodeModel:
-    """The decoupled generation model: its requests batched in flight by one `pipeline.Generations` (a
+    """The decoupled generation model: its requests batched in flight by one `model_repo.generations.Generations` (a
     `runtime.batching.Scheduler`: batch, bounded FIFO queue, KV budget)."""
 
     def initialize(self, args: dict[str, str]) -> None:
@@ -470,7 +459,7 @@ class EnsembleModel:
                     row_done = is_final_response([t.name() for t in outputs])
                     arrays = {t.name(): t.as_numpy() for t in outputs}
                     failed = error_of_outputs(arrays) if row_done else None
-                    if failed is not None:  # spec_decode's error, as a final response (pipeline.error_outputs)
+                    if failed is not None:  # spec_decode's error, as a final response (model_repo.bls.error_outputs)
                         code, message = failed
                         finish(pb_utils.InferenceResponse(error=_coded_triton_error(code, message, coded)))
                         continue

@@ -294,14 +294,15 @@ def write_batch(report: dict[str, Any], out: Path) -> str:
 
 
 def _report(ns: argparse.Namespace) -> int:
-    import json
+    from runtime.errors import ConfigError
+    from runtime.files import read_json_object
 
     done = []
     for name, write in (("bench", write_bench), ("serve", write_serve), ("verify_cost", write_verify_cost),
                         ("batch", write_batch)):
         path = ns.results_dir / f"{name}.json"
         if path.is_file():
-            write(json.loads(path.read_text(encoding="utf-8")), ns.results_dir)
+            write(read_json_object(path, ConfigError), ns.results_dir)
             done.append(name)
     if not done:
         sys.stderr.write(f"error: {ns.results_dir} holds none of bench.json, serve.json, verify_cost.json, "

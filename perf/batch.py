@@ -30,19 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from perf import stats
-from perf.bench import BenchConfig, BenchConfigError, DrafterSpec, build_decoder, encode_prompts, load_target, resolve
+from perf.bench import BenchConfig, BenchConfigError, VariantSpec, build_decoder, encode_prompts, load_target, resolve
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import load_prompts
 from runtime.batching import SchedulerConfig
+from runtime.draft_spec import DraftSpec
 from runtime.files import shown_path
 
 REPORT_FORMAT = "spectree-batch"
 REPORT_VERSION = 1
 MODES = ("sequential", "batched")
-
-
-class BatchBenchError(BenchConfigError):
-    """A `perf batch` setting is invalid (the message names the setting, the value and what was expected)."""
 
 
 def _positive_int(value: Any) -> bool:
@@ -70,26 +67,26 @@ class BatchBenchConfig:
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.engine is None):
-            raise BatchBenchError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
+            raise BenchConfigError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
                                   f"got config={self.config!r}, engine={self.engine!r}")
         if not self.concurrency or not all(_positive_int(n) for n in self.concurrency) \
                 or len(set(self.concurrency)) != len(self.concurrency):
-            raise BatchBenchError(f"concurrency: got {list(self.concurrency)}, expected distinct integers >= 1")
+            raise BenchConfigError(f"concurrency: got {list(self.concurrency)}, expected distinct integers >= 1")
         for name, minimum in (("max_tokens", 1), ("warmup", 0), ("repeats", 1), ("prefill_chunk", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise BatchBenchError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
         for name in ("threads", "prompts_per_set"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
-                raise BatchBenchError(f"{name}: got {value!r}, expected an integer >= 1 (or unset)")
+                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= 1 (or unset)")
         if not self.out:
-            raise BatchBenchError("out: expected an output directory, got an empty string")
+            raise BenchConfigError("out: expected an output directory, got an empty string")
         if self.drafter is not None:
             try:
-                DrafterSpec.parse(self.drafter)
+                VariantSpec.parse(self.drafter)
             except BenchConfigError as exc:
-                raise BatchBenchError(f"drafter: {exc} (or plain)") from exc
+                raise BenchConfigError(f"drafter: {exc} (or plain)") from exc
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads is not None else usable_cores()
@@ -210,13 +207,13 @@ def run_batch_bench(config: BatchBenchConfig, progress: Callable[[str], None] | 
     with torch_threads(config.resolved_threads()):
         prompts = load_prompts(config.prompts or None, config.prompts_per_set)
         target = load_target(BenchConfig(config=config.config, engine=config.engine, dtype=config.dtype))
-        encoded = encode_prompts(prompts, target, config.max_tokens, BatchBenchError)
-        spec = DrafterSpec.parse(config.drafter) if config.drafter else DrafterSpec(kind=target.drafter.method)
-        if spec.kind == "none":
+        encoded = encode_prompts(prompts, target, config.max_tokens, BenchConfigError)
+        spec = VariantSpec.parse(config.drafter) if config.drafter else VariantSpec(DraftSpec(target.drafter.kind))
+        if spec.draft.kind == "none":
             decoder, info = build_decoder(target, None)
         else:
             resolved = resolve(spec, target, dict(config.draft_models))
-            decoder, info = build_decoder(target, resolved)
+            decoder, info = build_decoder(target, resolved, spec.name)
             info["path"] = None if resolved.path is None else shown_path(resolved.path)
         info["drafter"] = decoder.drafter.name
         levels = sorted(config.concurrency)
@@ -257,7 +254,6 @@ def run_batch_bench(config: BatchBenchConfig, progress: Callable[[str], None] | 
 
 __all__ = [
     "BatchBenchConfig",
-    "BatchBenchError",
     "MODES",
     "Sample",
     "level_requests",

@@ -6,7 +6,7 @@ every run generates exactly max_tokens tokens):
     hf           transformers' `generate` (greedy) on the same weights             (perf/hf_baseline.py)
     hf-lookup    transformers' prompt lookup decoding (`--hf-lookup N`)          (same class, other options)
     hf-assisted  transformers' assisted generation with a draft model (`--hf-assistant DIR`)
-    <spec>       speculative decoding with each drafter / tree asked for   (`--drafters`, grammar in DrafterSpec)
+    <spec>       speculative decoding with each drafter / tree asked for   (`--drafters`, grammar in VariantSpec)
 Prompts: text is encoded by the tokenizer (BOS as configured); `chat: true` prompts are one user message rendered
 through the tokenizer's chat template (no BOS added: the template places it). Every variant gets the same ids.
 
@@ -25,7 +25,6 @@ speedups are ratios of tokens/s over all prompts (equal token counts, so also ra
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,12 +35,11 @@ from typing import Any
 from perf import stats
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
+from runtime.draft_spec import DYNAMIC, GRAMMAR, WEIGHTED_KINDS, DraftSpec
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import shown_path
 
-DRAFTER_KINDS = ("none", "lookup", "medusa", "eagle")
-KIND_ALIASES = {"plain": "none"}
-WEIGHTED_KINDS = ("medusa", "eagle")
+KIND_ALIASES = {"plain": "none"}  # spec kinds that name a DraftSpec kind another way
 TRANSFORMERS = "transformers"  # the drafter of every transformers variant (identity recorded, not enforced)
 # the transformers variants' names (perf.hf_baseline.HFBaseline.name) and the flags that ask for them
 HF_FLAGS = {"hf": "measured in every run unless --no-hf", "hf-lookup": "measured with --hf-lookup N",
@@ -60,32 +58,21 @@ class BenchConfigError(ConfigError):
 # ---- drafter specs ----------------------------------------------------------------------------------------
 
 
-def _option_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 @dataclass(frozen=True)
-class DrafterSpec:
-    """One speculative variant, written [NAME=]KIND[:TREE][+KEY=VALUE...]:
+class VariantSpec:
+    """One speculative variant, written [NAME=]DRAFT:
 
-        NAME       optional label for reports (default: the spec as written), e.g. "medusa-tuned=medusa:[[0],...]"
-
-        KIND       lookup | medusa | eagle   (none / plain: the runtime's plain decoding, already a baseline)
-        TREE       a static tree: preset (mc_sim_7b_63, chain-K) or JSON choice paths ([[0],[0,0],[1]]);
-                   "dynamic" for EAGLE-2's dynamic tree. Omitted: the configured drafter's tree when KIND is the
-                   configured drafter, else the drafter's default.
-        KEY=VALUE  drafter options (lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches;
-                   eagle dynamic: total_tokens, depth, top_k) and max_draft_len (most draft nodes per step, which
-                   cuts a static tree to a prefix of its canonical order).
+        NAME   optional label for reports (default: DRAFT as written), e.g. "medusa-tuned=medusa:[[0],...]"
+        DRAFT  a drafter in DraftSpec's grammar, KIND[:TREE][+KEY=VALUE...] (runtime.draft_spec.DraftSpec.parse);
+               "plain" is kind none (plain decoding, already a baseline). What it leaves unset comes from the
+               configured drafter (`resolve`): the tree (and its options) when KIND is the configured drafter's and
+               neither a tree nor options are given, the weights from --draft-model or the configured drafter's,
+               max_draft_len (most draft nodes per step, which cuts a static tree to a prefix of its canonical
+               order) from the config's / engine's limit.
     e.g. "medusa:mc_sim_7b_63", "medusa:chain-3", "eagle", "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4".
     """
 
-    kind: str
-    tree: str | None = None
-    options: tuple[tuple[str, Any], ...] = ()
+    draft: DraftSpec
     text: str = ""  # as written, label excluded; "" for the configured drafter
     label: str | None = None  # NAME= prefix
 
@@ -93,59 +80,39 @@ class DrafterSpec:
         if self.label is not None and (not _LABEL.fullmatch(self.label) or self.label in BASELINES):
             raise BenchConfigError(f"drafter spec label {self.label!r}: expected letters, digits, '_', '-' or '.', "
                                    f"and not a baseline's name ({', '.join(BASELINES)})")
-        if self.kind not in DRAFTER_KINDS:
-            raise BenchConfigError(f"drafter spec {self.text or self.kind!r}: kind {self.kind!r} is not one of "
-                                   f"{', '.join(k for k in DRAFTER_KINDS if k != 'none')}")
-        if self.kind == "none" and (self.tree is not None or self.options):
-            raise BenchConfigError(f"drafter spec {self.text!r}: plain decoding takes no tree or options")
-        if self.kind == "lookup" and self.tree is not None:
-            raise BenchConfigError(f"drafter spec {self.text!r}: lookup builds its trees from matches; "
-                                   "give options (+max_ngram=...) instead of a tree")
-        if self.kind == "medusa" and self.tree == "dynamic":
-            raise BenchConfigError(f"drafter spec {self.text!r}: the dynamic tree is EAGLE-2's; Medusa needs a "
-                                   "static tree (a preset or choice paths)")
-        if self.tree is not None and self.tree != "dynamic":
-            from runtime.tree import Tree
-
-            try:
-                Tree.parse(self.tree)
-            except SpectreeError as exc:
-                raise BenchConfigError(f"drafter spec {self.text!r}: tree: {exc}") from exc
-        keys = [k for k, _ in self.options]
-        if len(set(keys)) != len(keys):
-            raise BenchConfigError(f"drafter spec {self.text!r}: an option is given twice ({keys})")
-        mdl = dict(self.options).get("max_draft_len")
-        if mdl is not None and (isinstance(mdl, bool) or not isinstance(mdl, int) or mdl < 1):
-            raise BenchConfigError(f"drafter spec {self.text!r}: max_draft_len: got {mdl!r}, expected an integer >= 1")
+        mdl = self.draft.max_draft_len
+        if mdl is not None and mdl < 1:
+            raise BenchConfigError(f"drafter spec {self.text!r}: max_draft_len: got {mdl!r}, expected an integer >= 1 "
+                                   "(a speculative variant drafts)")
 
     @classmethod
-    def parse(cls, text: str) -> DrafterSpec:
+    def parse(cls, text: str) -> VariantSpec:
         raw = text.strip()
         if not raw:
-            raise BenchConfigError("drafter spec: got an empty string, expected [NAME=]KIND[:TREE][+KEY=VALUE...]")
+            raise BenchConfigError(f"drafter spec: got an empty string, expected [NAME=]{GRAMMAR}")
         label = None
         named = re.match(r"([^=:+\[]+)=", raw)  # NAME= before the kind (option keys come after a '+')
         if named:
             label, raw = named.group(1).strip(), raw[named.end():].strip()
-        head, *opts = raw.split("+")
-        kind, sep, tree = head.partition(":")
-        kind = KIND_ALIASES.get(kind.strip(), kind.strip())
+        kind = re.match(r"[^:+]*", raw).group(0).strip()
         if kind in HF_FLAGS:
             raise BenchConfigError(f"drafter spec {raw!r}: {kind} is a transformers baseline ({HF_FLAGS[kind]}); "
                                    "list only our speculative drafters")
-        if sep and not tree.strip():
-            raise BenchConfigError(f"drafter spec {raw!r}: empty tree after ':'")
-        options = []
-        for item in opts:
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip():
-                raise BenchConfigError(f"drafter spec {raw!r}: option {item!r} must look like KEY=VALUE")
-            options.append((key.strip(), _option_value(value.strip())))
-        return cls(kind=kind, tree=tree.strip() if sep else None, options=tuple(options), text=raw, label=label)
+        body = KIND_ALIASES[kind] + raw[raw.index(kind) + len(kind):] if kind in KIND_ALIASES else raw
+        try:
+            draft = DraftSpec.parse(body)
+        except ConfigError as exc:
+            raise BenchConfigError(f"drafter spec {raw!r}: {exc}") from exc
+        return cls(draft, text=raw, label=label)
 
     @property
     def name(self) -> str:
-        return self.label or self.text or f"{self.kind} (configured)"
+        return self.label or self.text or f"{self.draft.kind} (configured)"
+
+    @property
+    def configured(self) -> bool:
+        """Only the kind is given: the configured drafter, tree and options when the kind is the configured one."""
+        return self.draft == DraftSpec(self.draft.kind)
 
 
 def split_specs(text: str) -> list[str]:
@@ -167,13 +134,13 @@ def split_specs(text: str) -> list[str]:
     return [s for s in (item.strip() for item in items) if s]
 
 
-def parse_specs(text: str) -> tuple[DrafterSpec, ...]:
-    specs = tuple(DrafterSpec.parse(s) for s in split_specs(text))
+def parse_specs(text: str) -> tuple[VariantSpec, ...]:
+    specs = tuple(VariantSpec.parse(s) for s in split_specs(text))
     names = [s.name for s in specs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise BenchConfigError(f"--drafters: {dupes} listed more than once")
-    if any(s.kind == "none" for s in specs):
+    if any(s.draft.kind == "none" for s in specs):
         raise BenchConfigError("--drafters: plain (none) is a baseline, measured in every run; list only "
                                "speculative drafters")
     return specs
@@ -188,7 +155,7 @@ class BenchConfig:
 
     config: Path | None = None  # builder YAML (python -m builder); exactly one of config / engine
     engine: Path | None = None  # engine directory (python -m builder build)
-    drafters: tuple[DrafterSpec, ...] = ()  # empty: the configured drafter (if it is not "none")
+    drafters: tuple[VariantSpec, ...] = ()  # empty: the configured drafter (if it is not "none")
     draft_models: tuple[tuple[str, Path], ...] = ()  # (medusa | eagle, head directory) beyond the configured one
     prompts: tuple[Path, ...] = ()  # prompt files (JSON Lines); empty: perf/prompts/{code,prose}.jsonl
     prompts_per_set: int | None = None  # at most this many prompts from each file
@@ -239,16 +206,6 @@ class BenchConfig:
 
 
 @dataclass(frozen=True)
-class ConfiguredDrafter:
-    """The drafter a builder config or an engine was made for: the defaults of specs of the same kind."""
-
-    method: str
-    path: Path | None  # head weights (medusa / eagle)
-    tree: str | None  # static tree as JSON choice paths; None: dynamic / lookup / none / drafter default
-    options: tuple[tuple[str, Any], ...] = ()  # EAGLE-2 dynamic-tree or lookup options
-
-
-@dataclass(frozen=True)
 class Target:
     """The loaded target, shared by every variant (weights are read-only during decoding)."""
 
@@ -256,8 +213,9 @@ class Target:
     path: Path
     model: Any  # runtime.model.TargetModel
     tokenizer: Any  # runtime.tokenizer.Tokenizer
-    drafter: ConfiguredDrafter
-    max_draft_len: int  # the config's / engine's limit of draft nodes per step
+    # The drafter the config / engine was made for (weights path absolute; max_draft_len: its limit of draft nodes
+    # per step): the defaults of specs of the same kind.
+    drafter: DraftSpec
     engine: Any = None  # runtime.engine.Engine for engine directories
 
     def describe(self) -> dict[str, Any]:
@@ -271,8 +229,8 @@ class Target:
             "num_hidden_layers": c.num_hidden_layers,
             "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size,
-            "configured_drafter": self.drafter.method,
-            "max_draft_len": self.max_draft_len,
+            "configured_drafter": self.drafter.kind,
+            "max_draft_len": self.drafter.max_draft_len,
         }
 
 
@@ -284,113 +242,79 @@ def load_target(config: BenchConfig) -> Target:
         from runtime.tokenizer import Tokenizer
 
         build = load_config(config.config)
-        d = build.draft
-        tree, options = None, ()
-        if d.tree is not None and d.tree.static is not None:
-            tree = d.tree.static.to_json()
-        elif d.tree is not None and d.tree.dynamic is not None:
-            options = tuple(dataclasses.asdict(d.tree.dynamic).items())
-        if d.lookup is not None:
-            options = tuple(dataclasses.asdict(d.lookup).items())
-        drafter = ConfiguredDrafter(d.method, d.checkpoint, tree, options)
+        drafter = build.draft.spec(max_draft_len=build.build.max_draft_len)
         path = build.model.checkpoint
         model = TargetModel.from_pretrained(path, dtype=config.dtype or build.build.dtype)
         if not (path / "tokenizer.json").is_file():
             raise BenchConfigError(f"{config.config}: model.checkpoint {path} has no tokenizer.json; the benchmark "
                                    "encodes text prompts")
-        return Target("checkpoint", path, model, Tokenizer.from_dir(path), drafter, build.build.max_draft_len)
+        return Target("checkpoint", path, model, Tokenizer.from_dir(path), drafter)
 
     from runtime.engine import open_engine
 
     engine = open_engine(config.engine)
-    spec = engine.draft
-    path = None
-    if spec.path is not None:
-        engine.paths_under(spec.path)  # every head file checked against engine.json before it is read
-        path = engine.root / spec.path
-    tree = None if spec.choices is None else json.dumps([list(c) for c in spec.choices])
-    drafter = ConfiguredDrafter(spec.method, path, tree, tuple(spec.options.items()))
+    drafter = engine.own_draft()  # every head file checked against engine.json before it is read
     model = engine.load_target(dtype=config.dtype)
     tokenizer = engine.tokenizer()
     if tokenizer is None:
         raise BenchConfigError(f"engine {engine.root} has no tokenizer.json; the benchmark encodes text prompts")
-    return Target("engine", Path(engine.root), model, tokenizer, drafter, engine.limits.max_draft_len, engine)
+    return Target("engine", Path(engine.root), model, tokenizer, drafter, engine)
 
 
-@dataclass(frozen=True)
-class ResolvedDrafter:
-    """A spec with its defaults filled in: the arguments of `runtime.drafters.load_drafter`."""
-
-    name: str
-    kind: str
-    path: Path | None
-    tree: str | None  # static tree (preset or JSON) or None
-    options: tuple[tuple[str, Any], ...]
-    max_draft_len: int
-
-
-def resolve(spec: DrafterSpec, target: Target, draft_models: Mapping[str, Path]) -> ResolvedDrafter:
-    """Fill a spec's omitted parts from the configured drafter (same kind) and --draft-model; see DrafterSpec."""
-    conf = target.drafter
-    same = conf.method == spec.kind
-    options = dict(spec.options)
-    max_draft_len = options.pop("max_draft_len", target.max_draft_len)
-    if max_draft_len > target.max_draft_len:
+def resolve(spec: VariantSpec, target: Target, draft_models: Mapping[str, Path]) -> DraftSpec:
+    """The variant's drafter with what it leaves unset filled in (see VariantSpec): loadable, max_draft_len set."""
+    draft, conf = spec.draft, target.drafter
+    same = conf.kind == draft.kind
+    limit = conf.max_draft_len
+    max_draft_len = draft.max_draft_len if draft.max_draft_len is not None else limit
+    if max_draft_len > limit:
         raise BenchConfigError(f"drafter spec {spec.name!r}: max_draft_len {max_draft_len} is above the "
-                               f"{target.kind}'s limit of {target.max_draft_len} draft nodes per step")
+                               f"{target.kind}'s limit of {limit} draft nodes per step")
     path = None
-    if spec.kind in WEIGHTED_KINDS:
-        path = draft_models.get(spec.kind) or (conf.path if same else None)
+    if draft.kind in WEIGHTED_KINDS:
+        path = draft_models.get(draft.kind) or (conf.path if same else None)
         if path is None:
             raise BenchConfigError(
-                f"drafter spec {spec.name!r} needs {spec.kind} head weights: pass --draft-model {spec.kind}=DIR "
-                f"(the {target.kind} was configured for drafter {conf.method!r})")
-    tree = None if spec.tree == "dynamic" else spec.tree
-    if same and not options:
-        if spec.tree is None:
-            tree, options = conf.tree, dict(conf.options)
-        elif spec.tree == "dynamic" and conf.tree is None:
-            options = dict(conf.options)
-    if spec.kind == "eagle" and spec.tree is not None and spec.tree != "dynamic" and options:
-        raise BenchConfigError(f"drafter spec {spec.name!r}: options {sorted(options)} apply to the dynamic tree "
-                               "only, not to a static one")
-    return ResolvedDrafter(spec.name, spec.kind, path, tree, tuple(options.items()), max_draft_len)
+                f"drafter spec {spec.name!r} needs {draft.kind} head weights: pass --draft-model {draft.kind}=DIR "
+                f"(the {target.kind} was configured for drafter {conf.kind!r})")
+    if same and draft.dynamic is None and draft.lookup is None:  # no options given: the configured ones
+        if draft.tree is None:
+            draft = dataclasses.replace(draft, tree=conf.tree, dynamic=conf.dynamic, lookup=conf.lookup)
+        elif draft.tree == DYNAMIC and conf.static_tree is None:
+            draft = dataclasses.replace(draft, dynamic=conf.dynamic)
+    return dataclasses.replace(draft, path=path, max_draft_len=max_draft_len)
 
 
 def describe_drafter(drafter: Any) -> dict[str, Any]:
     """The tree a drafter drafts, for the report: static (nodes, depth) or how it is built per step."""
-    tree = getattr(drafter, "tree", None)
-    if tree is not None:
-        return {"tree": "static", "tree_nodes": tree.num_nodes, "tree_depth": tree.max_depth,
-                "choices": [list(c) for c in tree.choices]}
-    dynamic = getattr(drafter, "dynamic", None)
-    if dynamic is not None:
-        return {"tree": "dynamic", "tree_nodes": dynamic.total_tokens, "tree_depth": dynamic.depth + 1,
-                "options": dataclasses.asdict(dynamic)}
-    options = getattr(drafter, "options", None)
-    if drafter.name == "lookup" and options is not None:
-        return {"tree": "lookup", "tree_nodes": options.num_draft_tokens + 1, "tree_depth": options.depth_limit,
-                "options": dataclasses.asdict(options)}
-    return {"tree": "root-only", "tree_nodes": 1, "tree_depth": 0}
+    spec = drafter.spec
+    shape = {"tree_nodes": spec.draft_nodes + 1, "tree_depth": spec.max_tree_depth}
+    if spec.static_tree is not None:
+        return {"tree": "static", **shape, "choices": [list(c) for c in spec.static_tree.choices]}
+    if spec.tree == DYNAMIC:
+        return {"tree": "dynamic", **shape, "options": dataclasses.asdict(spec.dynamic)}
+    if spec.lookup is not None:
+        return {"tree": "lookup", **shape, "options": dataclasses.asdict(spec.lookup)}
+    return {"tree": "root-only", **shape}
 
 
-def build_decoder(target: Target, resolved: ResolvedDrafter | None) -> tuple[Any, dict[str, Any]]:
-    """A SpecDecoder on the shared target (None: the plain "none" drafter) and a description of its tree."""
+def build_decoder(target: Target, spec: DraftSpec | None, name: str | None = None) -> tuple[Any, dict[str, Any]]:
+    """A SpecDecoder on the shared target for a resolved spec (None: the plain "none" drafter) and a description of
+    its tree; `name` (the variant's) is in its errors."""
     from runtime.decode import SpecDecoder
     from runtime.drafters import load_drafter
 
-    if resolved is None:
-        drafter = load_drafter("none", target.model)
+    if spec is None:
+        drafter = load_drafter(DraftSpec("none"), target.model)
         return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=1), describe_drafter(drafter)
     try:
-        drafter = load_drafter(resolved.kind, target.model, path=resolved.path, tree=resolved.tree,
-                               **dict(resolved.options))
+        drafter = load_drafter(spec, target.model)
     except SpectreeError as exc:
-        raise BenchConfigError(f"drafter spec {resolved.name!r}: {exc}") from exc
+        raise BenchConfigError(f"drafter spec {name or spec.describe()!r}: {exc}") from exc
     info = describe_drafter(drafter)
-    info["tree_nodes"] = min(info["tree_nodes"], resolved.max_draft_len + 1)
-    info["max_draft_len"] = resolved.max_draft_len
-    return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=resolved.max_draft_len + 1), info
+    info["tree_nodes"] = min(info["tree_nodes"], spec.max_draft_len + 1)
+    info["max_draft_len"] = spec.max_draft_len
+    return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=spec.max_draft_len + 1), info
 
 
 # ---- measurements ------------------------------------------------------------------------------------------
@@ -497,17 +421,17 @@ def make_variants(config: BenchConfig, target: Target) -> list[Variant]:
     variants += hf_variants(config, target)
     specs = config.drafters
     if not specs:
-        if target.drafter.method == "none":
+        if target.drafter.kind == "none":
             raise BenchConfigError(f"the {target.kind}'s drafter is 'none', so there is nothing speculative to "
                                    "measure; pass --drafters (e.g. lookup,medusa:chain-3)")
-        specs = (DrafterSpec(kind=target.drafter.method),)
+        specs = (VariantSpec(DraftSpec(target.drafter.kind)),)
     models = dict(config.draft_models)
     for spec in specs:
         resolved = resolve(spec, target, models)
-        decoder, info = build_decoder(target, resolved)
+        decoder, info = build_decoder(target, resolved, spec.name)
         info["path"] = None if resolved.path is None else shown_path(resolved.path)
         # the config's / engine's own drafter, tree and options: what the "demo configuration" means
-        info["configured"] = spec.kind == target.drafter.method and spec.tree is None and not spec.options
+        info["configured"] = spec.draft.kind == target.drafter.kind and spec.configured
         variants.append(runtime_variant(spec.name, "speculative", decoder, info))
     return variants
 
@@ -713,13 +637,11 @@ __all__ = [
     "TRANSFORMERS",
     "BenchConfig",
     "BenchConfigError",
-    "ConfiguredDrafter",
-    "DrafterSpec",
     "Mismatch",
-    "ResolvedDrafter",
     "Run",
     "Target",
     "Variant",
+    "VariantSpec",
     "best_hf_peer",
     "build_decoder",
     "check_identity",

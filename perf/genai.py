@@ -39,6 +39,7 @@ from perf.analyzer import locate
 from perf.machine import report_header, settings_dict
 from perf.prompt_sets import load_prompts
 from runtime.errors import ConfigError, SpectreeError
+from runtime.files import read_json_object
 
 REPORT_FORMAT = "spectree-genai-perf"
 REPORT_VERSION = 1
@@ -246,7 +247,7 @@ def run_genai_perf(config: GenaiPerfConfig, out: Path, on_level: Callable[[str],
                 tail = (proc.stdout + proc.stderr).strip()[-1500:]
                 raise GenaiPerfFailed(f"genai-perf ({endpoint.name}, concurrency {c}) exited with status "
                                       f"{proc.returncode} (log: {artifacts / 'genai-perf.log'}):\n{tail}")
-            level = level_report(json.loads(exports[0].read_text(encoding="utf-8")), str(exports[0]))
+            level = level_report(read_json_object(exports[0], GenaiPerfFailed), str(exports[0]))
             level["concurrency"] = c
             level["spec_decode"] = spec_stats(before, scrape(config.metrics_url))
             level["artifacts"] = str(exports[0].parent.relative_to(out))

@@ -39,16 +39,13 @@ from typing import Any
 import torch
 
 from perf.machine import expand_out, machine_info, now_iso, settings_dict
+from runtime.draft_spec import KINDS, WEIGHTED_KINDS
 from runtime.errors import ConfigError
 
 REPORT_FORMAT = "spectree-gpu-check"
 REPORT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 480.0  # all sections together (the issue's "under 8 minutes")
-
-
-class GpuCheckError(ConfigError):
-    """A gpu-check setting is invalid, or the run cannot start (no CUDA outside --dry-run)."""
 
 
 @dataclass(frozen=True)
@@ -109,13 +106,13 @@ class GpuCheckConfig:
 
     def __post_init__(self) -> None:
         if not self.out:
-            raise GpuCheckError("out: expected an output directory, got an empty string")
+            raise ConfigError("out: expected an output directory, got an empty string")
         known = ("kernel", "bandwidth", "verify", "e2e")
         if not self.sections or any(x not in known for x in self.sections):
-            raise GpuCheckError(f"sections: got {list(self.sections)}, expected a non-empty subset of "
+            raise ConfigError(f"sections: got {list(self.sections)}, expected a non-empty subset of "
                                 f"{', '.join(known)}")
-        if self.e2e_draft is not None and self.e2e_draft not in ("medusa", "eagle", "lookup", "none"):
-            raise GpuCheckError(f"e2e_draft: got {self.e2e_draft!r}, expected medusa, eagle, lookup or none")
+        if self.e2e_draft is not None and self.e2e_draft not in KINDS:
+            raise ConfigError(f"e2e_draft: got {self.e2e_draft!r}, expected one of {', '.join(KINDS)}")
 
     @property
     def device(self) -> torch.device:
@@ -287,7 +284,7 @@ def _smollm2(config: GpuCheckConfig) -> Path:
     path = config.smollm2
     if not (path / "config.json").is_file():
         if config.dry_run:
-            raise GpuCheckError(f"smollm2: {path} has no config.json (a dry run does not import checkpoints)")
+            raise ConfigError(f"smollm2: {path} has no config.json (a dry run does not import checkpoints)")
         subprocess.run([sys.executable, "-m", "builder", "import-gguf", "--output", str(path)], check=True,
                        cwd=REPO_ROOT)
     return path
@@ -307,7 +304,7 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     dtype = (raw.get("build") or {}).get("dtype")
     method = config.e2e_draft or draft.get("method", "none")
     options: dict[str, Any] = {"device": str(config.device), "dtype": dtype}
-    if method in ("medusa", "eagle") and config.e2e_draft is None:
+    if method in WEIGHTED_KINDS and config.e2e_draft is None:
         options["draft_model"] = str((config.smollm2_config.parent / draft["checkpoint"]).resolve())
         tree = draft.get("tree") or {}
         if "choices" in tree:
@@ -347,7 +344,7 @@ SECTIONS: dict[str, Callable[[GpuCheckConfig], dict[str, Any]]] = {
 
 def run_gpu_check(config: GpuCheckConfig, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     if not config.dry_run and not torch.cuda.is_available():
-        raise GpuCheckError("gpu-check needs a CUDA device (torch sees none here); --dry-run checks the script on "
+        raise ConfigError("gpu-check needs a CUDA device (torch sees none here); --dry-run checks the script on "
                             "the CPU")
     started = time.perf_counter()
     report: dict[str, Any] = {"format": REPORT_FORMAT, "format_version": REPORT_VERSION, "created": now_iso(),
@@ -456,4 +453,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-__all__ = ["GpuCheckConfig", "GpuCheckError", "Shapes", "markdown", "run_gpu_check", "write_report"]
+__all__ = ["GpuCheckConfig", "Shapes", "markdown", "run_gpu_check", "write_report"]

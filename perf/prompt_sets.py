@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.prompts import Prompt, PromptFileError, load_prompt_file
+from runtime.errors import ConfigError
+from runtime.prompts import Prompt, load_prompt_file
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 DEFAULT_SETS = ("code", "prose")
@@ -23,12 +24,12 @@ def load_prompts(files: Sequence[str | Path] | None = None, limit: int | None = 
     """The prompts of several files (default: the shipped sets), at most `limit` from each file."""
     paths = [Path(f) for f in files] if files else list(default_prompt_files())
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise PromptFileError(f"prompt limit: got {limit!r}, expected an integer >= 1 (prompts per file)")
+        raise ConfigError(f"prompt limit: got {limit!r}, expected an integer >= 1 (prompts per file)")
     out: list[Prompt] = []
     names: dict[str, Path] = {}
     for p in paths:
         if p.stem in names:
-            raise PromptFileError(f"prompt files {names[p.stem]} and {p} have the same set name {p.stem!r} "
+            raise ConfigError(f"prompt files {names[p.stem]} and {p} have the same set name {p.stem!r} "
                                   "(the file stem); rename one")
         names[p.stem] = p
         out.extend(load_prompt_file(p)[:limit])
@@ -39,7 +40,6 @@ __all__ = [
     "DEFAULT_SETS",
     "PROMPTS_DIR",
     "Prompt",
-    "PromptFileError",
     "default_prompt_files",
     "load_prompt_file",
     "load_prompts",

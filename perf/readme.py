@@ -7,13 +7,13 @@ named <YYYY-MM-DD>-<machine>, so the newest is the last in name order among thos
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 from perf.report import bench_markdown, serve_markdown
 from runtime.errors import ConfigError
+from runtime.files import read_json_object
 
 START = "<!-- latest-results:start (python -m perf readme) -->"
 END = "<!-- latest-results:end -->"
@@ -22,15 +22,11 @@ BENCH_IMAGES = ("speedup_by_tree_size.png", "acceptance_by_depth.png", "time_spl
 SERVE_IMAGES = ("serve_latency.png",)
 
 
-class ReadmeError(ConfigError):
-    """The README has no results markers, or there are no results to show."""
-
-
 def latest_results(results: Path) -> Path:
     dirs = sorted(d for d in results.iterdir() if d.is_dir() and (d / "bench.json").is_file()) \
         if results.is_dir() else []
     if not dirs:
-        raise ReadmeError(f"no results directory with a bench.json under {results}")
+        raise ConfigError(f"no results directory with a bench.json under {results}")
     return dirs[-1]
 
 
@@ -41,13 +37,13 @@ def _demote(markdown: str) -> str:
 
 def section(results_dir: Path, readme_dir: Path) -> str:
     rel = Path(os.path.relpath(results_dir.resolve(), readme_dir.resolve()))
-    bench = json.loads((results_dir / "bench.json").read_text(encoding="utf-8"))
+    bench = read_json_object(results_dir / "bench.json", ConfigError)
     parts = [(f"Latest: [`{rel.as_posix()}/`]({rel.as_posix()}/) (regenerate this section with "
              "`python -m perf readme`)."), "",
              _demote(bench_markdown(bench, [f"{rel.as_posix()}/{name}" for name in BENCH_IMAGES
                                             if (results_dir / name).is_file()]))]
     if (results_dir / "serve.json").is_file():
-        serve = json.loads((results_dir / "serve.json").read_text(encoding="utf-8"))
+        serve = read_json_object(results_dir / "serve.json", ConfigError)
         parts.append(_demote(serve_markdown(serve, [f"{rel.as_posix()}/{name}" for name in SERVE_IMAGES
                                                     if (results_dir / name).is_file()])))
     return "\n".join(parts)
@@ -57,7 +53,7 @@ def update_readme(readme: Path = PERF_DIR / "README.md", results: Path = PERF_DI
     """Rewrite the marked section of `readme` from the newest results directory; returns that directory."""
     text = readme.read_text(encoding="utf-8")
     if START not in text or END not in text or text.index(START) > text.index(END):
-        raise ReadmeError(f"{readme}: expected the markers {START!r} and {END!r} around the results section")
+        raise ConfigError(f"{readme}: expected the markers {START!r} and {END!r} around the results section")
     latest = latest_results(results)
     body = section(latest, readme.parent)
     head, rest = text.split(START, 1)
@@ -66,4 +62,4 @@ def update_readme(readme: Path = PERF_DIR / "README.md", results: Path = PERF_DI
     return latest
 
 
-__all__ = ["END", "START", "ReadmeError", "latest_results", "section", "update_readme"]
+__all__ = ["END", "START", "latest_results", "section", "update_readme"]

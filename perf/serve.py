@@ -36,13 +36,10 @@ from perf.analyzer import PerfAnalyzer, locate
 from perf.machine import report_header, settings_dict
 from perf.prompt_sets import Prompt, load_prompts
 from runtime.errors import ConfigError, SpectreeError
+from runtime.files import read_json_object
 
 REPORT_FORMAT = "spectree-serve"
 REPORT_VERSION = 1
-
-
-class ServeConfigError(ConfigError):
-    """A `perf serve` setting is invalid (the message names the setting, the value and what was expected)."""
 
 
 class PerfAnalyzerFailed(SpectreeError, RuntimeError):
@@ -68,10 +65,10 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
         else:
             levels = tuple(int(p) for p in raw.split(","))
     except ValueError:
-        raise ServeConfigError(f"--concurrency: got {text!r}, expected START:END[:STEP] (e.g. 1:8) or a list "
+        raise ConfigError(f"--concurrency: got {text!r}, expected START:END[:STEP] (e.g. 1:8) or a list "
                                "such as 1,2,4,8") from None
     if not levels or min(levels) < 1 or list(levels) != sorted(set(levels)):
-        raise ServeConfigError(f"--concurrency: got {text!r}, expected distinct increasing levels >= 1")
+        raise ConfigError(f"--concurrency: got {text!r}, expected distinct increasing levels >= 1")
     return levels
 
 
@@ -96,23 +93,23 @@ class ServeConfig:
     def __post_init__(self) -> None:
         host, sep, port = self.url.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ServeConfigError(f"url: got {self.url!r}, expected HOST:PORT of the gRPC endpoint (e.g. "
+            raise ConfigError(f"url: got {self.url!r}, expected HOST:PORT of the gRPC endpoint (e.g. "
                                    "127.0.0.1:8001)")
         if not self.model or "/" in self.model:
-            raise ServeConfigError(f"model: got {self.model!r}, expected a model name of the repository")
+            raise ConfigError(f"model: got {self.model!r}, expected a model name of the repository")
         if not self.concurrency or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
                                        for c in self.concurrency):
-            raise ServeConfigError(f"concurrency: got {self.concurrency!r}, expected levels >= 1")
+            raise ConfigError(f"concurrency: got {self.concurrency!r}, expected levels >= 1")
         for name, minimum in (("max_tokens", 1), ("requests", 1), ("warmup", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ServeConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+                raise ConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
         if self.prompts_per_set is not None and (not isinstance(self.prompts_per_set, int) or self.prompts_per_set < 1):
-            raise ServeConfigError(f"prompts_per_set: got {self.prompts_per_set!r}, expected an integer >= 1")
+            raise ConfigError(f"prompts_per_set: got {self.prompts_per_set!r}, expected an integer >= 1")
         if not self.timeout_s > 0:
-            raise ServeConfigError(f"timeout_s: got {self.timeout_s!r}, expected a positive number of seconds")
+            raise ConfigError(f"timeout_s: got {self.timeout_s!r}, expected a positive number of seconds")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
-            raise ServeConfigError(f"tokenizer: {str(self.tokenizer)!r} has no tokenizer.json")
+            raise ConfigError(f"tokenizer: {str(self.tokenizer)!r} has no tokenizer.json")
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.requests, 2 * concurrency)
@@ -289,10 +286,7 @@ def run_serve(config: ServeConfig, out: Path, on_level: Callable[[str], None] | 
         csv_path, export_path = raw / f"c{c}.csv", raw / f"c{c}.profile.json"
         run_perf_analyzer(pa, command(pa, config, c, n, data, csv_path, export_path), config.timeout_s,
                           raw / f"c{c}.log")
-        try:
-            export = json.loads(export_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ProfileExportError(f"{export_path}: cannot read the profile export ({exc})") from exc
+        export = read_json_object(export_path, ProfileExportError)
         metrics = level_metrics(export, c, count_text, str(export_path))
         row = read_csv(csv_path.read_text(encoding="utf-8"), str(csv_path)).get(c)
         metrics["pa_requests_per_s"] = float(row["Inferences/Second"]) if row else None
@@ -319,7 +313,6 @@ __all__ = [
     "PerfAnalyzerFailed",
     "ProfileExportError",
     "ServeConfig",
-    "ServeConfigError",
     "command",
     "input_data",
     "level_metrics",

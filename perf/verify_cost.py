@@ -40,10 +40,6 @@ REPORT_FORMAT = "spectree-verify-cost"
 REPORT_VERSION = 1
 
 
-class VerifyCostError(ConfigError):
-    """A verify-cost setting is invalid (the message names the setting, the value and what was expected)."""
-
-
 def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
@@ -67,29 +63,29 @@ class VerifyCostConfig:
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.checkpoint is None):
-            raise VerifyCostError("give exactly one of --config (a builder YAML) or --checkpoint (a checkpoint "
+            raise ConfigError("give exactly one of --config (a builder YAML) or --checkpoint (a checkpoint "
                                   f"directory), got config={self.config!r}, checkpoint={self.checkpoint!r}")
         if not self.dtypes or any(d not in DTYPES for d in self.dtypes) or len(set(self.dtypes)) != len(self.dtypes):
-            raise VerifyCostError(f"dtypes: got {list(self.dtypes)}, expected distinct names among "
+            raise ConfigError(f"dtypes: got {list(self.dtypes)}, expected distinct names among "
                                   f"{', '.join(DTYPES)}")
         if not self.sizes or not all(_positive_int(n) for n in self.sizes) or len(set(self.sizes)) != len(self.sizes):
-            raise VerifyCostError(f"sizes: got {list(self.sizes)}, expected distinct integers >= 1")
+            raise ConfigError(f"sizes: got {list(self.sizes)}, expected distinct integers >= 1")
         if 1 not in self.sizes:
-            raise VerifyCostError(f"sizes: got {list(self.sizes)}, expected a list including 1 (the ratios are "
+            raise ConfigError(f"sizes: got {list(self.sizes)}, expected a list including 1 (the ratios are "
                                   "verify(N) / verify(1))")
         for name, minimum in (("context", 1), ("repeats", 1), ("warmup", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise VerifyCostError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+                raise ConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
         if any(n not in self.sizes for n in self.profile):
-            raise VerifyCostError(f"profile: got {list(self.profile)}, expected sizes among --sizes "
+            raise ConfigError(f"profile: got {list(self.profile)}, expected sizes among --sizes "
                                   f"{sorted(self.sizes)}")
         if self.threads is not None and not _positive_int(self.threads):
-            raise VerifyCostError(f"threads: got {self.threads!r}, expected an integer >= 1 (or unset)")
+            raise ConfigError(f"threads: got {self.threads!r}, expected an integer >= 1 (or unset)")
         if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
-            raise VerifyCostError(f"device: got {self.device!r}, expected cpu, cuda or cuda:K")
+            raise ConfigError(f"device: got {self.device!r}, expected cpu, cuda or cuda:K")
         if not self.out:
-            raise VerifyCostError("out: expected an output directory, got an empty string")
+            raise ConfigError("out: expected an output directory, got an empty string")
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads is not None else usable_cores()
@@ -101,14 +97,14 @@ class VerifyCostConfig:
 
 
 def parse_list(text: str, name: str, item: Callable[[str], Any]) -> tuple[Any, ...]:
-    """A comma-separated flag value ("1,2,4", "float32,bfloat16"); VerifyCostError names the flag."""
+    """A comma-separated flag value ("1,2,4", "float32,bfloat16"); ConfigError names the flag."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     try:
         values = tuple(item(p) for p in parts)
     except ValueError as exc:
-        raise VerifyCostError(f"--{name}: got {text!r}, expected a comma-separated list ({exc})") from exc
+        raise ConfigError(f"--{name}: got {text!r}, expected a comma-separated list ({exc})") from exc
     if not values:
-        raise VerifyCostError(f"--{name}: got {text!r}, expected a comma-separated list")
+        raise ConfigError(f"--{name}: got {text!r}, expected a comma-separated list")
     return values
 
 
@@ -253,7 +249,7 @@ def run_verify_cost(config: VerifyCostConfig,
     from runtime.model import TargetModel
 
     if config.device != "cpu" and not torch.cuda.is_available():
-        raise VerifyCostError(f"device: got {config.device!r}, but torch sees no CUDA device here")
+        raise ConfigError(f"device: got {config.device!r}, but torch sees no CUDA device here")
     device = torch.device(config.device)
     path = checkpoint_path(config)
     with torch_threads(config.resolved_threads()):
@@ -261,7 +257,7 @@ def run_verify_cost(config: VerifyCostConfig,
         c = next(iter(models.values())).config
         need = config.context + max(config.sizes)
         if need > c.max_context:
-            raise VerifyCostError(f"context {config.context} + the largest size {max(config.sizes)} = {need} "
+            raise ConfigError(f"context {config.context} + the largest size {max(config.sizes)} = {need} "
                                   f"exceeds the model's context of {c.max_context} tokens; lower --context or "
                                   "--sizes")
         gen = torch.Generator().manual_seed(config.seed)
@@ -317,7 +313,6 @@ __all__ = [
     "MASKS",
     "Case",
     "VerifyCostConfig",
-    "VerifyCostError",
     "VerifyInput",
     "checkpoint_path",
     "op_breakdown",

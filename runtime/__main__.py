@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 from runtime.api import LoadConfig, build
+from runtime.draft_spec import KINDS, option_value
 from runtime.errors import SpectreeError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import single_turn
@@ -33,10 +34,7 @@ def _options(pairs: Sequence[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise argparse.ArgumentTypeError(f"--draft-option must look like KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
+        out[key] = option_value(value)
     return out
 
 
@@ -58,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=_default(SamplingParams, "seed"))
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", default=_default(SamplingParams, "ignore_eos"))
-    g.add_argument("--draft", choices=["medusa", "eagle", "lookup", "none"], default=_default(LoadConfig, "draft"),
-                   help="drafter (default: inferred from --draft-model, else none)")
+    g.add_argument("--draft", choices=KINDS, default=_default(LoadConfig, "draft"),
+                   help="drafter (default: an engine's own, else inferred from --draft-model, else none)")
     g.add_argument("--draft-model", default=_default(LoadConfig, "draft_model"), help="Medusa/EAGLE head directory")
     g.add_argument("--tree", default=_default(LoadConfig, "tree"),
                    help="tree preset (mc_sim_7b_63, chain-K) or JSON list of choice paths")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,30 +10,38 @@ from typing import Any
 import torch
 
 from runtime.decode import SpecDecoder
-from runtime.drafters import KINDS, load_drafter
+from runtime.draft_spec import DraftSpec, field_names
+from runtime.drafters import load_drafter
 from runtime.errors import CheckpointError, ConfigError
+from runtime.files import read_json_object
 from runtime.model import TargetModel
 from runtime.tokenizer import Tokenizer
+
+
+# DraftSpec's fields as LoadConfig (runtime.load's keywords, python -m runtime's flags) names them.
+DRAFT_KEYS = {"kind": "draft", "path": "draft_model", "tree": "tree", "dynamic": "draft_options",
+              "lookup": "draft_options", "options": "draft_options", "max_draft_len": "max_draft_len"}
 
 
 @dataclass(frozen=True)
 class LoadConfig:
     """How to assemble a SpecDecoder. The CLI reads its defaults from here."""
 
-    model: str  # HF checkpoint directory
-    draft: str | None = None  # medusa | eagle | lookup | none; None: inferred from draft_model, else "none"
+    model: str  # HF checkpoint directory, or an engine directory
+    draft: str | None = None  # a drafter kind (runtime.draft_spec.KINDS); None: the engine's, else inferred from
+    #                           draft_model, else "none"
     draft_model: str | None = None  # head checkpoint directory (medusa / eagle)
     tree: str | None = None  # preset name ("mc_sim_7b_63", "chain-4") or JSON list of choice paths
     dtype: str | None = None  # float32 | bfloat16 | float16; None: the checkpoint's own
     max_draft_len: int = 63  # most draft nodes per step (root excluded), as TensorRT-LLM's max_draft_len
     device: str = "cpu"  # torch device for the target and drafter weights: "cpu", "cuda", "cuda:1", ...
-    draft_options: dict[str, Any] = field(default_factory=dict)  # drafter-specific, see load_drafter
+    draft_options: dict[str, Any] = field(default_factory=dict)  # the drafter's options (DraftSpec.with_options)
 
     def __post_init__(self) -> None:
-        if self.draft is not None and self.draft not in KINDS:
-            raise ConfigError(f"draft must be one of {', '.join(KINDS)}, got {self.draft!r}")
-        if isinstance(self.max_draft_len, bool) or not isinstance(self.max_draft_len, int) or self.max_draft_len < 0:
-            raise ConfigError(f"max_draft_len must be an int >= 0, got {self.max_draft_len!r}")
+        with field_names(DRAFT_KEYS):  # DraftSpec's rules, errors naming these fields
+            DraftSpec(max_draft_len=self.max_draft_len)
+            if self.draft is not None:
+                DraftSpec.create(self.draft, path=self.draft_model, tree=self.tree, options=self.draft_options)
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         try:
@@ -42,6 +50,25 @@ class LoadConfig:
             raise ConfigError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {self.device!r}") from e
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but torch sees no CUDA device on this machine")
+
+    def draft_spec(self, engine: Any = None) -> DraftSpec:
+        """The drafter this config asks for. With `engine` (a runtime.engine.Engine), the engine's own drafter is the
+        default: kept when no other kind and no other weights are asked for (its weight files verified), its tree
+        and options only while no tree is given, explicit options overriding its options key by key; the engine's
+        max_draft_len caps this one."""
+        kind = self.draft or (infer_draft_kind(self.draft_model) if self.draft_model else None)
+        max_draft_len = self.max_draft_len
+        with field_names(DRAFT_KEYS):
+            if engine is not None:
+                max_draft_len = min(max_draft_len, engine.limits.max_draft_len)
+                if kind is None or (kind == engine.draft.kind and self.draft_model is None):
+                    own = engine.own_draft()
+                    if self.tree is None:
+                        return dataclasses.replace(own.with_options(self.draft_options), max_draft_len=max_draft_len)
+                    return DraftSpec.create(own.kind, path=own.path, tree=self.tree, options=self.draft_options,
+                                            max_draft_len=max_draft_len)
+            return DraftSpec.create(kind or "none", path=self.draft_model, tree=self.tree, options=self.draft_options,
+                                    max_draft_len=max_draft_len)
 
 
 def infer_draft_kind(draft_model: str | Path) -> str:
@@ -53,10 +80,7 @@ def infer_draft_kind(draft_model: str | Path) -> str:
         return "medusa"
     cfg = d / "config.json"
     if cfg.exists():
-        try:
-            raw = json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg}: not valid JSON ({e})") from e
+        raw = read_json_object(cfg, CheckpointError)
         if "medusa_num_heads" in raw:
             return "medusa"
         if raw.get("num_hidden_layers") == 1 or any((d / n).exists() for n in ("pytorch_model.bin", "model.safetensors")):
@@ -78,17 +102,14 @@ def build(config: LoadConfig) -> SpecDecoder:
 
         engine = open_engine(path)
         model = engine.load_target(dtype=config.dtype, device=config.device)
-        kind = config.draft or (infer_draft_kind(config.draft_model) if config.draft_model else None)
-        kind, draft_path, tree, options = engine.draft_settings(kind, config.draft_model, config.tree,
-                                                                config.draft_options)
-        drafter = load_drafter(kind, model, path=draft_path, tree=tree, **options)
-        max_draft = min(config.max_draft_len, engine.limits.max_draft_len)
-        return SpecDecoder(model, engine.tokenizer(), drafter, max_tree_nodes=max_draft + 1)
-    model = TargetModel.from_pretrained(path, dtype=config.dtype, device=config.device)
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-    kind = config.draft or (infer_draft_kind(config.draft_model) if config.draft_model else "none")
-    drafter = load_drafter(kind, model, path=config.draft_model, tree=config.tree, **config.draft_options)
-    return SpecDecoder(model, tokenizer, drafter, max_tree_nodes=config.max_draft_len + 1)
+        spec, tokenizer = config.draft_spec(engine), engine.tokenizer()
+    else:
+        model = TargetModel.from_pretrained(path, dtype=config.dtype, device=config.device)
+        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+        spec = config.draft_spec()
+    with field_names(DRAFT_KEYS):
+        drafter = load_drafter(spec, model)
+    return SpecDecoder(model, tokenizer, drafter, max_tree_nodes=spec.max_draft_len + 1)
 
 
 def load(
@@ -105,12 +126,13 @@ def load(
     text, token ids or chat messages ([{"role": "user", "content": "..."}], rendered by the chat template).
 
     path         HF checkpoint directory (config.json, model.safetensors[.index.json], tokenizer.json)
-    draft        medusa | eagle | lookup | none (default: inferred from draft_model, else none)
+    draft        the drafter kind: medusa | eagle | lookup | none (default: an engine's own, else inferred from
+                 draft_model, else none)
     draft_model  Medusa heads (FasterDecoding format) or EAGLE-1 head (EAGLE repo layout) directory
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
     dtype        float32 | bfloat16 | float16 (default: the checkpoint's)
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
-    draft_options  drafter-specific (EAGLE-2: total_tokens, depth, top_k; lookup: max_ngram, ...)
+    draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; lookup: max_ngram, ...)
     """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")

@@ -7,7 +7,6 @@ The builder reuses these to export engines.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from runtime.config import ModelConfig
 from runtime.errors import CheckpointError
+from runtime.files import read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,11 +32,7 @@ def weight_files(path: str | Path) -> tuple[list[Path], dict[str, str] | None]:
         raise CheckpointError(f"checkpoint directory {root} does not exist")
     index_path = root / INDEX_FILE
     if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"cannot read {index_path}: {exc}") from exc
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        weight_map = read_json_object(index_path, CheckpointError).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path} has no 'weight_map' object mapping tensor names to shard files")
         shards = sorted(set(weight_map.values()))

@@ -46,7 +46,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,9 @@ from typing import Any
 import torch
 
 from runtime.config import ModelConfig
+from runtime.draft_spec import DraftSpec, field_names
 from runtime.errors import CheckpointError, ConfigError
+from runtime.files import read_json_object
 
 FORMAT = "spectree-engine"
 FORMAT_VERSION = 2
@@ -68,7 +70,6 @@ TARGET_FILE = f"{TARGET_DIR}/model.safetensors"
 ONNX_FILE = "model.onnx"
 PLAN_FILE = "model.plan"
 BUILD_SCRIPT = "trtllm-build.sh"
-DRAFT_METHODS = ("medusa", "eagle", "lookup", "none")
 _HASH_CHUNK = 8 << 20
 
 
@@ -95,7 +96,7 @@ def sha256_file(path: str | Path, on_bytes: Callable[[int], None] | None = None)
     return h.hexdigest()
 
 
-# ---- TensorRT-LLM tensor layout ----------------------------------------------------------------------------
+# ---- TensorRT-LLM tensor layout, and reading it back (the export direction: builder/trtllm_layout.py) -------
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -158,19 +159,19 @@ class TPLayout:
 
 
 # How each TensorRT-LLM tensor is laid out over ranks (TensorRT-LLM's ColumnLinear / RowLinear conventions).
-_QKV, _SPLIT0, _SPLIT1, _VOCAB, _REPLICATE = "qkv", "split0", "split1", "vocab", "replicate"
+QKV, SPLIT0, SPLIT1, VOCAB, REPLICATE = "qkv", "split0", "split1", "vocab", "replicate"
 _RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p), rule)
     for p, rule in (
-        (r".*\.attention\.qkv\.(weight|bias)", _QKV),
-        (r"(.*\.)?lm_head\.weight", _VOCAB),
-        (r".*\.attention\.dense\.weight|.*\.mlp\.proj\.weight", _SPLIT1),
-        (r".*\.mlp\.(fc|gate)\.(weight|bias)", _SPLIT0),
-        (r"medusa_heads\.\d+\.medusa_layers\.\d+\.linear\.(weight|bias)", _SPLIT0),
-        (r"eagle_nets\.\d+\.drafter\.fc\.(weight|bias)", _SPLIT0),
-        (r".*\.attention\.dense\.bias|.*\.mlp\.proj\.bias", _REPLICATE),  # RowLinear bias: added once, after the reduce
-        (r".*(input_layernorm|post_layernorm|ln_f)\.weight", _REPLICATE),
-        (r".*vocab_embedding\.weight", _REPLICATE),  # use_parallel_embedding = false
+        (r".*\.attention\.qkv\.(weight|bias)", QKV),
+        (r"(.*\.)?lm_head\.weight", VOCAB),
+        (r".*\.attention\.dense\.weight|.*\.mlp\.proj\.weight", SPLIT1),
+        (r".*\.mlp\.(fc|gate)\.(weight|bias)", SPLIT0),
+        (r"medusa_heads\.\d+\.medusa_layers\.\d+\.linear\.(weight|bias)", SPLIT0),
+        (r"eagle_nets\.\d+\.drafter\.fc\.(weight|bias)", SPLIT0),
+        (r".*\.attention\.dense\.bias|.*\.mlp\.proj\.bias", REPLICATE),  # RowLinear bias: added once, after the reduce
+        (r".*(input_layernorm|post_layernorm|ln_f)\.weight", REPLICATE),
+        (r".*vocab_embedding\.weight", REPLICATE),  # use_parallel_embedding = false
     )
 )
 
@@ -182,42 +183,9 @@ def shard_rule(name: str) -> str:
     raise EngineError(f"no tensor-parallel rule for TensorRT-LLM tensor {name!r}")
 
 
-def shard(tensors: Mapping[str, torch.Tensor], layout: TPLayout, tp_size: int) -> list[dict[str, torch.Tensor]]:
-    """Full (unsharded) TensorRT-LLM tensors -> one state dict per rank; the inverse is `unshard`."""
-    return [shard_rank(tensors, layout, tp_size, rank) for rank in range(tp_size)]
-
-
-def shard_rank(
-    tensors: Mapping[str, torch.Tensor], layout: TPLayout, tp_size: int, rank: int
-) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s state dict (one rank at a time keeps the writer's memory at full model + one rank).
-
-    Every shard is a fresh contiguous tensor (safetensors refuses views sharing storage).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        rule = shard_rule(name)
-        if rule == _REPLICATE:
-            part = t
-        elif rule == _SPLIT0 or rule == _SPLIT1:
-            part = _split(t, 0 if rule == _SPLIT0 else 1, tp_size, name)[rank]
-        elif rule == _VOCAB:
-            padded = pad_vocab_size(layout.vocab_size, tp_size)
-            if t.shape[0] != layout.vocab_size:
-                raise EngineError(f"{name} has {t.shape[0]} rows, expected the vocabulary size {layout.vocab_size}")
-            rows = padded // tp_size
-            part = t[rank * rows : min((rank + 1) * rows, t.shape[0])]
-            if part.shape[0] < rows:  # the last rank(s) carry the zero padding rows
-                part = torch.cat([part, t.new_zeros(rows - part.shape[0], *t.shape[1:])])
-        else:
-            part = _split_qkv(t, layout.qkv(name), tp_size, name)[rank]
-        out[name] = part.contiguous().clone()
-    return out
-
-
 def unshard(ranks: Sequence[Mapping[str, torch.Tensor]], layout: TPLayout) -> dict[str, torch.Tensor]:
-    """Inverse of `shard`, bit-exact. Replicated tensors and duplicated kv heads must agree across ranks and
-    vocabulary padding must be zero: anything else means the shards do not come from one checkpoint."""
+    """Inverse of `builder.trtllm_layout.shard`, bit-exact. Replicated tensors and duplicated kv heads must agree
+    across ranks and vocabulary padding must be zero: anything else means the shards do not come from one checkpoint."""
     tp_size = len(ranks)
     if tp_size == 0:
         raise EngineError("no tensor-parallel ranks to re-assemble")
@@ -230,12 +198,12 @@ def unshard(ranks: Sequence[Mapping[str, torch.Tensor]], layout: TPLayout) -> di
     for name in names:
         parts = [state[name] for state in ranks]
         rule = shard_rule(name)
-        if rule == _REPLICATE:
+        if rule == REPLICATE:
             _check_equal(parts, name, "replicated tensor")
             full[name] = parts[0]
-        elif rule == _SPLIT0 or rule == _SPLIT1:
-            full[name] = torch.cat(parts, dim=0 if rule == _SPLIT0 else 1)
-        elif rule == _VOCAB:
+        elif rule == SPLIT0 or rule == SPLIT1:
+            full[name] = torch.cat(parts, dim=0 if rule == SPLIT0 else 1)
+        elif rule == VOCAB:
             t = torch.cat(parts, dim=0)
             if t.shape[0] != pad_vocab_size(layout.vocab_size, tp_size):
                 raise EngineError(
@@ -248,26 +216,6 @@ def unshard(ranks: Sequence[Mapping[str, torch.Tensor]], layout: TPLayout) -> di
         else:
             full[name] = _unsplit_qkv(parts, layout.qkv(name), name)
     return full
-
-
-def _split(t: torch.Tensor, dim: int, tp_size: int, name: str) -> list[torch.Tensor]:
-    if t.ndim <= dim or t.shape[dim] % tp_size:
-        raise ConfigError(f"{name} {tuple(t.shape)}: dim {dim} does not split evenly over tp_size {tp_size}")
-    return list(torch.chunk(t, tp_size, dim=dim))
-
-
-def _split_qkv(t: torch.Tensor, qkv: QKVLayout, tp_size: int, name: str) -> list[torch.Tensor]:
-    """[q; k; v] rows -> per rank [q_r; k_r; v_r]; kv heads are duplicated when fewer than ranks."""
-    qkv.check_tp(tp_size, name)
-    if t.shape[0] != qkv.q_size + 2 * qkv.kv_size:
-        raise EngineError(f"{name} has {t.shape[0]} rows, expected q + k + v = {qkv.q_size + 2 * qkv.kv_size}")
-    q, k, v = torch.split(t, [qkv.q_size, qkv.kv_size, qkv.kv_size], dim=0)
-    copies = qkv.kv_copies(tp_size)
-    if copies > 1:  # [h0, h1] -> [h0, h0, h1, h1]: rank r gets kv head r // copies
-        d = qkv.head_dim
-        k = k.reshape(qkv.num_kv_heads, d, *k.shape[1:]).repeat_interleave(copies, 0).reshape(-1, *k.shape[1:])
-        v = v.reshape(qkv.num_kv_heads, d, *v.shape[1:]).repeat_interleave(copies, 0).reshape(-1, *v.shape[1:])
-    return [torch.cat(parts) for parts in zip(q.chunk(tp_size), k.chunk(tp_size), v.chunk(tp_size))]
 
 
 def _unsplit_qkv(parts: list[torch.Tensor], qkv: QKVLayout, name: str) -> torch.Tensor:
@@ -301,7 +249,7 @@ def _check_equal(parts: list[torch.Tensor], name: str, what: str) -> None:
 # ---- HF <-> TensorRT-LLM names ---------------------------------------------------------------------------
 
 # (HF suffix under model.layers.{i}., TensorRT-LLM suffix under transformer.layers.{i}.), for 1:1 tensors.
-_LAYER_NAMES = (
+LAYER_NAMES = (
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("self_attn.o_proj.weight", "attention.dense.weight"),
     ("self_attn.o_proj.bias", "attention.dense.bias"),
@@ -315,36 +263,21 @@ _LAYER_NAMES = (
 )
 
 
-def layers_to_trtllm(
-    tensors: Mapping[str, torch.Tensor], hf_prefix: str, trt_prefix: str, num_layers: int
-) -> dict[str, torch.Tensor]:
-    """Decoder layers from HF names ({hf_prefix}{i}.self_attn.q_proj.weight ...) to TensorRT-LLM names."""
-    out: dict[str, torch.Tensor] = {}
+def layer_names(hf_prefix: str, trt_prefix: str, num_layers: int) -> Iterator[tuple[str, str]]:
+    """(HF name, TensorRT-LLM name) of every 1:1 tensor of decoder layers 0 .. num_layers - 1 (q/k/v, fused into
+    one qkv tensor, are not 1:1)."""
     for i in range(num_layers):
-        src, dst = f"{hf_prefix}{i}.", f"{trt_prefix}{i}."
-        for hf, trt in _LAYER_NAMES:
-            if src + hf in tensors:
-                out[dst + trt] = tensors[src + hf]
-        for kind in ("weight", "bias"):
-            names = [f"{src}self_attn.{p}_proj.{kind}" for p in "qkv"]
-            present = [n in tensors for n in names]
-            if all(present):
-                out[f"{dst}attention.qkv.{kind}"] = torch.cat([tensors[n] for n in names], dim=0)
-            elif any(present):
-                raise CheckpointError(f"layer {i}: q/k/v {kind}s must all be present or all absent")
-    return out
+        for hf, trt in LAYER_NAMES:
+            yield f"{hf_prefix}{i}.{hf}", f"{trt_prefix}{i}.{trt}"
 
 
 def layers_from_trtllm(
     tensors: Mapping[str, torch.Tensor], trt_prefix: str, hf_prefix: str, num_layers: int, qkv: QKVLayout
 ) -> dict[str, torch.Tensor]:
-    """Inverse of `layers_to_trtllm` (full, unsharded tensors)."""
-    out: dict[str, torch.Tensor] = {}
+    """Inverse of `builder.trtllm_layout.layers_to_trtllm` (full, unsharded tensors)."""
+    out = {hf: tensors[trt] for hf, trt in layer_names(hf_prefix, trt_prefix, num_layers) if trt in tensors}
     for i in range(num_layers):
         src, dst = f"{trt_prefix}{i}.", f"{hf_prefix}{i}."
-        for hf, trt in _LAYER_NAMES:
-            if src + trt in tensors:
-                out[dst + hf] = tensors[src + trt]
         for kind in ("weight", "bias"):
             fused = tensors.get(f"{src}attention.qkv.{kind}")
             if fused is None:
@@ -356,18 +289,6 @@ def layers_from_trtllm(
             out[f"{dst}self_attn.q_proj.{kind}"] = q
             out[f"{dst}self_attn.k_proj.{kind}"] = k
             out[f"{dst}self_attn.v_proj.{kind}"] = v
-    return out
-
-
-def target_to_trtllm(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The target's HF tensors (validated, see runtime.checkpoint) -> full TensorRT-LLM tensors."""
-    out = {
-        "transformer.vocab_embedding.weight": tensors["model.embed_tokens.weight"],
-        "transformer.ln_f.weight": tensors["model.norm.weight"],
-        # Tied embeddings: TensorRT-LLM still stores lm_head.weight (a copy of the embedding).
-        "lm_head.weight": tensors["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"],
-    }
-    out.update(layers_to_trtllm(tensors, "model.layers.", "transformer.layers.", config.num_hidden_layers))
     return out
 
 
@@ -396,60 +317,7 @@ def target_from_trtllm(config: ModelConfig, tensors: Mapping[str, torch.Tensor])
     return out
 
 
-def medusa_to_trtllm(
-    res_weight: torch.Tensor,  # [heads, layers, H, H]
-    res_bias: torch.Tensor,  # [heads, layers, H]
-    lm_weight: torch.Tensor,  # [heads, V, H]
-) -> dict[str, torch.Tensor]:
-    """Medusa heads (runtime.drafters.medusa.MedusaHeads parameters) -> TensorRT-LLM medusa_heads.* tensors."""
-    out: dict[str, torch.Tensor] = {}
-    for h in range(lm_weight.shape[0]):
-        for layer in range(res_weight.shape[1]):
-            p = f"medusa_heads.{h}.medusa_layers.{layer}.linear."
-            out[p + "weight"] = res_weight[h, layer]
-            out[p + "bias"] = res_bias[h, layer]
-        out[f"medusa_heads.{h}.lm_head.weight"] = lm_weight[h]
-    return out
-
-
-def eagle_to_trtllm(
-    head_state: Mapping[str, torch.Tensor],
-    head_config: ModelConfig,
-    num_eagle_layers: int,
-    target_embedding: torch.Tensor,  # [V, H]
-    target_lm_head: torch.Tensor,  # [V, H]
-) -> dict[str, torch.Tensor]:
-    """An EAGLE-1 head (EAGLE checkpoint names: fc.*, layers.{i}.*, embed_tokens.weight) -> TensorRT-LLM's
-    eagle_nets.{d}.* for each of the num_eagle_layers EagleNets (TensorRT-LLM keeps one copy per draft depth).
-
-    TensorRT-LLM's fc always has a bias; a head trained without one gets zeros (the same function).
-    """
-    fc_w = head_state["fc.weight"]
-    fc_b = head_state.get("fc.bias", fc_w.new_zeros(fc_w.shape[0]))
-    embedding = head_state.get("embed_tokens.weight", target_embedding)
-    layers = layers_to_trtllm(head_state, "layers.", "layers.", head_config.num_hidden_layers)
-    out: dict[str, torch.Tensor] = {}
-    for d in range(num_eagle_layers):
-        p = f"eagle_nets.{d}."
-        out[p + "drafter.fc.weight"] = fc_w
-        out[p + "drafter.fc.bias"] = fc_b
-        out[p + "drafter.vocab_embedding.weight"] = embedding
-        out[p + "lm_head.weight"] = target_lm_head
-        out.update({p + "drafter." + n: t for n, t in layers.items()})
-    return out
-
-
 # ---- reading an engine directory -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """The drafter an engine was built for (engine.json "draft")."""
-
-    method: str  # medusa | eagle | lookup | none
-    path: str | None  # weights directory relative to the engine root (medusa / eagle)
-    choices: tuple[tuple[int, ...], ...] | None  # static tree, canonical order; None: none / dynamic / lookup
-    options: dict[str, Any]  # drafter options: EAGLE-2 dynamic tree or lookup bounds
 
 
 @dataclass(frozen=True)
@@ -467,7 +335,7 @@ class Engine:
     root: Path
     manifest: dict[str, Any]
     dtype: str
-    draft: DraftSpec
+    draft: DraftSpec  # the drafter it was built for (engine.json "draft", path relative to root; limits' max_draft_len)
     limits: Limits
 
     def path(self, relpath: str) -> Path:
@@ -499,10 +367,7 @@ class Engine:
 
     def trtllm_config(self) -> dict[str, Any]:
         path = self.path(f"{TRTLLM_DIR}/{TRTLLM_CONFIG}")
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise EngineError(f"cannot read {path}: {exc}") from exc
+        return read_json_object(path, EngineError)
 
     def read_trtllm_tensors(
         self, include: Callable[[str], bool] | None = None, on_rank: Callable[[int], None] | None = None
@@ -569,31 +434,14 @@ class Engine:
                 self.path(rel)
         return Tokenizer.from_dir(self.root)
 
-    def draft_settings(
-        self,
-        kind: str | None,
-        draft_model: str | None,
-        tree: str | None,
-        options: Mapping[str, Any],
-    ) -> tuple[str, str | None, Any, dict[str, Any]]:
-        """(kind, weights path, tree, options) for `load_drafter`: the engine's own drafter settings as defaults.
-
-        kind None keeps the engine's drafter. Its weights (draft/) and tree are used only while that drafter is
-        kept and no draft_model is given; its options (EAGLE-2 dynamic tree, lookup bounds) only while no tree is
-        given either; explicit options override them key by key.
-        """
+    def own_draft(self) -> DraftSpec:
+        """The drafter the engine was built for, its weights path absolute: every weight file under it is verified
+        against engine.json first (it is about to be read)."""
         spec = self.draft
-        if kind is None or (kind == spec.method and draft_model is None):
-            kind = spec.method
-            path = None
-            if spec.path is not None:
-                self.paths_under(spec.path)  # verify every weight file before the drafter reads them
-                path = str(self.root / spec.path)
-            if tree is None:
-                choices = None if spec.choices is None else [list(c) for c in spec.choices]
-                return kind, path, choices, {**spec.options, **options}
-            return kind, path, tree, dict(options)
-        return kind, draft_model, tree, dict(options)
+        if spec.path is None:
+            return spec
+        self.paths_under(spec.path)
+        return dataclasses.replace(spec, path=str(self.root / spec.path))
 
 
 def verify_file(path: Path, entry: Mapping[str, Any], relpath: str) -> None:
@@ -615,13 +463,9 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     path = root / MANIFEST
     if not path.is_file():
         raise EngineError(f"{root} is not an engine directory: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EngineError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise EngineError(f"{path}: not a {FORMAT} manifest (format {manifest.get('format')!r})"
-                          if isinstance(manifest, dict) else f"{path}: expected a JSON object")
+    manifest = read_json_object(path, EngineError)
+    if manifest.get("format") != FORMAT:
+        raise EngineError(f"{path}: not a {FORMAT} manifest (format {manifest.get('format')!r})")
     version = manifest.get("format_version")
     if version not in READABLE_FORMAT_VERSIONS:
         raise EngineError(f"{path}: format_version {version!r} is not supported (this runtime reads "
@@ -638,22 +482,13 @@ def open_engine(root: str | Path) -> Engine:
     manifest = read_manifest(root)
     where = root / MANIFEST
     try:
-        d = manifest["draft"]
-        tree = d.get("tree") or {}
-        choices = tree.get("choices") if tree.get("kind") == "static" else None
-        draft = DraftSpec(
-            method=d["method"],
-            path=d.get("path"),
-            choices=None if choices is None else tuple(tuple(int(r) for r in c) for c in choices),
-            options=dict(d.get("options") or {}),
-        )
         lim = manifest["limits"]
         limits = Limits(int(lim["max_seq_len"]), int(lim["max_draft_len"]), int(lim["max_batch_size"]),
                         int(lim["tp_size"]))
     except (KeyError, TypeError, ValueError) as exc:
-        raise EngineError(f"{where}: malformed draft / limits section ({exc!r})") from exc
-    if draft.method not in DRAFT_METHODS:
-        raise EngineError(f"{where}: draft method {draft.method!r} is not one of {', '.join(DRAFT_METHODS)}")
+        raise EngineError(f"{where}: malformed limits section ({exc!r})") from exc
+    with field_names({}, EngineError, f"{where}: draft: "):
+        draft = dataclasses.replace(DraftSpec.from_mapping(manifest["draft"]), max_draft_len=limits.max_draft_len)
     return Engine(root=root, manifest=manifest, dtype=str(manifest["dtype"]), draft=draft, limits=limits)
 
 
@@ -678,8 +513,8 @@ def iter_files(root: Path) -> Iterable[str]:
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "READABLE_FORMAT_VERSIONS", "MANIFEST", "TRTLLM_DIR", "DRAFT_DIR", "TARGET_DIR",
     "TARGET_FILE", "ONNX_FILE", "PLAN_FILE", "BUILD_SCRIPT",
-    "EngineError", "EngineChecksumError", "QKVLayout", "TPLayout", "Engine", "DraftSpec", "Limits",
-    "pad_vocab_size", "shard", "shard_rank", "unshard", "shard_rule", "target_to_trtllm", "target_from_trtllm",
-    "layers_to_trtllm", "layers_from_trtllm", "is_target_tensor", "medusa_to_trtllm", "eagle_to_trtllm", "open_engine",
+    "EngineError", "EngineChecksumError", "QKVLayout", "TPLayout", "Engine", "Limits",
+    "QKV", "SPLIT0", "SPLIT1", "VOCAB", "REPLICATE", "LAYER_NAMES", "layer_names", "pad_vocab_size", "unshard", "shard_rule",
+    "target_from_trtllm", "layers_from_trtllm", "is_target_tensor", "open_engine",
     "read_manifest", "verify_file", "sha256_file", "rank_file", "is_engine_dir", "model_config_dict", "iter_files",
 ]

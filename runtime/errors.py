@@ -6,6 +6,8 @@ also subclasses the builtin that best describes it, so callers may catch either.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SpectreeError(Exception):
     """Base of every error spectree raises on purpose."""
@@ -28,7 +30,21 @@ class CacheError(SpectreeError, RuntimeError):
 
 
 class RequestError(SpectreeError, ValueError):
-    """A generation request (prompt, sampling parameters, limits) is invalid."""
+    """A generation request (prompt, sampling parameters, limits) is invalid.
+
+    Made by `invalid` when one field is out of range: `field`, `expected` and `value` then say which, so a front
+    end (model_repo.request) can restate the error in its own input names without checking the field again."""
+
+    field: str | None = None  # the SamplingParams field (None: the error is not about one field)
+    expected: str = ""
+    value: Any = None
+
+    @classmethod
+    def invalid(cls, field: str, expected: str, value: Any) -> RequestError:
+        """'{field} must be {expected}, got {value!r}', with the three kept as attributes."""
+        err = cls(f"{field} must be {expected}, got {value!r}")
+        err.field, err.expected, err.value = field, expected, value
+        return err
 
 
 class OverloadedError(SpectreeError, RuntimeError):

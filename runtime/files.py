@@ -1,5 +1,6 @@
-"""Reading the small JSON files checkpoints carry (errors name the file), how paths are recorded, and the
-temporary siblings an output directory is built in."""
+"""Reading the small JSON side files of checkpoints, engine directories, model repositories and results
+(`read_json_object`: the one reader, so every such error reads alike and names the file), how paths are recorded,
+and the temporary siblings an output directory is built in."""
 
 from __future__ import annotations
 

@@ -19,10 +19,6 @@ from typing import Any
 from runtime.errors import ConfigError
 
 
-class PromptFileError(ConfigError):
-    """A prompt file is missing, not JSON Lines, or has a malformed record (the message names file and line)."""
-
-
 @dataclass(frozen=True)
 class Prompt:
     set: str  # the prompt set's name (file stem)
@@ -42,14 +38,14 @@ class Prompt:
 
 
 def load_prompt_file(path: str | Path) -> tuple[Prompt, ...]:
-    """Read one JSON Lines prompt file; PromptFileError names the file, the line and what was wrong."""
+    """Read one JSON Lines prompt file; ConfigError names the file, the line and what was wrong."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError as exc:
-        raise PromptFileError(f"prompt file {path} does not exist") from exc
+        raise ConfigError(f"prompt file {path} does not exist") from exc
     except (OSError, UnicodeDecodeError) as exc:
-        raise PromptFileError(f"prompt file {path}: cannot read as UTF-8 text ({exc})") from exc
+        raise ConfigError(f"prompt file {path}: cannot read as UTF-8 text ({exc})") from exc
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
     for lineno, line in enumerate(lines, start=1):
@@ -59,33 +55,33 @@ def load_prompt_file(path: str | Path) -> tuple[Prompt, ...]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise PromptFileError(f"{where}: not a JSON object ({exc.msg}); expected "
+            raise ConfigError(f"{where}: not a JSON object ({exc.msg}); expected "
                                   '{"id": "...", "prompt": "..."} on each line') from exc
         if not isinstance(record, dict):
-            raise PromptFileError(f"{where}: got a JSON {type(record).__name__}, expected an object with id and prompt")
+            raise ConfigError(f"{where}: got a JSON {type(record).__name__}, expected an object with id and prompt")
         unknown = sorted(set(record) - {"id", "prompt", "source", "chat"})
         if unknown:
-            raise PromptFileError(f"{where}: unknown key(s) {unknown}; expected id, prompt and optionally source, "
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; expected id, prompt and optionally source, "
                                   "chat")
         pid, text, source = record.get("id", f"line-{lineno}"), record.get("prompt"), record.get("source", "")
         if not isinstance(pid, str) or not pid or "/" in pid:
-            raise PromptFileError(f"{where}: id: got {pid!r}, expected a non-empty string without '/'")
+            raise ConfigError(f"{where}: id: got {pid!r}, expected a non-empty string without '/'")
         if not isinstance(text, str) or not text.strip():
-            raise PromptFileError(f"{where}: prompt: got {text!r}, expected non-empty text")
+            raise ConfigError(f"{where}: prompt: got {text!r}, expected non-empty text")
         if not isinstance(source, str):
-            raise PromptFileError(f"{where}: source: got {source!r}, expected a string")
+            raise ConfigError(f"{where}: source: got {source!r}, expected a string")
         chat = record.get("chat", False)
         if not isinstance(chat, bool):
-            raise PromptFileError(f"{where}: chat: got {chat!r}, expected true or false")
+            raise ConfigError(f"{where}: chat: got {chat!r}, expected true or false")
         if pid in seen:
-            raise PromptFileError(f"{where}: id {pid!r} repeats the id on line {seen[pid]}")
+            raise ConfigError(f"{where}: id {pid!r} repeats the id on line {seen[pid]}")
         seen[pid] = lineno
         prompts.append(Prompt(set=path.stem, id=pid, text=text, source=source, chat=chat))
     if not prompts:
-        raise PromptFileError(f"prompt file {path} holds no prompts")
+        raise ConfigError(f"prompt file {path} holds no prompts")
     return tuple(prompts)
 
 
 
 
-__all__ = ["Prompt", "PromptFileError", "load_prompt_file"]
+__all__ = ["Prompt", "load_prompt_file"]

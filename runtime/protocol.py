@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from runtime.draft_spec import DraftSpec
     from runtime.sampling import SamplingParams
     from runtime.tree import Tree
 
@@ -88,7 +89,8 @@ class DraftSession(Protocol):
 class Drafter(Protocol):
     """Shared, read-only drafting weights; `start` makes the per-request session."""
 
-    name: str  # "medusa" | "eagle" | "lookup" | "none"
+    name: str  # its kind (runtime.draft_spec.KINDS)
+    spec: DraftSpec  # what it drafts, every default resolved (load_drafter's drafters; the weights path is not kept)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> DraftSession:
         """prompt # [P] int64 (x_0 .. x_{P-1}, all committed); hidden # [P, H] (h_0 .. h_{P-1}).

@@ -41,7 +41,8 @@ def _is_int(x: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings; validated on construction, never mutated afterwards."""
+    """Per-request sampling settings; validated on construction (the one check of every field: a bad one raises
+    `RequestError.invalid(field, expected, value)`), never mutated afterwards."""
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -61,46 +62,46 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise RequestError.invalid("temperature", "a finite number >= 0 (0 = greedy)", t)
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise RequestError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+            raise RequestError.invalid("top_k", "an integer >= 0 (0 = off)", self.top_k)
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise RequestError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
+            raise RequestError.invalid("top_p", "a number in (0, 1] (1 = off)", p)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _UINT64_MAX):
-            raise RequestError(f"seed must be None or an int in [0, 2**64 - 1], got {self.seed!r}")
+            raise RequestError.invalid("seed", "None or an integer in [0, 2**64 - 1]", self.seed)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise RequestError.invalid("max_tokens", "an integer >= 1", self.max_tokens)
         # Normalise list/str inputs into tuples while the object is being built (it is frozen afterwards).
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise RequestError.invalid("stop", "a list of non-empty strings", self.stop)
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (tuple, list)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise RequestError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+            raise RequestError.invalid("stop_token_ids", "a list of integers >= 0", ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise RequestError.invalid("ignore_eos", "a bool", self.ignore_eos)
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-            raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+            raise RequestError.invalid("repetition_penalty", "a finite number > 0 (1 = off)", r)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                raise RequestError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+                raise RequestError.invalid(name, "a number in [-2, 2] (0 = off)", v)
             object.__setattr__(self, name, float(v))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
-                               f"got {self.min_tokens!r}")
+            raise RequestError.invalid("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]",
+                                       self.min_tokens)
         words = self.bad_words
         if not isinstance(words, (tuple, list)) or not all(
             isinstance(w, (tuple, list)) and w and all(_is_int(t) and t >= 0 for t in w) for w in words
         ):
-            raise RequestError(f"bad_words must be a list of non-empty token-id lists, got {words!r}")
+            raise RequestError.invalid("bad_words", "a list of non-empty token-id lists", words)
         object.__setattr__(self, "bad_words", tuple(tuple(w) for w in words))
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise RequestError.invalid("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         object.__setattr__(self, "repetition_penalty", float(r))
         object.__setattr__(self, "temperature", 0.0 if t < GREEDY_BELOW else float(t))
         object.__setattr__(self, "top_p", float(p))

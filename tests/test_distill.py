@@ -142,5 +142,5 @@ def test_chat_config_errors(chat_target, tmp_path):
         parse_train_config(cfg)
     cfg = _config(chat_target, tmp_path)
     cfg["heads"]["draft_vocab_size"] = 1
-    with pytest.raises(TrainConfigError, match="heads.draft_vocab_size: got 1, expected a number >= 2"):
+    with pytest.raises(TrainConfigError, match="heads.draft_vocab_size: got 1, expected an integer >= 2"):
         parse_train_config(cfg)

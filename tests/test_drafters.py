@@ -1,12 +1,14 @@
-"""load_drafter dispatch, the "none" drafter, and every drafter driven through draft -> target tree forward ->
-greedy verify -> commit -> advance, which must reproduce plain greedy decoding token for token."""
+"""load_drafter dispatch (a DraftSpec in, its rules enforced), the "none" drafter, and every drafter driven through
+draft -> target tree forward -> greedy verify -> commit -> advance, which must reproduce plain greedy decoding token
+for token."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.drafters import KINDS, as_tree, load_drafter
+from runtime.draft_spec import KINDS, DraftSpec, DynamicTreeOptions, LookupOptions, as_tree
+from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.errors import ConfigError
 from runtime.model import TargetModel
@@ -34,6 +36,11 @@ def heads(tmp_path_factory, target_dir):
         "medusa": write_medusa_head(root / "medusa", 64, 420, num_heads=4, seed=2),
         "eagle": write_eagle_head(root / "eagle", target_dir, seed=3),
     }
+
+
+def load(kind, model, path=None, tree=None, **options):
+    """load_drafter of the spec these loose values make (DraftSpec.create)."""
+    return load_drafter(DraftSpec.create(kind, path=path, tree=tree, options=options), model)
 
 
 def greedy_reference(model: TargetModel, prompt: list[int], n: int) -> list[int]:
@@ -85,7 +92,7 @@ PROMPT = [0, 7, 19, 33, 7, 19, 33, 7, 19, 40, 41]
     ],
 )
 def test_greedy_identity_through_every_drafter(target, heads, kind, tree, options):
-    drafter = load_drafter(kind, target, heads.get(kind), tree=tree, **options)
+    drafter = load(kind, target, heads.get(kind), tree=tree, **options)
     assert drafter.name == kind
     want = greedy_reference(target, PROMPT, 24)
     got, accepted = speculative(target, drafter, PROMPT, 24)
@@ -97,9 +104,17 @@ def test_greedy_identity_through_every_drafter(target, heads, kind, tree, option
 @pytest.mark.parametrize("max_nodes", [1, 3])
 def test_small_max_nodes_for_every_drafter(target, heads, max_nodes):
     for kind in KINDS:
-        drafter = load_drafter(kind, target, heads.get(kind))
+        drafter = load(kind, target, heads.get(kind))
         got, _ = speculative(target, drafter, PROMPT, 8, max_nodes=max_nodes)
         assert got == greedy_reference(target, PROMPT, 8)
+
+
+def test_loaded_drafters_spec_resolves_the_defaults(target, heads):
+    assert load("none", target).spec == DraftSpec()
+    assert load("lookup", target).spec == DraftSpec("lookup", lookup=LookupOptions())
+    assert load("medusa", target, heads["medusa"]).spec == DraftSpec("medusa", tree=Tree.preset("mc_sim_7b_63"))
+    assert load("eagle", target, heads["eagle"]).spec == DraftSpec("eagle", dynamic=DynamicTreeOptions())
+    assert load("eagle", target, heads["eagle"], tree="chain-2").spec == DraftSpec("eagle", tree=Tree.chain(2))
 
 
 def test_none_drafter_is_root_only():
@@ -126,23 +141,23 @@ def test_as_tree_accepts_presets_json_lists_and_trees():
 
 def test_load_drafter_errors(target, heads):
     with pytest.raises(ConfigError, match=r"unknown drafter kind 'hydra'; expected one of medusa, eagle, lookup, none"):
-        load_drafter("hydra", target)
+        load("hydra", target)
     with pytest.raises(ConfigError, match="drafter 'lookup' has no weights"):
-        load_drafter("lookup", target, path=heads["medusa"])
+        load("lookup", target, path=heads["medusa"])
     with pytest.raises(ConfigError, match="drafter 'none' has no weights"):
-        load_drafter("none", target, path=heads["medusa"])
-    with pytest.raises(ConfigError, match="drafter 'medusa' needs path="):
-        load_drafter("medusa", target)
+        load("none", target, path=heads["medusa"])
+    with pytest.raises(ConfigError, match="path: required for drafter 'medusa'"):
+        load("medusa", target)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['top_k'\] for drafter 'medusa'"):
-        load_drafter("medusa", target, heads["medusa"], top_k=3)
+        load("medusa", target, heads["medusa"], top_k=3)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['depth'\] for drafter 'none'"):
-        load_drafter("none", target, depth=3)
+        load("none", target, depth=3)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['ngram'\] for drafter 'lookup'"):
-        load_drafter("lookup", target, ngram=3)
+        load("lookup", target, ngram=3)
     with pytest.raises(ConfigError, match="builds its own trees"):
-        load_drafter("lookup", target, tree="chain-2")
+        load("lookup", target, tree="chain-2")
     with pytest.raises(ConfigError, match="drafts root-only trees; got a tree with 3 nodes"):
-        load_drafter("none", target, tree="chain-2")
+        load("none", target, tree="chain-2")
     with pytest.raises(ConfigError, match="lookup option max_ngram must be an integer >= 1"):
-        load_drafter("lookup", target, max_ngram=0)
-    assert load_drafter("none", target, tree=[]).name == "none"
+        load("lookup", target, max_ngram=0)
+    assert load("none", target, tree=[]).name == "none"

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from plugins.tree_attention.mask import pack_mask
+from runtime.draft_spec import DraftSpec, DynamicTreeOptions
 from runtime.drafters import load_drafter
-from runtime.drafters.eagle import DraftStateError, DynamicTreeOptions, EagleDrafter, load_eagle_head
+from runtime.drafters.eagle import DraftStateError, EagleDrafter, load_eagle_head
 from runtime.errors import CheckpointError, ConfigError
 from runtime.model import TargetModel, causal_mask
 from runtime.protocol import Proposal
@@ -222,7 +223,7 @@ def test_head_forward_matches_reference(tmp_path, target_dir, target, hf_target,
 
 @pytest.mark.parametrize("tree", ["mc_sim_7b_63", "chain-4"])
 def test_static_tree_drafts_match_reference_over_steps(head_dir, target, hf_target, tree):
-    drafter = load_drafter("eagle", target, head_dir, tree=tree)
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, tree=tree), target)
     assert drafter.name == "eagle"
     ref = ReferenceEagle(head_dir, hf_target)
     seq = Sequence(hf_target, [0, 11, 23, 5, 42, 7, 99])
@@ -246,7 +247,8 @@ def check_dynamic(total_tokens: int, depth: int, top_k: int):
 
 @pytest.mark.parametrize("total_tokens, depth, top_k", [(16, 3, 4), (30, 5, 6), (8, 1, 10)])
 def test_dynamic_tree_matches_reference_eagle2_over_steps(head_dir, target, hf_target, total_tokens, depth, top_k):
-    drafter = load_drafter("eagle", target, head_dir, total_tokens=total_tokens, depth=depth, top_k=top_k)
+    options = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, options=options), target)
     assert drafter.tree is None
     ref = ReferenceEagle(head_dir, hf_target)
     seq = Sequence(hf_target, [0, 17, 3, 3, 250, 8])
@@ -254,7 +256,7 @@ def test_dynamic_tree_matches_reference_eagle2_over_steps(head_dir, target, hf_t
 
 
 def test_dynamic_default_options_and_budget(head_dir, target, hf_target):
-    drafter = load_drafter("eagle", target, head_dir)
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir), target)
     assert drafter.dynamic == DynamicTreeOptions(total_tokens=60, depth=5, top_k=10)
     seq = Sequence(hf_target, [0, 5, 6, 7])
     session = drafter.start(torch.tensor(seq.tokens), seq.hidden(), 64)
@@ -268,7 +270,7 @@ def test_dynamic_default_options_and_budget(head_dir, target, hf_target):
 
 
 def test_static_tree_shrinks_to_max_nodes(head_dir, target, hf_target):
-    drafter = load_drafter("eagle", target, head_dir, tree="mc_sim_7b_63")
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, tree="mc_sim_7b_63"), target)
     ref = ReferenceEagle(head_dir, hf_target)
     seq = Sequence(hf_target, [0, 9, 8, 7])
     run_steps(drafter, seq, ref, accepted=[1, 2], check=check_static_draft, max_nodes=20)
@@ -276,7 +278,7 @@ def test_static_tree_shrinks_to_max_nodes(head_dir, target, hf_target):
 
 def test_redraft_and_advance_without_draft(head_dir, target, hf_target):
     """draft() twice gives the same tree; advance() without a draft keeps the root pair pending."""
-    drafter = load_drafter("eagle", target, head_dir, tree="mc_sim_7b_63")
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, tree="mc_sim_7b_63"), target)
     ref = ReferenceEagle(head_dir, hf_target)
     seq = Sequence(hf_target, [0, 31, 32, 33, 34])
     session = drafter.start(torch.tensor(seq.tokens), seq.hidden(), 64)
@@ -299,7 +301,7 @@ def test_redraft_and_advance_without_draft(head_dir, target, hf_target):
 
 
 def test_head_cache_grows_past_its_initial_capacity(head_dir, target, hf_target):
-    drafter = load_drafter("eagle", target, head_dir, tree="chain-2")
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, tree="chain-2"), target)
     ref = ReferenceEagle(head_dir, hf_target)
     seq = Sequence(hf_target, [0, 1, 2])
     session = drafter.start(torch.tensor(seq.tokens), seq.hidden(), 8)
@@ -325,7 +327,7 @@ def test_hidden_size_mismatch(tmp_path, target):
     small = make_checkpoint(tmp_path / "small", "llama2", hidden_size=32, intermediate_size=64)
     path = write_eagle_head(tmp_path / "e", small)
     with pytest.raises(CheckpointError, match=r"hidden_size 32 does not match the target model's hidden_size 64"):
-        load_drafter("eagle", target, path)
+        load_drafter(DraftSpec.create("eagle", path=path), target)
     path = write_eagle_head(tmp_path / "e2", small, config_overrides={"hidden_size": None})
     with pytest.raises(CheckpointError, match=r"hidden size 32 \(fc.weight\) does not match .* hidden_size 64"):
         load_eagle_head(path, target)
@@ -365,8 +367,8 @@ def test_missing_fc_and_files(tmp_path, target_dir, target):
         load_eagle_head(path, target)
     with pytest.raises(CheckpointError, match="not a directory"):
         load_eagle_head(tmp_path / "missing", target)
-    with pytest.raises(ConfigError, match="needs path="):
-        load_drafter("eagle", target)
+    with pytest.raises(ConfigError, match="path: required for drafter 'eagle'"):
+        load_drafter(DraftSpec.create("eagle"), target)
 
 
 def test_key_and_config_mismatches(tmp_path, target_dir, target):
@@ -404,7 +406,8 @@ def test_key_and_config_mismatches(tmp_path, target_dir, target):
 
 def test_two_layer_head_matches_reference(tmp_path, target_dir, target, hf_target):
     path = write_eagle_head(tmp_path, target_dir, num_layers=2, seed=6)
-    drafter = load_drafter("eagle", target, path, total_tokens=12, depth=3, top_k=3)
+    dynamic = DynamicTreeOptions(total_tokens=12, depth=3, top_k=3)
+    drafter = load_drafter(DraftSpec("eagle", path=path, dynamic=dynamic), target)
     assert len(drafter.head.layers) == 2 and drafter.head.layers[1].input_layernorm is not None
     seq = Sequence(hf_target, [0, 8, 9, 10])
     run_steps(drafter, seq, ReferenceEagle(path, hf_target), accepted=[2, 1], check=check_dynamic(12, 3, 3))
@@ -412,7 +415,7 @@ def test_two_layer_head_matches_reference(tmp_path, target_dir, target, hf_targe
 
 def test_no_fc_bias_variant_loads(tmp_path, target_dir, target, hf_target):
     path = write_eagle_head(tmp_path, target_dir, fc_bias=False, seed=5)
-    drafter = load_drafter("eagle", target, path, tree="chain-3")
+    drafter = load_drafter(DraftSpec.create("eagle", path=path, tree="chain-3"), target)
     seq = Sequence(hf_target, [0, 4, 4, 4])
     run_steps(drafter, seq, ReferenceEagle(path, hf_target), accepted=[2], check=check_static_draft)
 
@@ -433,9 +436,9 @@ def test_bad_dynamic_options(kwargs, match):
 
 def test_bad_drafter_arguments(head_dir, target):
     with pytest.raises(ConfigError, match="apply to the dynamic EAGLE-2 tree only"):
-        load_drafter("eagle", target, head_dir, tree="chain-2", top_k=3)
+        load_drafter(DraftSpec.create("eagle", path=head_dir, tree="chain-2", options={"top_k": 3}), target)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['beam'\]"):
-        load_drafter("eagle", target, head_dir, beam=2)
+        load_drafter(DraftSpec.create("eagle", path=head_dir, options={"beam": 2}), target)
     head = load_eagle_head(head_dir, target)
     with pytest.raises(ConfigError, match="exactly one of tree="):
         EagleDrafter(head, target)

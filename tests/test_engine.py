@@ -17,6 +17,7 @@ from builder.__main__ import main
 from builder.build import BuildError, build_engine
 from builder.config import parse_config
 from builder.inspect import inspect_engine
+from runtime.draft_spec import DraftSpec, DynamicTreeOptions
 from runtime.engine import EngineChecksumError, open_engine, sha256_file
 from runtime.sampling import SamplingParams
 from tests.heads import write_eagle_head, write_medusa_head
@@ -207,6 +208,9 @@ def test_engine_json_records_the_build(src, engines):
     assert m["onnx"]["status"] == "skipped" and "build.onnx is false" in m["onnx"]["reason"]
     eng = open_engine(engines["eagle_dynamic"])
     assert eng.model_config().max_context == 1024
+    # engine.json's "draft" is a DraftSpec record; the engine's limit is its max_draft_len
+    assert eng.draft == DraftSpec("eagle", path="draft", dynamic=DynamicTreeOptions(12, 3, 3), max_draft_len=16)
+    assert eng.own_draft().path == str(engines["eagle_dynamic"] / "draft")
 
 
 # ---- atomic builds -------------------------------------------------------------------------------------------
@@ -257,7 +261,7 @@ def test_failed_rebuild_keeps_the_old_engine(src, engines, tmp_path):
     with pytest.raises(BuildError, match="already exists; pass --force"):
         build_engine(cfg)
     result = build_engine(cfg, force=True)
-    assert open_engine(eng).draft.method == "medusa" and leftovers(tmp_path, eng.name) == []
+    assert open_engine(eng).draft.kind == "medusa" and leftovers(tmp_path, eng.name) == []
     assert not (eng / "lookup").exists() and result.output == eng
 
 

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 import runtime
-from model_repo import pipeline
-from model_repo.pipeline import InputError, RequestLimits, parse_generate_request, run_generation
+from model_repo.contract import ENSEMBLE_OUTPUTS
+from model_repo.generations import run_generation
+from model_repo.metrics import SpecMetrics
 from model_repo.render import RepoOptions, model_configs
+from model_repo.request import RequestLimits, parse_generate_request, split_batch
+from model_repo.responses import batch_row_outputs
 from model_repo.schema import DataType
 from runtime.batching import SchedulerConfig
+from runtime.errors import RequestError
 from runtime.sampling import SamplingParams
 from tests.heads import write_medusa_head
 from tests.tiny import make_checkpoint, vocab_size
@@ -96,9 +100,10 @@ def test_tensorrtllm_inputs_become_sampling_params():
     (dict(num_return_sequences=np.array([2], np.int32)), "num_return_sequences: 2; this server generates one"),
     (dict(beam_width=np.array([4], np.int32)), "beam_width: 4; this server generates one sequence"),
     (dict(pad_id=np.array([10**6], np.int32)), "pad_id: expected a token id in"),
-    (dict(repetition_penalty=np.array([0.0], np.float32)), "repetition_penalty must be a finite number > 0"),
-    (dict(min_tokens=np.array([9], np.int32)), "min_tokens must be an int in [0, max_tokens=8]"),
-    (dict(num_top_log_probs=np.array([50], np.int32)), "logprobs must be None or an int in [0, 20]"),
+    (dict(repetition_penalty=np.array([0.0], np.float32)), "repetition_penalty: expected a finite number > 0"),
+    (dict(min_tokens=np.array([9], np.int32)), "min_tokens: expected an integer in [0, max_tokens=8], got 9"),
+    (dict(num_top_log_probs=np.array([50], np.int32)),
+     "num_top_log_probs: expected None or an integer in [0, 20], got 50"),
     (dict(bad_words=s("a", "b", "c", "d", "e")), "bad_words: 5 bad words; this server takes at most 4"),
     (dict(bad_words=s("x" * 40)), "bad_words[0]: 40 bytes; this server takes bad words of at most 32"),
     (dict(sampling_parameters=s(json.dumps({"n": 3}))), "n = 3; this server returns one sequence"),
@@ -108,7 +113,7 @@ def test_tensorrtllm_inputs_become_sampling_params():
      "'min_tokens' is also given as the input 'min_tokens'"),
 ])
 def test_bad_compat_inputs_name_the_input(decoder, inputs, message):
-    with pytest.raises(InputError) as err:
+    with pytest.raises(RequestError) as err:
         parse_generate_request(req(**inputs), LIMITS, decoder.tokenizer)
     assert message in str(err.value)
 
@@ -132,7 +137,7 @@ def test_bad_words_are_encoded_like_tensorrtllm_preprocessing(decoder):
     r = parse_generate_request(req(bad_words=s(" fox", "", " lazy dog")), LIMITS, tok)
     assert r.params.bad_words == (tuple(tok.encode(" fox", add_bos=False, parse_special=False)),
                                   tuple(tok.encode(" lazy dog", add_bos=False, parse_special=False)))
-    with pytest.raises(InputError, match="bad_words: this model has no tokenizer"):
+    with pytest.raises(RequestError, match="bad_words: this model has no tokenizer"):
         parse_generate_request(req(bad_words=s("x")), LIMITS)
 
 
@@ -198,7 +203,7 @@ def test_no_extra_outputs_unless_asked(decoder):
 
 
 def test_split_batch_and_row_outputs():
-    rows = pipeline.split_batch({"text_input": np.array([[b"a"], [b"b"]], dtype=object),
+    rows = split_batch({"text_input": np.array([[b"a"], [b"b"]], dtype=object),
                                  "max_tokens": np.array([[4], [5]], np.int32),
                                  "stream": np.array([[True], [False]]),
                                  "exclude_input_in_output": np.array([[False], [False]]),
@@ -208,20 +213,20 @@ def test_split_batch_and_row_outputs():
     # a streamed row never repeats the prompt (tensorrtllm_backend), a whole one keeps the client's choice
     assert rows[0]["exclude_input_in_output"].tolist() == [True]
     assert rows[1]["exclude_input_in_output"].tolist() == [False]
-    with pytest.raises(InputError, match=r"text_input: shape \[1\]; this model batches"):
-        pipeline.split_batch({"text_input": np.array([b"a"], dtype=object)})
-    with pytest.raises(InputError, match="max_tokens: batch size 2, but other inputs have 1"):
-        pipeline.split_batch({"text_input": np.array([[b"a"]], dtype=object),
+    with pytest.raises(RequestError, match=r"text_input: shape \[1\]; this model batches"):
+        split_batch({"text_input": np.array([b"a"], dtype=object)})
+    with pytest.raises(RequestError, match="max_tokens: batch size 2, but other inputs have 1"):
+        split_batch({"text_input": np.array([[b"a"]], dtype=object),
                               "max_tokens": np.array([[1], [2]], np.int32)})
-    out = pipeline.batch_row_outputs({"text_output": s("hi"), "output_ids": np.array([1, 2], np.int32),
+    out = batch_row_outputs({"text_output": s("hi"), "output_ids": np.array([1, 2], np.int32),
                                       "cum_log_probs": np.array([-1.5], np.float32),
                                       "output_log_probs": np.array([-1.0, -0.5], np.float32)}, 3)
     assert out["text_output"].shape == (1,)  # as tensorrtllm_backend's postprocessing sends it
     assert out["output_ids"].shape == (1, 2) and out["cum_log_probs"].shape == (1, 1)
     assert out["output_log_probs"].shape == (1, 1, 2)
     assert out["batch_index"].tolist() == [[3]] and out["sequence_index"].tolist() == [[0]]
-    assert {o.name for o in pipeline.ENSEMBLE_OUTPUTS} >= set(out)
-    assert all(o.data_type is not DataType.TYPE_BOOL for o in pipeline.ENSEMBLE_OUTPUTS)
+    assert {o.name for o in ENSEMBLE_OUTPUTS} >= set(out)
+    assert all(o.data_type is not DataType.TYPE_BOOL for o in ENSEMBLE_OUTPUTS)
 
 
 class RecordingBackend:
@@ -243,7 +248,7 @@ class RecordingBackend:
 def test_speculation_and_latency_metrics(decoder):
     """vLLM's spec-decode counters, per-position acceptance, TTFT / inter-token latency, KV usage."""
     backend = RecordingBackend()
-    metrics = pipeline.SpecMetrics(backend, "spec_decode", "spec_decode_0")
+    metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0")
     metrics.limits(SchedulerConfig(max_batch_size=2, max_queue_size=3, kv_budget_bytes=1000))
     metrics.state(1, 2, 250)
     r = parse_generate_request(req(stream=np.array([True]), max_tokens=np.array([20], np.int32),

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from runtime.drafters.lookup import LookupDrafter, LookupOptions
+from runtime.draft_spec import LookupOptions
+from runtime.drafters.lookup import LookupDrafter
 from runtime.errors import ConfigError
 from runtime.protocol import Proposal
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from runtime.draft_spec import DraftSpec
 from runtime.drafters import load_drafter
 from runtime.drafters.medusa import MedusaDrafter, load_medusa_heads
 from runtime.errors import CheckpointError, ConfigError
@@ -124,12 +125,12 @@ def test_max_nodes_shrinks_to_an_ancestor_closed_prefix(tmp_path, max_nodes):
 
 def test_load_drafter_medusa_default_tree(tmp_path, target):
     path = write_medusa_head(tmp_path / "m4", H, V, num_heads=4)
-    drafter = load_drafter("medusa", target, path)
+    drafter = load_drafter(DraftSpec.create("medusa", path=path), target)
     assert drafter.name == "medusa" and drafter.tree == Tree.preset("mc_sim_7b_63")
     path = write_medusa_head(tmp_path / "m2", H, V, num_heads=2)
-    drafter = load_drafter("medusa", target, path)
+    drafter = load_drafter(DraftSpec.create("medusa", path=path), target)
     assert drafter.tree == Tree.chain(2)
-    drafter = load_drafter("medusa", target, path, tree=[[0], [1], [0, 0]])
+    drafter = load_drafter(DraftSpec.create("medusa", path=path, tree=[[0], [1], [0, 0]]), target)
     assert drafter.tree.num_nodes == 4
 
 
@@ -145,10 +146,10 @@ def test_tree_deeper_than_heads(tmp_path):
 def test_hidden_and_vocab_mismatch_with_target(tmp_path, target):
     path = write_medusa_head(tmp_path / "h", 32, V, num_heads=2)
     with pytest.raises(CheckpointError, match=r"hidden size 32 .* hidden_size 64"):
-        load_drafter("medusa", target, path)
+        load_drafter(DraftSpec.create("medusa", path=path), target)
     path = write_medusa_head(tmp_path / "v", H, 400, num_heads=2)
     with pytest.raises(CheckpointError, match=r"vocab size 400 .* vocab_size 420"):
-        load_drafter("medusa", target, path)
+        load_drafter(DraftSpec.create("medusa", path=path), target)
 
 
 def test_missing_files(tmp_path):

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from model_repo import pipeline
 from model_repo.__main__ import main
-from model_repo.pbtxt import PbtxtError, dumps, loads, parse
+from model_repo.contract import MESSAGES
+from model_repo.pbtxt import dumps, loads, parse
 from model_repo.render import RenderError, RepoOptions, read_repo, render
 from model_repo.schema import (
     DataType,
@@ -24,6 +24,8 @@ from model_repo.schema import (
     ModelParameter,
     TransactionPolicy,
 )
+from model_repo.settings import SpecDecodeSettings
+from runtime.errors import ConfigError
 from tests.tiny import make_checkpoint
 
 
@@ -107,7 +109,7 @@ def test_parser_reads_handwritten_triton_style():
     ],
 )
 def test_parser_is_strict(text, message):
-    with pytest.raises(PbtxtError) as e:
+    with pytest.raises(ConfigError) as e:
         loads(ModelConfig, text)
     assert message in str(e.value)
 
@@ -118,12 +120,12 @@ def test_writer_refuses_unfilled_and_mistyped_values():
         name: str | None
         count: int
 
-    with pytest.raises(PbtxtError, match="count must be an int"):
+    with pytest.raises(ConfigError, match="count must be an int"):
         dumps(Msg(name="a", count="3"))
-    with pytest.raises(PbtxtError, match="Msg.count is required but unset"):
+    with pytest.raises(ConfigError, match="Msg.count is required but unset"):
         dumps(Msg(name="a", count=None))
     assert dumps(Msg(name=None, count=1)) == "count: 1\n"
-    with pytest.raises(PbtxtError, match="instance_group.count must be an int >= 1"):
+    with pytest.raises(ConfigError, match="instance_group.count must be an int >= 1"):
         InstanceGroup(Kind.KIND_CPU, 0)
 
 
@@ -154,7 +156,7 @@ def test_render_hf_checkpoint(ckpt, tmp_path):
     spec = configs["spec_decode"]
     assert spec.decoupled and spec.backend == "python"
     assert spec.instance_group == (InstanceGroup(Kind.KIND_CPU, 1),)
-    settings = pipeline.SpecDecodeSettings.from_parameters({k: v.string_value for k, v in spec.parameters.items()})
+    settings = SpecDecodeSettings.from_parameters({k: v.string_value for k, v in spec.parameters.items()})
     assert settings.engine_dir == str(ckpt.resolve())
     assert settings.load_options == {"draft": "lookup"}
     assert (settings.max_concurrent_requests, settings.max_tokens_limit) == (3, 100)
@@ -174,7 +176,7 @@ def test_render_hf_checkpoint(ckpt, tmp_path):
     assert ens.parameter("preprocessing_model") == "preprocessing" and ens.parameter("spec_decode_model") == "spec_decode"
     assert ens.parameter("max_in_flight") == str(1 * (3 + RepoOptions.max_queue_size))  # instances * (slots + queue)
     # The prompt, as text or as chat messages (a JSON string), goes through the tokenizer stage and on.
-    messages = pipeline.MESSAGES
+    messages = MESSAGES
     assert messages.data_type is DataType.TYPE_STRING and messages.dims == (1,) and messages.optional
     assert messages in ens.input and messages in spec.input and messages in pre.input
     assert [i.name for i in pre.input] == ["text_input", "messages", "parse_special_tokens"]
@@ -200,13 +202,13 @@ def test_render_gpu_instances(ckpt, tmp_path):
 def test_render_refuses_bad_options(ckpt, tmp_path):
     with pytest.raises(RenderError, match="max_tokens_limit: 600 is above the engine's context length 512"):
         render(RepoOptions(engine=str(ckpt), output=str(tmp_path / "a"), max_tokens_limit=600))
-    with pytest.raises(RenderError, match="device: expected cpu or cuda"):
+    with pytest.raises(RenderError, match="device: got 'tpu', expected one of 'cpu', 'cuda'"):
         RepoOptions(engine=str(ckpt), output=str(tmp_path / "a"), device="tpu")
-    with pytest.raises(RenderError, match="max_concurrent_requests: expected an integer >= 1"):
+    with pytest.raises(RenderError, match="max_concurrent_requests: got 0, expected an integer >= 1"):
         RepoOptions(engine=str(ckpt), output=str(tmp_path / "a"), max_concurrent_requests=0)
-    with pytest.raises(RenderError, match=r"unknown option\(s\) \['bogus'\]"):
+    with pytest.raises(RenderError, match=r"options: bogus: unknown key \(value 1\); expected one of engine, output, "):
         RepoOptions.from_mapping({"engine": str(ckpt), "output": "x", "bogus": 1})
-    with pytest.raises(RenderError, match=r"missing required option\(s\) \['output'\]"):
+    with pytest.raises(RenderError, match=r"options: output: missing \(required\)"):
         RepoOptions.from_mapping({"engine": str(ckpt)})
     with pytest.raises(RenderError, match="is not a directory"):
         render(RepoOptions(engine=str(tmp_path / "nope"), output=str(tmp_path / "a")))
@@ -242,9 +244,9 @@ def test_cli_render_and_check(ckpt, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"engine: {ckpt}\nmax_concurent_requests: 5\n")
     assert main(["render", "--config", str(bad), "--output", str(tmp_path / "r2")]) == 2
-    assert "unknown option(s) ['max_concurent_requests']" in capsys.readouterr().err
+    assert f"{bad}: max_concurent_requests: unknown key (value 5)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["render", "--engine", str(ckpt), "--output", str(tmp_path / "r3"), "--slots", "3"])
     assert e.value.code == 2
     assert main(["render", "--engine", str(ckpt), "--output", str(tmp_path / "r4"), "--dtype", "int8"]) == 2
-    assert "dtype: expected float32, bfloat16 or float16, got 'int8'" in capsys.readouterr().err
+    assert "command line: dtype: got 'int8', expected one of 'float32', 'bfloat16', 'float16'" in capsys.readouterr().err

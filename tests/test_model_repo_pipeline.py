@@ -1,6 +1,6 @@
-"""model_repo.pipeline without a server: request parsing (every error names its input), request limits, the
-tokenizer stage, the generation driver over a real SpecDecoder, admission (slots, FIFO queue, KV budget), error
-codes, metrics and config parameters."""
+"""model_repo's serving modules without a server (request, responses, generations, errors, metrics, settings):
+request parsing (every error names its input), request limits, the tokenizer stage, the generation driver over a
+real SpecDecoder, admission (slots, FIFO queue, KV budget), error codes, metrics and config parameters."""
 
 from __future__ import annotations
 
@@ -13,25 +13,20 @@ import numpy as np
 import pytest
 
 import runtime
-from model_repo import pipeline
-from model_repo.pipeline import (
+from model_repo.bls import CANCEL_TOKEN_PARAMETER, CODED_ERRORS_PARAMETER, CancelBoard
+from model_repo.errors import (
     ErrorCode,
-    InputError,
-    CallerOptions,
-    CancelBoard,
-    Generations,
     RequestCancelled,
-    RequestLimits,
     SettingsError,
-    SpecDecodeSettings,
-    SpecMetrics,
+    coded_error_message,
+    decode_error_message,
     error_code,
     error_message,
-    parse_generate_request,
-    preprocess,
-    prompt_ids,
-    run_generation,
 )
+from model_repo.generations import Generations, run_generation
+from model_repo.metrics import METRICS, SpecMetrics
+from model_repo.request import RequestLimits, parse_generate_request, preprocess, prompt_ids
+from model_repo.settings import CallerOptions, EnsembleSettings, PreprocessingSettings, SpecDecodeSettings
 from runtime.batching import SchedulerConfig
 from runtime.errors import CacheError, OverloadedError, RequestError, SchedulerStopped
 from runtime.sampling import SamplingParams
@@ -162,7 +157,16 @@ def test_parse_messages():
         ({"sampling_parameters": s("{not json")}, "sampling_parameters: not valid JSON"),
         ({"sampling_parameters": s('{"temprature": 1}')}, "sampling_parameters: unknown key(s) ['temprature']"),
         ({"sampling_parameters": s('{"max_tokens": 3}')}, "'max_tokens' is also given as the input 'max_tokens'"),
-        ({"sampling_parameters": s('{"stop_token_ids": [-1]}')}, "stop_token_ids must be a list of ints >= 0"),
+        ({"sampling_parameters": s('{"stop_token_ids": [-1]}')},
+         "sampling_parameters.stop_token_ids: expected a list of integers >= 0, got [-1]"),
+        # SamplingParams is the one check; its errors come back in the name of the input the value came from.
+        ({"max_tokens": None, "sampling_parameters": s('{"max_tokens": 3, "top_p": 2}')},
+         "sampling_parameters.top_p: expected a number in (0, 1] (1 = off), got 2"),
+        ({"max_tokens": None, "sampling_parameters": s('{"max_tokens": 500}')},
+         "sampling_parameters.max_tokens: 500 is above this server's limit of 100"),
+        ({"max_tokens": None, "sampling_parameters": s('{"max_tokens": 2.5}')},
+         "sampling_parameters.max_tokens: expected an integer >= 1, got 2.5"),
+        ({"min_tokens": i32(9)}, "min_tokens: expected an integer in [0, max_tokens=8], got 9"),
         ({"input_ids": i32(), "text_input": None}, "input_ids: empty"),
         ({"input_ids": i32(0, 10**6), "text_input": None}, "input_ids: token ids must be in [0,"),
         ({"input_ids": i32(0, 5), "text_input": None, "exclude_input_in_output": b(False)},
@@ -172,7 +176,7 @@ def test_parse_messages():
     ],
 )
 def test_bad_inputs_name_the_input(inputs, message):
-    with pytest.raises(InputError) as e:
+    with pytest.raises(RequestError) as e:
         parse_generate_request(req(**inputs), LIMITS)
     assert message in str(e.value)
     assert error_code(e.value) is ErrorCode.INVALID_ARG
@@ -185,9 +189,9 @@ def test_preprocess_matches_the_decoder(decoder):
     out = preprocess({"text_input": s(PROMPT)}, decoder.tokenizer, decoder.max_context)
     assert out["input_ids"].dtype == np.int32 and out["input_length"].tolist() == [len(out["input_ids"])]
     assert out["input_ids"].tolist() == decoder.encode_prompt(PROMPT)
-    with pytest.raises(InputError, match="text_input: empty"):
+    with pytest.raises(RequestError, match="text_input: empty"):
         preprocess({"text_input": s("")}, decoder.tokenizer, decoder.max_context)
-    with pytest.raises(InputError, match=r"text_input: the prompt is \d+ tokens; the context limit is 64"):
+    with pytest.raises(RequestError, match=r"text_input: the prompt is \d+ tokens; the context limit is 64"):
         preprocess({"text_input": s(PROMPT * 20)}, decoder.tokenizer, decoder.max_context)
 
 
@@ -202,11 +206,11 @@ def test_preprocess_messages_matches_the_decoder(decoder, tmp_path):
         ({"messages": j([{"role": "user", "content": PROMPT * 10}])}, "messages: the prompt is"),
         ({"messages": j(MESSAGES), "input_ids": i32(1)}, "unknown input(s) ['input_ids']"),
     ):
-        with pytest.raises(InputError) as e:
+        with pytest.raises(RequestError) as e:
             preprocess(inputs, decoder.tokenizer, decoder.max_context)
         assert message in str(e.value)
     plain = runtime.load(make_checkpoint(tmp_path / "plain", "llama2"))
-    with pytest.raises(InputError, match="messages: the tokenizer has no chat template"):
+    with pytest.raises(RequestError, match="messages: the tokenizer has no chat template"):
         preprocess({"messages": j(MESSAGES)}, plain.tokenizer, plain.max_context)
 
 
@@ -264,7 +268,7 @@ def test_messages_stream_equals_the_offline_chat(decoder, tmp_path):
     assert sink.text() == ref.text and sink.ids() == list(ref.token_ids)
     assert ref.stats.prompt_tokens == len(decoder.encode_prompt(MESSAGES))
     plain = runtime.load(make_checkpoint(tmp_path / "plain", "llama2"))
-    with pytest.raises(InputError, match="messages: the tokenizer has no chat template"):
+    with pytest.raises(RequestError, match="messages: the tokenizer has no chat template"):
         run_generation(plain, request, ListSink())
 
 
@@ -307,10 +311,10 @@ def test_cancellation_stops_the_generation(decoder):
 
 def test_prompt_too_long_is_an_input_error(decoder):
     request = parse_generate_request(req(text_input=s(PROMPT * 20)), LIMITS)
-    with pytest.raises(InputError, match="text_input: prompt has .* the context limit is 64"):
+    with pytest.raises(RequestError, match="text_input: prompt has .* the context limit is 64"):
         run_generation(decoder, request, ListSink())
     request = parse_generate_request({"input_ids": i32(*[5] * 64), "max_tokens": i32(2)}, LIMITS)
-    with pytest.raises(InputError, match="input_ids: prompt has 64 tokens"):
+    with pytest.raises(RequestError, match="input_ids: prompt has 64 tokens"):
         run_generation(decoder, request, ListSink())
 
 
@@ -434,7 +438,7 @@ def test_generations_kv_budget(decoder):
     # A request whose worst case (prompt + max_tokens + one tree, within the context) can never fit is refused
     # before it is queued, with the largest max_tokens that would fit.
     with Generations(decoder, SchedulerConfig(max_batch_size=4, max_queue_size=4, kv_budget_bytes=need - 1)) as small:
-        with pytest.raises(InputError) as e:
+        with pytest.raises(RequestError) as e:
             _submit(small, ListSink())
     message = str(e.value)
     assert message.startswith("max_tokens: 6 with a 20-token prompt needs ") and "kv_memory_mb" in message
@@ -524,22 +528,22 @@ def test_a_failed_scheduler_ends_every_request_and_is_reported(decoder, monkeypa
 def test_request_limits_are_checked_before_the_work(decoder):
     limits = RequestLimits(max_tokens=100, vocab_size=vocab_size(), max_prompt_bytes=64, max_stop_words=2,
                            max_stop_word_bytes=8)
-    with pytest.raises(InputError, match=r"^text_input: 65 bytes; this server takes prompts of at most 64 bytes "
+    with pytest.raises(RequestError, match=r"^text_input: 65 bytes; this server takes prompts of at most 64 bytes "
                                          r"\(max_prompt_bytes\)"):
         parse_generate_request(req(text_input=s("x" * 65)), limits)
-    with pytest.raises(InputError, match=r"^messages: \d+ bytes; .* at most 64 bytes"):
+    with pytest.raises(RequestError, match=r"^messages: \d+ bytes; .* at most 64 bytes"):
         parse_generate_request(req(text_input=None, messages=j([{"role": "user", "content": "y" * 64}])), limits)
-    with pytest.raises(InputError, match=r"^text_input: 65 bytes"):
+    with pytest.raises(RequestError, match=r"^text_input: 65 bytes"):
         preprocess({"text_input": s("x" * 65)}, decoder.tokenizer, decoder.max_context, max_prompt_bytes=64)
     three = np.array([b"a", b"b", b"c"], dtype=np.object_)
-    with pytest.raises(InputError, match=r"^stop_words: 3 stop strings; this server takes at most 2 "
+    with pytest.raises(RequestError, match=r"^stop_words: 3 stop strings; this server takes at most 2 "
                                          r"\(max_stop_words\)"):
         parse_generate_request(req(stop_words=three), limits)
-    with pytest.raises(InputError, match=r"^stop_words\[1\]: 9 bytes; .* at most 8 bytes \(max_stop_word_bytes\)"):
+    with pytest.raises(RequestError, match=r"^stop_words\[1\]: 9 bytes; .* at most 8 bytes \(max_stop_word_bytes\)"):
         parse_generate_request(req(stop_words=np.array([b"ok", b"123456789"], dtype=np.object_)), limits)
-    with pytest.raises(InputError, match=r"^sampling_parameters.stop: 3 stop strings"):
+    with pytest.raises(RequestError, match=r"^sampling_parameters.stop: 3 stop strings"):
         parse_generate_request(req(sampling_parameters=s('{"stop": ["a", "b", "c"]}')), limits)
-    with pytest.raises(InputError, match=r"^sampling_parameters.stop\[0\]: 9 bytes"):
+    with pytest.raises(RequestError, match=r"^sampling_parameters.stop\[0\]: 9 bytes"):
         parse_generate_request(req(sampling_parameters=s('{"stop": "123456789"}')), limits)
     ok = parse_generate_request(req(stop_words=np.array([b"ab", b"cd"], dtype=np.object_)), limits)
     assert ok.params.stop == ("ab", "cd")
@@ -580,25 +584,24 @@ def test_cancel_board_and_caller_options(tmp_path):
     assert not board.is_marked(token)
     board.close()
     assert not (tmp_path / "board").exists()
-    opts = CallerOptions.from_parameters(json.dumps({pipeline.CANCEL_TOKEN_PARAMETER: token,
-                                                     pipeline.CODED_ERRORS_PARAMETER: True}))
+    opts = CallerOptions.from_parameters(json.dumps({CANCEL_TOKEN_PARAMETER: token, CODED_ERRORS_PARAMETER: True}))
     assert opts == CallerOptions(cancel_token=token, coded_errors=True)
     assert CallerOptions.from_parameters("{}") == CallerOptions() == CallerOptions.from_parameters(None)
-    with pytest.raises(InputError, match="spectree_cancel_token: expected 32 lowercase hex digits"):
-        CallerOptions.from_parameters(json.dumps({pipeline.CANCEL_TOKEN_PARAMETER: "../../etc/passwd"}))
+    with pytest.raises(RequestError, match="spectree_cancel_token: expected 32 lowercase hex digits"):
+        CallerOptions.from_parameters(json.dumps({CANCEL_TOKEN_PARAMETER: "../../etc/passwd"}))
     # Coded error messages survive a BLS hop, which drops the code.
-    for exc in (InputError("top_p: bad"), OverloadedError("overloaded: full"), RequestCancelled("gone"), KeyError("k")):
-        assert pipeline.decode_error_message(pipeline.coded_error_message(exc)) == (error_code(exc),
-                                                                                   pipeline.error_message(exc))
-    assert pipeline.decode_error_message("[NOPE] x") == (ErrorCode.INTERNAL, "[NOPE] x")
+    for exc in (RequestError("top_p: bad"), OverloadedError("overloaded: full"), RequestCancelled("gone"),
+                KeyError("k")):
+        assert decode_error_message(coded_error_message(exc)) == (error_code(exc), error_message(exc))
+    assert decode_error_message("[NOPE] x") == (ErrorCode.INTERNAL, "[NOPE] x")
 
 
 def test_error_codes_and_messages():
     assert error_code(RequestError("x")) is ErrorCode.INVALID_ARG
     assert error_code(CacheError("x")) is ErrorCode.INTERNAL
     assert error_code(KeyError("k")) is ErrorCode.INTERNAL
-    assert pipeline.error_message(KeyError("k")) == "internal error: KeyError: 'k'"
-    assert pipeline.error_message(InputError("top_p: bad")) == "top_p: bad"
+    assert error_message(KeyError("k")) == "internal error: KeyError: 'k'"
+    assert error_message(RequestError("top_p: bad")) == "top_p: bad"
 
 
 class RecordingBackend:
@@ -639,7 +642,7 @@ def test_metrics_follow_the_stats(decoder):
                                          random_seed=np.array([1], dtype=np.uint64)), LIMITS)
     final = run_generation(decoder, sampled, ListSink())
     metrics.finished(None, final)
-    metrics.finished(InputError("x"))
+    metrics.finished(RequestError("x"))
     metrics.finished(RequestCancelled("x"))
     metrics.finished(OverloadedError("overloaded: x"))
     st = final.stats
@@ -652,7 +655,7 @@ def test_metrics_follow_the_stats(decoder):
     assert backend.observations[("spectree_tau", lab)] == [st.tau]
     for outcome in ("completed", "invalid", "cancelled", "overloaded"):
         assert backend.values[("spectree_requests_total", (("model", "spec_decode"), ("outcome", outcome)))] == 1
-    assert {m.name for m in pipeline.METRICS} >= {"spectree_tau", "spectree_accepted_tokens_per_step"}
+    assert {m.name for m in METRICS} >= {"spectree_tau", "spectree_accepted_tokens_per_step"}
 
 
 def settings_params(**over: str) -> dict[str, str]:
@@ -674,14 +677,33 @@ def test_spec_decode_settings_are_strict():
                                                                  kv_budget_bytes=1500, prefill_chunk=64)
     assert SpecDecodeSettings.from_parameters(settings_params(kv_memory_mb="2")).kv_budget_bytes(lambda: 1) == 2 * 2**20
     for over, message in (
-        ({"max_concurrent_requests": "zero"}, "max_concurrent_requests: expected an integer, got 'zero'"),
-        ({"max_concurrent_requests": "0"}, "expected an integer >= 1, got 0"),
-        ({"load_options": "[1]"}, "load_options: expected a JSON object"),
-        ({"device": "tpu"}, "device: expected cpu or cuda"),
+        ({"max_concurrent_requests": "zero"},
+         "spec_decode config parameters: max_concurrent_requests: got 'zero', expected an integer"),
+        ({"max_concurrent_requests": "0"}, "max_concurrent_requests: got 0, expected an integer >= 1"),
+        ({"max_concurrent_requests": "true"}, "max_concurrent_requests: got 'true', expected an integer"),
+        ({"load_options": "[1]"}, "load_options: got [1], expected a mapping"),
+        ({"load_options": "{"}, "load_options: got '{', expected a mapping as JSON text"),
+        ({"device": "tpu"}, "device: got 'tpu', expected one of 'cpu', 'cuda'"),
         ({"verification_above_temperature_0": "greedy"}, "runtime.verify implements 'rejection_sampling'"),
-        ({"extra": "1"}, "unknown ['extra']"),
-        ({"engine_dir": None}, "missing ['engine_dir']"),
+        ({"verification_at_temperature_0": None}, "verification_at_temperature_0: missing (required)"),
+        ({"extra": "1"}, "extra: unknown key (value '1')"),
+        ({"engine_dir": None}, "engine_dir: missing (required)"),
     ):
         with pytest.raises(SettingsError, match=None) as e:
             SpecDecodeSettings.from_parameters(settings_params(**over))
         assert message in str(e.value)
+
+
+def test_preprocessing_and_ensemble_settings_are_strict():
+    assert PreprocessingSettings.from_parameters({"engine_dir": "/e", "max_context": "64", "max_prompt_bytes": "9"}) \
+        == PreprocessingSettings(engine_dir="/e", max_context=64, max_prompt_bytes=9)
+    with pytest.raises(SettingsError, match=r"^pre config parameters: max_context: got 1, expected an integer >= 2$"):
+        PreprocessingSettings.from_parameters({"engine_dir": "/e", "max_context": "1", "max_prompt_bytes": "9"}, "pre")
+    params = {"preprocessing_model": "p", "spec_decode_model": "s", "max_in_flight": "40"}
+    assert EnsembleSettings.from_parameters(params) == EnsembleSettings(preprocessing="p", spec_decode="s",
+                                                                        max_in_flight=40)
+    with pytest.raises(SettingsError, match=r"^ensemble config parameters: max_in_flight: got 'x', expected an "
+                                            r"integer$"):
+        EnsembleSettings.from_parameters({**params, "max_in_flight": "x"})
+    with pytest.raises(SettingsError, match="ensemble config parameters: spec_decode_model: missing"):
+        EnsembleSettings.from_parameters({"preprocessing_model": "p", "max_in_flight": "1"})

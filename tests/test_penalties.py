@@ -242,9 +242,9 @@ def test_no_logprobs_unless_asked(model):
     (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
     (dict(presence_penalty=2.5), r"presence_penalty must be a number in \[-2, 2\]"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
-    (dict(min_tokens=9, max_tokens=8), r"min_tokens must be an int in \[0, max_tokens=8\]"),
+    (dict(min_tokens=9, max_tokens=8), r"min_tokens must be an integer in \[0, max_tokens=8\]"),
     (dict(bad_words=((),)), "bad_words must be a list of non-empty token-id lists"),
-    (dict(logprobs=21), r"logprobs must be None or an int in \[0, 20\]"),
+    (dict(logprobs=21), r"logprobs must be None or an integer in \[0, 20\]"),
 ])
 def test_bad_settings_name_the_field(kw, match):
     with pytest.raises(RequestError, match=match):

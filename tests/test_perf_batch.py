@@ -8,7 +8,8 @@ import json
 import pytest
 
 from perf.__main__ import main
-from perf.batch import BatchBenchConfig, BatchBenchError, Sample, level_requests, summarize
+from perf.batch import BatchBenchConfig, Sample, level_requests, summarize
+from perf.bench import BenchConfigError
 from tests.tiny import make_checkpoint
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -67,12 +68,12 @@ def test_summary_reports_a_differing_batched_output():
 def test_settings_errors_name_the_setting(tiny):
     _, cfg = tiny
     assert level_requests([[1], [2]], 5) == [[1], [2], [1], [2], [1]]
-    with pytest.raises(BatchBenchError, match="exactly one of --config"):
+    with pytest.raises(BenchConfigError, match="exactly one of --config"):
         BatchBenchConfig()
-    with pytest.raises(BatchBenchError, match=r"concurrency: got \[1, 1\]"):
+    with pytest.raises(BenchConfigError, match=r"concurrency: got \[1, 1\]"):
         BatchBenchConfig(config=cfg, concurrency=(1, 1))
-    with pytest.raises(BatchBenchError, match="max_tokens"):
+    with pytest.raises(BenchConfigError, match="max_tokens"):
         BatchBenchConfig(config=cfg, max_tokens=0)
-    with pytest.raises(BatchBenchError, match="kind 'nope'"):
+    with pytest.raises(BenchConfigError, match="kind 'nope'"):
         BatchBenchConfig(config=cfg, drafter="nope")
     assert main(["batch", "--config", str(cfg), "--concurrency", "0"]) == 2

@@ -19,19 +19,22 @@ from perf.__main__ import main
 from perf.bench import (
     BenchConfig,
     BenchConfigError,
-    DrafterSpec,
     Run,
     Variant,
+    VariantSpec,
     check_identity,
     parse_specs,
     split_specs,
     summarize,
 )
 from perf.hf_baseline import HFBaseline
+from runtime.draft_spec import DraftSpec, DynamicTreeOptions, LookupOptions
+from runtime.errors import ConfigError
 from runtime.tokenizer import Tokenizer
+from runtime.tree import Tree
 from perf.machine import expand_out, machine_slug
-from perf.prompt_sets import DEFAULT_SETS, Prompt, PromptFileError, load_prompt_file, load_prompts
-from perf.readme import END, START, ReadmeError, update_readme
+from perf.prompt_sets import DEFAULT_SETS, Prompt, load_prompt_file, load_prompts
+from perf.readme import END, START, update_readme
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.test_chat import CHATML, with_template
 from tests.tiny import make_checkpoint, vocab_size
@@ -185,26 +188,28 @@ def test_config_and_engine_are_exclusive():
 
 
 def test_spec_grammar():
-    s = DrafterSpec.parse("eagle:dynamic+total_tokens=30+depth=4")
-    assert (s.kind, s.tree, s.options, s.name) == ("eagle", "dynamic", (("total_tokens", 30), ("depth", 4)),
-                                                   "eagle:dynamic+total_tokens=30+depth=4")
-    assert DrafterSpec.parse("medusa:[[0],[0,0],[1]]").tree == "[[0],[0,0],[1]]"
-    assert DrafterSpec.parse("lookup+max_ngram=4").options == (("max_ngram", 4),)
-    named = DrafterSpec.parse("tuned=medusa:[[0],[1],[0,0]]+max_draft_len=2")
-    assert (named.name, named.kind, named.tree, named.options) == ("tuned", "medusa", "[[0],[1],[0,0]]",
-                                                                   (("max_draft_len", 2),))
+    s = VariantSpec.parse("eagle:dynamic+total_tokens=30+depth=4")
+    assert (s.draft.kind, s.draft.tree, s.draft.dynamic, s.name) == (
+        "eagle", "dynamic", DynamicTreeOptions(total_tokens=30, depth=4), "eagle:dynamic+total_tokens=30+depth=4")
+    assert VariantSpec.parse("medusa:[[0],[0,0],[1]]").draft.tree == Tree.from_choices([[0], [0, 0], [1]])
+    assert VariantSpec.parse("lookup+max_ngram=4").draft.lookup == LookupOptions(max_ngram=4)
+    named = VariantSpec.parse("tuned=medusa:[[0],[1],[0,0]]+max_draft_len=2")
+    assert (named.name, named.draft) == ("tuned", DraftSpec("medusa", tree=Tree.from_choices([[0], [1], [0, 0]]),
+                                                            max_draft_len=2))
+    assert VariantSpec.parse("plain").draft == DraftSpec("none") and VariantSpec.parse("eagle").configured
+    assert not VariantSpec.parse("eagle:dynamic").configured
     assert split_specs("lookup, medusa:[[0],[1],[0,0]] ,eagle:chain-2") == ["lookup", "medusa:[[0],[1],[0,0]]",
                                                                            "eagle:chain-2"]
-    assert [s.kind for s in parse_specs("medusa:mc_sim_7b_63,eagle,lookup")] == ["medusa", "eagle", "lookup"]
+    assert [s.draft.kind for s in parse_specs("medusa:mc_sim_7b_63,eagle,lookup")] == ["medusa", "eagle", "lookup"]
 
 
 @pytest.mark.parametrize("text,message", [
     ("", "empty string"),
-    ("beam", "kind 'beam' is not one of"),
+    ("beam", "unknown drafter kind 'beam'"),
     ("medusa:", "empty tree"),
     ("medusa:nonsense", "unknown tree preset 'nonsense'"),
     ("medusa:[[0,0]]", "tree"),
-    ("lookup:chain-2", "lookup builds its trees"),
+    ("lookup:chain-2", "'lookup' builds its own trees"),
     ("lookup+max_ngram", "KEY=VALUE"),
     ("lookup+a=1+a=2", "given twice"),
     ("medusa+max_draft_len=0", "max_draft_len: got 0"),
@@ -213,7 +218,7 @@ def test_spec_grammar():
 ])
 def test_spec_errors_name_the_spec(text, message):
     with pytest.raises(BenchConfigError) as info:
-        DrafterSpec.parse(text)
+        VariantSpec.parse(text)
     assert message in str(info.value)
 
 
@@ -314,7 +319,7 @@ def test_prompt_ids_default_to_line_numbers(tmp_path):
     assert [(p.set, p.id, p.text) for p in load_prompt_file(path)] == [
         ("held", "line-1", "def a():"), ("held", "line-3", "def b():"), ("held", "line-9", "x")]
     path.write_text('{"prompt": "a"}\n{"id": "line-1", "prompt": "b"}\n')
-    with pytest.raises(PromptFileError, match="id 'line-1' repeats the id on line 1"):
+    with pytest.raises(ConfigError, match="id 'line-1' repeats the id on line 1"):
         load_prompt_file(path)
 
 
@@ -330,7 +335,7 @@ def test_prompt_ids_default_to_line_numbers(tmp_path):
 def test_prompt_file_errors_name_file_and_line(tmp_path, content, message):
     path = tmp_path / "set.jsonl"
     path.write_text(content)
-    with pytest.raises(PromptFileError) as info:
+    with pytest.raises(ConfigError) as info:
         load_prompt_file(path)
     assert str(path) in str(info.value) and message in str(info.value)
 
@@ -339,7 +344,7 @@ def test_two_prompt_files_with_one_name(tmp_path):
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "set.jsonl").write_text('{"id": "x", "prompt": "y"}\n')
-    with pytest.raises(PromptFileError, match="same set name 'set'"):
+    with pytest.raises(ConfigError, match="same set name 'set'"):
         load_prompts([tmp_path / "a" / "set.jsonl", tmp_path / "b" / "set.jsonl"])
 
 
@@ -363,9 +368,9 @@ def test_readme_shows_the_latest_results(bench_run, tmp_path):
     assert "old table" not in text and text.startswith("# perf\n\nintro") and text.endswith("after\n")
     assert "| medusa:chain-2 |" in text and "](results/2000-01-01-test/speedup_by_tree_size.png)" in text
     (tmp_path / "README.md").write_text("no markers\n")
-    with pytest.raises(ReadmeError, match="expected the markers"):
+    with pytest.raises(ConfigError, match="expected the markers"):
         update_readme(tmp_path / "README.md", out.parent)
-    with pytest.raises(ReadmeError, match="no results directory"):
+    with pytest.raises(ConfigError, match="no results directory"):
         update_readme(readme, tmp_path)
 
 

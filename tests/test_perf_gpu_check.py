@@ -8,7 +8,8 @@ import json
 import pytest
 
 from perf.__main__ import main
-from perf.gpu_check import GpuCheckConfig, GpuCheckError, Shapes, run_gpu_check
+from perf.gpu_check import GpuCheckConfig, Shapes, run_gpu_check
+from runtime.errors import ConfigError
 from tests.tiny import make_checkpoint
 
 
@@ -57,7 +58,7 @@ def test_full_shapes_are_the_issue_s(tmp_path):
     assert full.verify_model["hidden_size"] == 4096 and full.verify_model["num_hidden_layers"] == 32
     assert full.verify_model["num_key_value_heads"] == 8  # GQA, as Llama-3-8B
     assert any(c[1] != c[2] for c in full.kernel_cases) and max(c[4] for c in full.kernel_cases) >= 4096
-    with pytest.raises(GpuCheckError, match="e2e_draft"):
+    with pytest.raises(ConfigError, match="e2e_draft"):
         GpuCheckConfig(e2e_draft="beam")
 
 
@@ -66,7 +67,7 @@ def test_needs_cuda_outside_dry_run(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    with pytest.raises(GpuCheckError, match="needs a CUDA device"):
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
         run_gpu_check(GpuCheckConfig(out=str(tmp_path)))
 
 

@@ -15,13 +15,13 @@ from perf.prompt_sets import Prompt
 from perf.serve import (
     ProfileExportError,
     ServeConfig,
-    ServeConfigError,
     input_data,
     level_metrics,
     parse_concurrency,
     read_csv,
     request_tokens,
 )
+from runtime.errors import ConfigError
 from tests.tiny import make_checkpoint
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -145,7 +145,7 @@ def test_concurrency_levels():
     assert parse_concurrency("1,2,4,8") == (1, 2, 4, 8)
     assert parse_concurrency("4") == (4,)
     for bad in ("0:2", "4:1", "1:2:0", "a", "2,1", "1,1", "1:2:3:4", ""):
-        with pytest.raises(ServeConfigError, match="--concurrency"):
+        with pytest.raises(ConfigError, match="--concurrency"):
             parse_concurrency(bad)
 
 
@@ -158,7 +158,7 @@ def test_concurrency_levels():
     ({"tokenizer": "/nonexistent"}, "has no tokenizer.json"),
 ])
 def test_serve_config_errors(kwargs, message):
-    with pytest.raises(ServeConfigError) as info:
+    with pytest.raises(ConfigError) as info:
         ServeConfig(**{"url": "127.0.0.1:8001", "model": "ensemble", **kwargs})
     assert message in str(info.value)
 

@@ -14,13 +14,13 @@ from perf.__main__ import main
 from perf.verify_cost import (
     Case,
     VerifyCostConfig,
-    VerifyCostError,
     schedule,
     summarize,
     time_cases,
     verify_input,
 )
 from plugins.tree_attention.mask import ancestor_mask, unpack_mask
+from runtime.errors import ConfigError
 from tests.tiny import make_checkpoint
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -80,7 +80,7 @@ def test_op_breakdown_classes():
     assert b["ms_per_forward"] == pytest.approx(0.5)
     assert b["share"] == pytest.approx({"matmul": 0.6, "attention": 0.2, "other": 0.2})
     assert [o["op"] for o in b["top_other"]] == ["aten::copy_", "aten::add"]
-    with pytest.raises(VerifyCostError, match=r"profile: got \[16\], expected sizes among --sizes"):
+    with pytest.raises(ConfigError, match=r"profile: got \[16\], expected sizes among --sizes"):
         VerifyCostConfig(checkpoint=Path("x"), sizes=(1, 4), profile=(16,))
 
 
@@ -111,7 +111,7 @@ def test_verify_cost_bad_input_exits_2_naming_the_setting(ckpt, tmp_path, capsys
 
 
 def test_config_needs_exactly_one_source():
-    with pytest.raises(VerifyCostError, match="exactly one of --config"):
+    with pytest.raises(ConfigError, match="exactly one of --config"):
         VerifyCostConfig()
 
 

@@ -36,19 +36,19 @@ def test_normalisation():
         ({"temperature": float("nan")}, "temperature .* got nan"),
         ({"temperature": float("inf")}, "temperature .* got inf"),
         ({"temperature": "1"}, "temperature .* got '1'"),
-        ({"top_k": -1}, "top_k must be an int >= 0.*-1"),
-        ({"top_k": 2.0}, "top_k must be an int"),
-        ({"top_k": True}, "top_k must be an int"),
+        ({"top_k": -1}, "top_k must be an integer >= 0.*-1"),
+        ({"top_k": 2.0}, "top_k must be an integer"),
+        ({"top_k": True}, "top_k must be an integer"),
         ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\].*0.0"),
         ({"top_p": 1.5}, r"top_p .* 1.5"),
         ({"top_p": float("nan")}, "top_p"),
-        ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
-        ({"seed": -1}, r"seed must be None or an int in \[0, 2\*\*64 - 1\], got -1"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+        ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64 - 1\], got -1"),
         ({"seed": 2**64}, "seed .* got 18446744073709551616"),
         ({"seed": 1.0}, "seed"),
         ({"stop": ["ok", ""]}, "stop must be a list of non-empty strings"),
         ({"stop": [1]}, "stop must be"),
-        ({"stop_token_ids": [3, -2]}, "stop_token_ids must be a list of ints >= 0"),
+        ({"stop_token_ids": [3, -2]}, "stop_token_ids must be a list of integers >= 0"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool"),
     ],
 )
@@ -56,6 +56,10 @@ def test_validation(kwargs, message):
     with pytest.raises(RequestError, match=message) as info:
         SamplingParams(**kwargs)
     assert isinstance(info.value, ValueError)
+    # The field, the expectation and the value, for front ends that restate the error in their own input names.
+    field = next(iter(kwargs))
+    assert (info.value.field, info.value.value) == (field, kwargs[field])
+    assert str(info.value) == f"{field} must be {info.value.expected}, got {info.value.value!r}"
 
 
 def _hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

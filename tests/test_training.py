@@ -153,6 +153,9 @@ def test_bad_training_configs_name_the_key(corpus, tmp_path):
         parse_train_config({**base, "target": {**base["target"], "num_key_value_heads": 3}})
     with pytest.raises(TrainConfigError, match=r"target.train.lrr: unknown key"):
         parse_train_config({**base, "target": {**base["target"], "train": {"lrr": 1.0}}})
+    # bounds are declared on the fields: the error names the whole key path (heads.medusa.train, not train)
+    with pytest.raises(TrainConfigError, match=r"target.train.min_lr_ratio: got 1.5, expected a number in \[0, 1\]"):
+        parse_train_config({**base, "target": {**base["target"], "train": _train(min_lr_ratio=1.5)}})
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(CorpusError, match="0 training and 0 held-out"):

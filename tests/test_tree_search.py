@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from runtime.tree import Tree
-from runtime.tree_search import (
+from builder.tree_search import (
     TreeSearchError,
     best_tree,
     expected_tokens,

@@ -310,10 +310,6 @@ _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 MAX_STATIC_SHARED = 48 * 1024  # bytes a launch may use without cuFuncSetAttribute, which TensorRT does not call
 
 
-class AotCompileError(RuntimeError):
-    """The compiled kernel needs a launch feature TensorRT's ahead-of-time launch cannot provide."""
-
-
 @dataclass(frozen=True)
 class AotKernel:
     name: str  # PTX entry point
@@ -372,7 +368,7 @@ def compile_aot(
             break
         tried.append(f"BLOCK_N {tiles.block_n} x {tiles.num_stages} stages: {compiled.metadata.shared} bytes")
     else:
-        raise AotCompileError(
+        raise RuntimeError(
             f"no tile config of tree_attention_kernel for {dtype}, head_dim {head_dim}, BLOCK_M {block_m} fits "
             f"{MAX_STATIC_SHARED} bytes of shared memory: " + "; ".join(tried)
         )
@@ -385,7 +381,7 @@ def compile_aot(
     if getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
         problems.append("a cooperative / programmatic-dependent launch")
     if problems:
-        raise AotCompileError(f"{md.name} for {dtype}, head_dim {head_dim}, sm_{arch} needs " + "; ".join(problems))
+        raise RuntimeError(f"{md.name} for {dtype}, head_dim {head_dim}, sm_{arch} needs " + "; ".join(problems))
     ptx = compiled.asm["ptx"]
     return AotKernel(
         name=md.name,
@@ -402,5 +398,5 @@ def count_ptx_params(ptx: str, entry: str) -> int:
     """Number of .param entries of `.entry <entry>(...)` in PTX text."""
     match = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\((.*?)\)", ptx, re.S)
     if match is None:
-        raise AotCompileError(f"no .entry {entry} in the PTX")
+        raise RuntimeError(f"no .entry {entry} in the PTX")
     return len(re.findall(r"\.param\b", match.group(1)))

@@ -23,10 +23,6 @@ import plugins.tree_attention.op  # noqa: F401  (registers torch.ops.spectree.tr
 from plugins.tree_attention.spec import ONNX_DOMAIN, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 
-class OnnxScriptUnavailableError(ImportError):
-    """onnxscript (needed by torch's ONNX exporter for custom ops) is not installed."""
-
-
 def plugin_schema() -> onnx.defs.OpSchema:
     """The ONNX schema of the plugin node (onnxscript refuses to emit an op without one)."""
     schema = onnx.defs.OpSchema
@@ -62,7 +58,7 @@ def onnx_translation_table() -> dict[Callable, Callable]:
     try:
         import onnxscript
     except ImportError as exc:
-        raise OnnxScriptUnavailableError(
+        raise ImportError(
             "exporting the tree-attention op to ONNX needs the `onnxscript` package (torch's ONNX exporter "
             "translates custom ops with it): pip install onnxscript"
         ) from exc

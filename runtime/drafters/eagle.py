@@ -42,6 +42,7 @@ from torch import nn
 
 from plugins.tree_attention.mask import ancestor_mask, pack_mask
 from runtime.config import ModelConfig
+from runtime.draft_spec import DYNAMIC, DraftSpec, DynamicTreeOptions
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
@@ -61,26 +62,6 @@ _MIN_CACHE = 256  # initial head-cache capacity beyond the prompt; doubled on de
 
 class DraftStateError(SpectreeError, RuntimeError):
     """A session was driven out of order (e.g. advance() whose first token is not the drafted root)."""
-
-
-@dataclass(frozen=True)
-class DynamicTreeOptions:
-    """EAGLE-2 dynamic tree, with EAGLE-2's own parameter meanings (SafeAILab/EAGLE `topK_generate`).
-
-    total_tokens  tree size, root included (EAGLE-2's total_token; the paper uses 60).
-    depth         expansion rounds after the root's top_k: the tree is at most depth + 1 deep.
-    top_k         children per expanded node and frontier width.
-    """
-
-    total_tokens: int = 60
-    depth: int = 5
-    top_k: int = 10
-
-    def __post_init__(self) -> None:
-        for name, minimum in (("total_tokens", 1), ("depth", 0), ("top_k", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"EAGLE dynamic-tree option {name} must be an integer >= {minimum}, got {value!r}")
 
 
 class EagleHead(nn.Module):
@@ -328,6 +309,11 @@ class EagleDrafter:
         # each drafting step reads K x H instead of V x H).
         weight = model.lm_head_weight
         self.lm_weight = weight if head.vocab is None else weight[head.vocab.target_ids.to(weight.device)].contiguous()
+
+    @property
+    def spec(self) -> DraftSpec:
+        """What it drafts: its static tree, or the dynamic tree and its options (the weights path is not kept)."""
+        return DraftSpec("eagle", tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""

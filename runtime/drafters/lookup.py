@@ -14,51 +14,16 @@ the sequence length.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
+from runtime.draft_spec import DraftSpec, LookupOptions
 from runtime.errors import ConfigError
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
 
 # Occurrences looked at per n-gram length and draft (most recent first).
 _SCAN_PER_NGRAM = 64
-
-
-@dataclass(frozen=True)
-class LookupOptions:
-    """Bounds of one lookup draft.
-
-    max_ngram / min_ngram   suffix lengths tried, longest first (min_ngram >= 1).
-    num_draft_tokens        draft nodes per tree, root excluded (also bounded by the session's max_nodes).
-    max_depth               longest continuation copied from one occurrence (None: num_draft_tokens).
-    max_branches            distinct continuations merged into the tree (1: a plain chain, PLD's original form).
-    """
-
-    max_ngram: int = 3
-    min_ngram: int = 1
-    num_draft_tokens: int = 10
-    max_depth: int | None = 6
-    max_branches: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("max_ngram", "min_ngram", "num_draft_tokens", "max_branches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"lookup option {name} must be an integer >= 1, got {value!r}")
-        if self.min_ngram > self.max_ngram:
-            raise ConfigError(
-                f"lookup option min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
-            )
-        if self.max_depth is not None and (
-            not isinstance(self.max_depth, int) or isinstance(self.max_depth, bool) or self.max_depth < 1
-        ):
-            raise ConfigError(f"lookup option max_depth must be an integer >= 1 or None, got {self.max_depth!r}")
-
-    @property
-    def depth_limit(self) -> int:
-        return self.num_draft_tokens if self.max_depth is None else min(self.max_depth, self.num_draft_tokens)
 
 
 class LookupDrafter:
@@ -68,6 +33,11 @@ class LookupDrafter:
 
     def __init__(self, options: LookupOptions | None = None) -> None:
         self.options = options if options is not None else LookupOptions()
+
+    @property
+    def spec(self) -> DraftSpec:
+        """What it drafts: lookup with its options."""
+        return DraftSpec("lookup", lookup=self.options)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor | None, max_nodes: int) -> LookupSession:
         """prompt # [P] int64; hidden is ignored (lookup needs no hidden states)."""

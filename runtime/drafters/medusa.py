@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.draft_spec import DraftSpec
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import read_json_object
@@ -219,6 +220,11 @@ class MedusaDrafter:
             )
         self.heads = heads
         self.tree = tree
+
+    @property
+    def spec(self) -> DraftSpec:
+        """What it drafts: its static tree (the weights path is not kept)."""
+        return DraftSpec("medusa", tree=self.tree)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> MedusaSession:
         """prompt # [P] int64; hidden # [P, H]: h_0 .. h_{P-1}."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.draft_spec import DraftSpec
 from runtime.errors import ConfigError
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
@@ -12,6 +13,11 @@ from runtime.tree import Tree
 
 class NoneDrafter:
     name = "none"
+
+    @property
+    def spec(self) -> DraftSpec:
+        """What it drafts: root-only trees."""
+        return DraftSpec("none")
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor | None, max_nodes: int) -> NoneSession:
         if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:

@@ -1,0 +1,518 @@
+"""A request's inputs, read and validated before it costs anything: `parse_generate_request` (spec_decode's
+inputs -> a GenerateRequest: it maps wire names and types onto runtime.sampling.SamplingParams, whose checks are
+the one check of every sampling field; every error a runtime.errors.RequestError naming the input), `RequestLimits`
+(the server's limits), `split_batch` (the ensemble's batch rows), and the tokenizer stage (`preprocess`,
+`prompt_ids`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from model_repo.contract import (
+    MESSAGES,
+    NUMPY_DTYPES,
+    PARSE_SPECIAL_TOKENS,
+    PREPROCESSING_INPUTS,
+    SPEC_DECODE_INPUTS,
+    TEXT_INPUT,
+    Inputs,
+)
+from model_repo.errors import SettingsError
+from model_repo.schema import DataType, ModelInput
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams
+from runtime.tokenizer import ChatMessage, chat_messages
+
+# ---- reading inputs -------------------------------------------------------------------------------------
+
+
+def _array(inputs: Inputs, spec: ModelInput) -> np.ndarray | None:
+    value = inputs.get(spec.name)
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    expected = NUMPY_DTYPES[spec.data_type]
+    ok = arr.dtype == expected or (spec.data_type is DataType.TYPE_STRING and arr.dtype.kind in ("S", "U", "O"))
+    if not ok:
+        raise RequestError(f"{spec.name}: expected {spec.data_type.wire} ({spec.data_type.name}), "
+                           f"got numpy {arr.dtype}")
+    return arr
+
+
+def _scalar(inputs: Inputs, spec: ModelInput) -> Any:
+    arr = _array(inputs, spec)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise RequestError(f"{spec.name}: expected exactly one value (shape [1]), got shape {list(arr.shape)}")
+    value = arr.reshape(-1)[0]
+    if spec.data_type is DataType.TYPE_STRING:
+        return text_value(value, spec.name)
+    return value.item()
+
+
+def text_value(value: Any, name: str) -> str:
+    """One element of a STRING tensor as text (UTF-8); RequestError names the input `name`."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{name}: not valid UTF-8 ({exc})") from exc
+    if isinstance(value, str):
+        return value
+    raise RequestError(f"{name}: expected text (bytes), got {type(value).__name__}")
+
+
+def _texts(inputs: Inputs, spec: ModelInput) -> tuple[str, ...]:
+    arr = _array(inputs, spec)
+    if arr is None:
+        return ()
+    return tuple(text_value(v, spec.name) for v in arr.reshape(-1))
+
+
+_SPEC = {s.name: s for s in SPEC_DECODE_INPUTS}
+
+
+def _messages(inputs: Inputs) -> tuple[ChatMessage, ...] | None:
+    """The messages input: JSON text of [{"role": ..., "content": ...}, ...], validated by the runtime's
+    `chat_messages` (errors name the index, key and value)."""
+    raw = _scalar(inputs, MESSAGES)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"messages: not valid JSON ({exc}); expected a JSON array of {{role, content}}") from exc
+    return chat_messages(data, MESSAGES.name)
+
+
+def _text_or_messages(inputs: Inputs, ids_given: bool = False) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    """(text_input, messages): exactly one of them, or neither when the prompt came as input_ids."""
+    text = _scalar(inputs, TEXT_INPUT)
+    messages = _messages(inputs)
+    if text is not None and messages is not None:
+        raise RequestError("text_input and messages: both given; give exactly one (text_input: the prompt text, "
+                         "messages: a JSON array of {role, content})")
+    if text is None and messages is None and not ids_given:
+        raise RequestError("text_input: missing; expected the prompt text (STRING [1]), or messages (a JSON array of "
+                         "{role, content})")
+    if text is not None and not text and not ids_given:
+        raise RequestError("text_input: empty; expected a non-empty prompt")
+    return text, messages
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Server-side limits on a request (from the model config; None: no limit). Every one is checked before
+    the request costs anything: prompt bytes before decoding or tokenising, stop strings before the decode loop
+    would scan them at every step."""
+
+    max_tokens: int  # the largest max_tokens a request may ask for
+    vocab_size: int  # end_id / input_ids must be below this
+    max_prompt_bytes: int | None = None  # text_input / messages size (the render option max_prompt_bytes)
+    max_stop_words: int | None = None  # stop strings per request (entries of stop_words, or sampling_parameters.stop)
+    max_stop_word_bytes: int | None = None  # UTF-8 bytes per stop string
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "vocab_size", "max_prompt_bytes", "max_stop_words", "max_stop_word_bytes"):
+            v = getattr(self, name)
+            if v is None and name not in ("max_tokens", "vocab_size"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SettingsError(f"RequestLimits.{name} must be an int >= 1, got {v!r}")
+
+
+def check_prompt_bytes(inputs: Inputs, limit: int | None) -> None:
+    """text_input / messages may hold at most `limit` bytes; checked before they are decoded or tokenised (so an
+    oversized prompt costs a length check, not a tokenisation)."""
+    if limit is None:
+        return
+    for spec in (TEXT_INPUT, MESSAGES):
+        value = inputs.get(spec.name)
+        if value is None:
+            continue
+        size = sum(len(v) for v in np.asarray(value).reshape(-1) if isinstance(v, (bytes, str)))
+        if size > limit:
+            raise RequestError(f"{spec.name}: {size} bytes; this server takes prompts of at most {limit} bytes "
+                             "(max_prompt_bytes)")
+
+
+def _check_stop(stop: Any, source: str, limits: RequestLimits) -> None:
+    if not isinstance(stop, (list, tuple)):
+        return  # SamplingParams names the type error
+    if limits.max_stop_words is not None and len(stop) > limits.max_stop_words:
+        raise RequestError(f"{source}: {len(stop)} stop strings; this server takes at most {limits.max_stop_words} "
+                         "(max_stop_words)")
+    if limits.max_stop_word_bytes is not None:
+        for i, word in enumerate(stop):
+            size = len(word.encode("utf-8")) if isinstance(word, str) else 0
+            if size > limits.max_stop_word_bytes:
+                raise RequestError(f"{source}[{i}]: {size} bytes; this server takes stop strings of at most "
+                                 f"{limits.max_stop_word_bytes} bytes (max_stop_word_bytes)")
+
+
+@dataclass
+class RequestTiming:
+    """When a request's responses went out, for the latency metrics (monotonic seconds; mutable, per request)."""
+
+    arrival: float = field(default_factory=time.monotonic)  # parsed on arrival at the model
+    first_token_s: float | None = None  # arrival -> the first response with tokens
+    last: float | None = None  # the latest response with tokens
+    gaps: list[tuple[float, int]] = field(default_factory=list)  # (time since the previous response, its tokens)
+
+    def sent(self, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.first_token_s = now - self.arrival
+        else:
+            self.gaps.append((now - self.last, tokens))
+        self.last = now
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str | tuple[int, ...] | tuple[ChatMessage, ...]  # what the decoder encodes (text, messages) or takes
+    prompt_source: str  # the input the prompt came from: "text_input" | "messages" | "input_ids"
+    echo: str  # text put before the first delta ("" unless exclude_input_in_output is false)
+    params: SamplingParams
+    stream: bool
+    parse_special_tokens: bool = False  # text_input: special-token text becomes special tokens (default: literal)
+    return_log_probs: bool = False  # cum_log_probs / output_log_probs outputs
+    top_log_probs: int = 0  # top_log_probs / top_log_probs_ids outputs with this many alternatives
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    timing: RequestTiming = field(default_factory=RequestTiming, compare=False)  # starts at parsing (arrival)
+
+
+# sampling_parameters (vLLM's JSON) keys -> SamplingParams fields; a key may not repeat a tensor input.
+_JSON_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "max_tokens": "max_tokens",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "min_tokens": "min_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "bad_words": "bad_words",
+    "logprobs": "logprobs",
+    "n": "n",
+    "best_of": "best_of",
+}
+_TENSOR_FOR_FIELD = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed / random_seed",
+                     "max_tokens": "max_tokens", "stop": "stop_words", "min_tokens": "min_tokens",
+                     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                     "frequency_penalty": "frequency_penalty", "bad_words": "bad_words",
+                     "logprobs": "num_top_log_probs"}
+# vLLM's sample client sends every value as a string ({"temperature": "0.1", "max_tokens": "100"}); vllm_backend
+# converts them by the field's type, and so do we.
+_JSON_TYPES: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "max_tokens": int,
+                                "min_tokens": int, "repetition_penalty": float, "presence_penalty": float,
+                                "frequency_penalty": float, "logprobs": int, "n": int, "best_of": int,
+                                "ignore_eos": bool}
+
+
+def _sampling_json(text: str) -> dict[str, Any]:
+    name = "sampling_parameters"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"{name}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise RequestError(f"{name}: expected a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_JSON_KEYS))
+    if unknown:
+        raise RequestError(f"{name}: unknown key(s) {unknown}; accepted: {sorted(_JSON_KEYS)}")
+    out = {_JSON_KEYS[k]: _json_value(k, v) for k, v in data.items()}
+    for key in ("n", "best_of"):
+        if out.pop(key, 1) not in (1, None):
+            raise RequestError(f"{name}: {key} = {data[key]!r}; this server returns one sequence per request "
+                             "(send the request again, with another seed, for more)")
+    if out.get("top_k") == -1:  # vLLM spells "top-k off" as -1
+        out["top_k"] = 0
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    return out
+
+
+def _json_value(key: str, value: Any) -> Any:
+    kind = _JSON_TYPES.get(key)
+    if kind is None or not isinstance(value, str):
+        return value
+    try:
+        if kind is bool:
+            if value.strip().lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.strip().lower() in ("true", "1")
+        return kind(value)
+    except ValueError:
+        raise RequestError(f"sampling_parameters: {key} = {value!r} is not {'an' if kind is int else 'a'} "
+                         f"{kind.__name__}") from None
+
+
+def _bad_words(words: Any, source: str, tokenizer: Any, limits: RequestLimits) -> tuple[tuple[int, ...], ...]:
+    """Bad words (text) -> token-id sequences, each encoded on its own as tensorrtllm_backend's preprocessing does
+    (no BOS, special-token text literal); at most max_stop_words of max_stop_word_bytes each."""
+    if isinstance(words, str):
+        words = [words]
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise RequestError(f"{source}: expected a list of strings, got {words!r}"[:200])
+    words = [w for w in words if w]
+    if limits.max_stop_words is not None and len(words) > limits.max_stop_words:
+        raise RequestError(f"{source}: {len(words)} bad words; this server takes at most {limits.max_stop_words} "
+                         "(max_stop_words)")
+    for i, word in enumerate(words):
+        if limits.max_stop_word_bytes is not None and len(word.encode("utf-8")) > limits.max_stop_word_bytes:
+            raise RequestError(f"{source}[{i}]: {len(word.encode('utf-8'))} bytes; this server takes bad words of at "
+                             f"most {limits.max_stop_word_bytes} bytes (max_stop_word_bytes)")
+    if words and tokenizer is None:
+        raise RequestError(f"{source}: this model has no tokenizer to encode bad words with")
+    return tuple(ids for ids in (tuple(tokenizer.encode(w, add_bos=False, parse_special=False)) for w in words)
+                 if ids)
+
+
+def _one_sequence(inputs: Inputs, name: str) -> None:
+    value = _scalar(inputs, _SPEC[name])
+    if value is not None and value != 1:
+        raise RequestError(f"{name}: {value}; this server generates one sequence per request (tree speculative "
+                         "decoding with lossless verification has no beam search): send 1, or send the request "
+                         "again with another seed")
+
+
+def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any = None) -> GenerateRequest:
+    """Triton-style inputs (name -> numpy array) -> a validated GenerateRequest; RequestError names the input.
+    tokenizer: encodes bad_words (a request with bad words needs it)."""
+    unknown = sorted(set(inputs) - set(_SPEC))
+    if unknown:
+        raise RequestError(f"unknown input(s) {unknown}; this model takes {sorted(_SPEC)}")
+    check_prompt_bytes(inputs, limits.max_prompt_bytes)
+    ids_arr = _array(inputs, _SPEC["input_ids"])
+    text, messages = _text_or_messages(inputs, ids_given=ids_arr is not None)
+    prompt: str | tuple[int, ...] | tuple[ChatMessage, ...]
+    if ids_arr is not None:
+        if ids_arr.size == 0:
+            raise RequestError("input_ids: empty; expected at least one token id")
+        ids = tuple(int(t) for t in ids_arr.reshape(-1))
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids: token ids must be in [0, {limits.vocab_size}), got {bad[:5]}")
+        prompt, source = ids, "input_ids"
+    elif messages is not None:
+        prompt, source = messages, "messages"
+    else:
+        prompt, source = text, "text_input"
+
+    # SamplingParams fields, each with the input it came from: SamplingParams checks them (the one check), and its
+    # error is restated here in the input's name.
+    fields: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+
+    def given(key: str, value: Any, wire: str) -> None:
+        fields[key] = value
+        origin[key] = wire
+
+    for name, key in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_k", "top_k"),
+                      ("top_p", "top_p"), ("random_seed", "seed")):
+        value = _scalar(inputs, _SPEC[name])
+        if value is not None:
+            given(key, value, name)
+    stop_arr = _array(inputs, _SPEC["stop_words"])
+    if stop_arr is not None:  # counted before decoding (empty entries are padding, as in trtllm, but count here)
+        _check_stop(list(stop_arr.reshape(-1)), "stop_words", limits)
+    stop = tuple(s for s in _texts(inputs, _SPEC["stop_words"]) if s)
+    if stop:
+        given("stop", stop, "stop_words")
+    bad_arr = _array(inputs, _SPEC["bad_words"])
+    if bad_arr is not None:
+        count = sum(1 for v in bad_arr.reshape(-1) if len(v))  # counted before decoding; "" entries are padding
+        if limits.max_stop_words is not None and count > limits.max_stop_words:
+            raise RequestError(f"bad_words: {count} bad words; this server takes at most {limits.max_stop_words} "
+                             "(max_stop_words)")
+        bad = _bad_words(list(_texts(inputs, _SPEC["bad_words"])), "bad_words", tokenizer, limits)
+        if bad:
+            given("bad_words", bad, "bad_words")
+    seed = _scalar(inputs, _SPEC["seed"])
+    if seed is not None:
+        if "seed" in fields:
+            raise RequestError("seed and random_seed: both given; give one (seed is tensorrtllm_backend's current "
+                             "name, random_seed its older one)")
+        given("seed", seed, "seed")
+    for name in ("min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = _scalar(inputs, _SPEC[name])
+        if value is not None:
+            given(name, value, name)
+    top = _scalar(inputs, _SPEC["num_top_log_probs"])
+    if top is not None:
+        given("logprobs", top, "num_top_log_probs")
+    pad_id = _scalar(inputs, _SPEC["pad_id"])
+    if pad_id is not None and not 0 <= pad_id < limits.vocab_size:  # accepted: responses are never padded
+        raise RequestError(f"pad_id: expected a token id in [0, {limits.vocab_size}), got {pad_id}")
+    for name in ("num_return_sequences", "beam_width"):
+        _one_sequence(inputs, name)
+    end_id = _scalar(inputs, _SPEC["end_id"])
+    if end_id is not None:
+        if not 0 <= end_id < limits.vocab_size:
+            raise RequestError(f"end_id: expected a token id in [0, {limits.vocab_size}), got {end_id}")
+        # end_id replaces the model's EOS tokens (tensorrtllm_backend's meaning).
+        given("stop_token_ids", (end_id,), "end_id")
+        given("ignore_eos", True, "end_id")
+    sp_text = _scalar(inputs, _SPEC["sampling_parameters"])
+    if sp_text is not None and sp_text.strip():
+        json_fields = _sampling_json(sp_text)
+        _check_stop(json_fields.get("stop"), "sampling_parameters.stop", limits)
+        if "bad_words" in json_fields:
+            json_fields["bad_words"] = _bad_words(json_fields["bad_words"], "sampling_parameters.bad_words",
+                                                  tokenizer, limits)
+        for key, value in json_fields.items():
+            if key in fields:
+                tensor = _TENSOR_FOR_FIELD.get(key, "end_id")
+                raise RequestError(f"sampling_parameters: {key!r} is also given as the input {tensor!r}; give it once")
+            given(key, value, f"sampling_parameters.{key}")
+    if stop:
+        _check_stop(list(stop), "stop_words", limits)  # byte sizes, now decoded
+
+    if "max_tokens" not in fields:
+        raise RequestError("max_tokens: missing; expected INT32 [1] (or max_tokens in sampling_parameters)")
+    # Log-probabilities come back when return_log_probs is set or alternatives were asked for (num_top_log_probs,
+    # or vLLM's sampling_parameters.logprobs).
+    return_log_probs = bool(_scalar(inputs, _SPEC["return_log_probs"])) or fields.get("logprobs") is not None
+    if return_log_probs and fields.get("logprobs") is None:
+        given("logprobs", 0, "return_log_probs")
+    try:
+        params = SamplingParams(**fields)
+    except RequestError as exc:
+        if exc.field is None:
+            raise
+        raise RequestError(f"{origin.get(exc.field, exc.field)}: expected {exc.expected}, got {exc.value!r}") from exc
+    if params.max_tokens > limits.max_tokens:
+        raise RequestError(f"{origin['max_tokens']}: {params.max_tokens} is above this server's limit of "
+                         f"{limits.max_tokens}")
+    top_log_probs = params.logprobs or 0
+
+    stream = _scalar(inputs, _SPEC["stream"])
+    stream = bool(stream) if stream is not None else False
+    exclude = _scalar(inputs, _SPEC["exclude_input_in_output"])
+    # Default as tensorrtllm_backend: a streamed response never repeats the prompt, a whole one includes it
+    # (when there is prompt text to repeat: a request of token ids or messages gets the generated text only).
+    exclude = (stream or text is None) if exclude is None else bool(exclude)
+    echo = ""
+    if not exclude:
+        if text is None:
+            raise RequestError("exclude_input_in_output: false needs text_input (the prompt text to echo); a "
+                             "prompt of input_ids alone or of messages has no text to echo")
+        echo = text
+    parse_special = _scalar(inputs, PARSE_SPECIAL_TOKENS)
+    return GenerateRequest(prompt=prompt, prompt_source=source, echo=echo, params=params, stream=stream,
+                           parse_special_tokens=bool(parse_special),
+                           return_log_probs=return_log_probs,
+                           top_log_probs=top_log_probs,
+                           return_num_input_tokens=bool(_scalar(inputs, _SPEC["return_num_input_tokens"])),
+                           return_num_output_tokens=bool(_scalar(inputs, _SPEC["return_num_output_tokens"])))
+
+
+# ---- the ensemble's batch dimension (tensorrtllm_backend's shapes: model_repo.contract) ----------------
+
+
+def split_batch(inputs: Inputs) -> list[dict[str, np.ndarray]]:
+    """A batched request's inputs (name -> [batch, ...]) -> one spec_decode request's inputs per row.
+
+    As tensorrtllm_backend does, a streamed response never repeats the prompt, whatever exclude_input_in_output
+    says (its end_to_end_grpc_client.py sends false and expects no prompt when streaming)."""
+    batch = None
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        if arr.ndim < 2:
+            raise RequestError(f"{name}: shape {list(arr.shape)}; this model batches (max_batch_size > 0), so every "
+                             "input is [batch, ...]: send [[value]] for one request, e.g. text_input [1, 1]")
+        if batch is None:
+            batch = arr.shape[0]
+        elif arr.shape[0] != batch:
+            raise RequestError(f"{name}: batch size {arr.shape[0]}, but other inputs have {batch}; every input needs "
+                             "the same batch size")
+    if not batch:
+        raise RequestError("text_input: missing; expected the prompt text ([batch, 1] STRING), or messages")
+    rows = [{name: np.asarray(value)[b] for name, value in inputs.items()} for b in range(batch)]
+    for row in rows:
+        stream = row.get("stream")
+        if stream is not None and stream.size == 1 and bool(stream.reshape(-1)[0]):
+            row["exclude_input_in_output"] = np.array([True])
+    return rows
+
+
+# ---- preprocessing (the tokenizer stage) ----------------------------------------------------------------
+
+
+def preprocess(inputs: Inputs, tokenizer: Any, max_context: int,
+               max_prompt_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """text_input or messages -> input_ids INT32 [n], input_length INT32 [1]; the ids `encode_text` makes of the
+    text (BOS first when the model has one; special-token text literal unless parse_special_tokens) or
+    `SpecDecoder.encode_prompt` of the messages (the chat template's text). The prompt's size is checked against
+    max_prompt_bytes before anything decodes it."""
+    unknown = sorted(set(inputs) - {i.name for i in PREPROCESSING_INPUTS})
+    if unknown:
+        raise RequestError(f"unknown input(s) {unknown}; preprocessing takes {[i.name for i in PREPROCESSING_INPUTS]}")
+    check_prompt_bytes(inputs, max_prompt_bytes)
+    text, messages = _text_or_messages(inputs)
+    if messages is not None:
+        source = MESSAGES.name
+        try:
+            ids = tokenizer.apply_chat_template(messages)
+        except RequestError as exc:  # no chat template, or the template refused the conversation
+            raise RequestError(f"messages: {exc}") from exc
+    else:
+        source = TEXT_INPUT.name
+        ids = encode_text(tokenizer, text, bool(_scalar(inputs, PARSE_SPECIAL_TOKENS)))
+    if len(ids) >= max_context:
+        raise RequestError(
+            f"{source}: the prompt is {len(ids)} tokens; the context limit is {max_context} tokens, so a prompt "
+            f"may have at most {max_context - 1}"
+        )
+    return {
+        "input_ids": np.asarray(ids, dtype=np.int32),
+        "input_length": np.asarray([len(ids)], dtype=np.int32),
+    }
+
+
+def encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[int]:
+    """A text prompt's ids as served: BOS first (when the model has one); special-token text typed in the prompt
+    stays literal text unless the request asked for parse_special_tokens."""
+    return tokenizer.encode(text, parse_special=parse_special_tokens)
+
+
+def prompt_ids(decoder: Any, request: GenerateRequest) -> list[int]:
+    """The token ids spec_decode generates from (validated by `SpecDecoder.encode_prompt`: vocabulary, context);
+    text is encoded by `encode_text`, messages through the chat template."""
+    prompt: Any = request.prompt
+    try:
+        if request.prompt_source == TEXT_INPUT.name:
+            if decoder.tokenizer is None:
+                raise RequestError("the prompt is text but this model has no tokenizer; send input_ids instead")
+            prompt = encode_text(decoder.tokenizer, prompt, request.parse_special_tokens)
+        return decoder.encode_prompt(prompt)
+    except RequestError as exc:  # too long for the context, bad ids, no chat template
+        raise RequestError(f"{request.prompt_source}: {exc}") from exc
+
+
+__all__ = [
+    "GenerateRequest",
+    "RequestLimits",
+    "RequestTiming",
+    "check_prompt_bytes",
+    "encode_text",
+    "parse_generate_request",
+    "preprocess",
+    "prompt_ids",
+    "split_batch",
+    "text_value",
+]

@@ -1,0 +1,393 @@
+"""Which drafter: `DraftSpec`, the one description of a drafter (kind, head weights, tree, options, max draft length),
+and the rules of what goes with which kind. Every front end says "which drafter" with it:
+
+    runtime.load / python -m runtime     LoadConfig.draft_spec()      (draft, draft_model, tree, draft options)
+    the builder's YAML `draft:` section  DraftSection.spec()          (method, checkpoint, tree, lookup)
+    engine.json's "draft" record         DraftSpec.from_mapping / to_dict
+    python -m perf bench / batch         DraftSpec.parse("KIND[:TREE][+KEY=VALUE...]")
+    the drafters                         runtime.drafters.load_drafter(spec, model); a loaded drafter's `spec`
+
+Fields:
+    kind           one of KINDS
+    path           head weights directory (WEIGHTED_KINDS only); None: not known yet (an engine's or a config's)
+    tree           a static `Tree`, DYNAMIC (EAGLE-2's dynamic tree), or None: the drafter's default (Medusa:
+                   mc_sim_7b_63, or a chain as deep as its heads when it has fewer; EAGLE: the dynamic tree)
+    dynamic        DynamicTreeOptions of the dynamic tree (None: the defaults); setting them makes tree DYNAMIC
+    lookup         LookupOptions (None: the defaults)
+    max_draft_len  most draft nodes per step, root excluded (TensorRT-LLM's meaning); None: the caller's limit
+
+A front end may leave path, tree, options and max_draft_len unset and fill them from a configured drafter (its
+own policy, e.g. `LoadConfig.draft_spec`); `load_drafter` needs only the weights of medusa / eagle
+(`require_weights`), and the spec of a loaded drafter has every default resolved.
+
+The rules, written here only (`DraftSpec.__post_init__`, `with_options`, `require_weights`): the kind is one of
+KINDS; only medusa / eagle have weights, and need them to load; lookup takes no tree (it builds its trees from
+matches) and none only a root-only one; the dynamic tree and its options are EAGLE's only and never go with a
+static tree; lookup options are lookup's only. Errors are `DraftSpecError`s naming the field, so each front end
+names its own key for it (`field_names`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from runtime.errors import ConfigError
+from runtime.tree import Tree
+
+KINDS = ("medusa", "eagle", "lookup", "none")
+WEIGHTED_KINDS = ("medusa", "eagle")  # the kinds with head weights
+DYNAMIC: Literal["dynamic"] = "dynamic"  # the tree of EAGLE-2: chosen every step from the head's scores
+GRAMMAR = "KIND[:TREE][+KEY=VALUE...]"
+
+
+class DraftSpecError(ConfigError):
+    """A drafter spec breaks a rule. `field` is the DraftSpec field it concerns ("options": KEY=VALUE options not
+    yet typed), `detail` the message without it: a front end restates it under its own key (`field_names`)."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(field, detail)  # both in args: a pickled error comes back whole
+        self.field = field
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.detail}"
+
+
+@contextmanager
+def field_names(names: Mapping[str, str], error: type[ConfigError] = ConfigError, prefix: str = "") -> Iterator[None]:
+    """Re-raise a DraftSpecError raised inside as `error`, its field named by the front end's key for it (e.g.
+    {"path": "draft.checkpoint"}; fields not in `names` keep their own name), after `prefix`."""
+    try:
+        yield
+    except DraftSpecError as exc:
+        raise error(f"{prefix}{names.get(exc.field, exc.field)}: {exc.detail}") from exc
+
+
+# ---- the drafters' options --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DynamicTreeOptions:
+    """EAGLE-2 dynamic tree, with EAGLE-2's own parameter meanings (SafeAILab/EAGLE `topK_generate`).
+
+    total_tokens  tree size, root included (EAGLE-2's total_token; the paper uses 60).
+    depth         expansion rounds after the root's top_k: the tree is at most depth + 1 deep.
+    top_k         children per expanded node and frontier width.
+    """
+
+    total_tokens: int = 60
+    depth: int = 5
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("total_tokens", 1), ("depth", 0), ("top_k", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"EAGLE dynamic-tree option {name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """Bounds of one prompt-lookup draft.
+
+    max_ngram / min_ngram   suffix lengths tried, longest first (min_ngram >= 1).
+    num_draft_tokens        draft nodes per tree, root excluded (also bounded by the session's max_nodes).
+    max_depth               longest continuation copied from one occurrence (None: num_draft_tokens).
+    max_branches            distinct continuations merged into the tree (1: a plain chain, PLD's original form).
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    num_draft_tokens: int = 10
+    max_depth: int | None = 6
+    max_branches: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_ngram", "min_ngram", "num_draft_tokens", "max_branches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"lookup option {name} must be an integer >= 1, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(
+                f"lookup option min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
+            )
+        if self.max_depth is not None and (
+            not isinstance(self.max_depth, int) or isinstance(self.max_depth, bool) or self.max_depth < 1
+        ):
+            raise ConfigError(f"lookup option max_depth must be an integer >= 1 or None, got {self.max_depth!r}")
+
+    @property
+    def depth_limit(self) -> int:
+        return self.num_draft_tokens if self.max_depth is None else min(self.max_depth, self.num_draft_tokens)
+
+
+OPTIONS: dict[str, type] = {"eagle": DynamicTreeOptions, "lookup": LookupOptions}  # the kinds that take options
+
+
+def option_names(kind: str) -> tuple[str, ...]:
+    """The KEY=VALUE options drafter `kind` takes (its options dataclass's fields)."""
+    cls = OPTIONS.get(kind)
+    return () if cls is None else tuple(f.name for f in dataclasses.fields(cls))
+
+
+# ---- trees ------------------------------------------------------------------------------------------------------
+
+
+def as_tree(tree: Tree | str | Sequence[Sequence[int]] | None) -> Tree | None:
+    """A Tree, a preset name / JSON list of paths (see `Tree.parse`), or a list of choice paths."""
+    if tree is None or isinstance(tree, Tree):
+        return tree
+    if isinstance(tree, str):
+        return Tree.parse(tree)
+    if isinstance(tree, Sequence):
+        return Tree.from_choices(tree) if len(tree) else Tree.root_only()
+    raise ConfigError(f"tree must be a Tree, a preset name or a list of choice paths, got {type(tree).__name__}")
+
+
+def _tree(value: Any) -> Tree | Literal["dynamic"] | None:
+    if isinstance(value, str) and value.strip() == DYNAMIC:
+        return DYNAMIC
+    try:
+        return as_tree(value)
+    except ConfigError as exc:
+        raise DraftSpecError("tree", str(exc)) from exc
+
+
+def _no_dynamic_tree(kind: str) -> str:
+    if kind == "medusa":
+        return "the dynamic tree is EAGLE-2's; Medusa needs a static tree (a preset or choice paths)"
+    return f"the dynamic tree is EAGLE-2's, not drafter {kind!r}'s"
+
+
+def _pairs(options: Any) -> str:
+    return ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(options).items())
+
+
+# ---- the spec ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """Which drafter (see the module docstring): kind, head weights, tree, options, max draft length."""
+
+    kind: str = "none"
+    path: str | None = None
+    tree: Tree | Literal["dynamic"] | None = None
+    dynamic: DynamicTreeOptions | None = None
+    lookup: LookupOptions | None = None
+    max_draft_len: int | None = None
+
+    def __post_init__(self) -> None:
+        kind, tree = self.kind, self.tree
+        if kind not in KINDS:
+            raise DraftSpecError("kind", f"unknown drafter kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if isinstance(self.path, Path):
+            object.__setattr__(self, "path", str(self.path))
+        if self.path is not None:
+            if not isinstance(self.path, str) or not self.path:
+                raise DraftSpecError("path", f"expected a directory path, got {self.path!r}")
+            if kind not in WEIGHTED_KINDS:
+                raise DraftSpecError("path", f"drafter {kind!r} has no weights; got {self.path!r}")
+        if tree is not None and tree != DYNAMIC and not isinstance(tree, Tree):
+            raise DraftSpecError("tree", f"expected a Tree, {DYNAMIC!r} or None, got {tree!r} "
+                                         "(DraftSpec.create parses preset names, JSON and choice paths)")
+        for name, cls in (("dynamic", DynamicTreeOptions), ("lookup", LookupOptions)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise DraftSpecError(name, f"expected {cls.__name__}, got {value!r}")
+        if self.dynamic is not None:
+            if kind != "eagle":
+                raise DraftSpecError("dynamic", _no_dynamic_tree(kind))
+            if isinstance(tree, Tree):
+                raise DraftSpecError("dynamic", "options apply to the dynamic EAGLE-2 tree only; got a static tree "
+                                                "too")
+            if tree is None:
+                object.__setattr__(self, "tree", tree := DYNAMIC)
+        if tree == DYNAMIC and kind != "eagle":
+            raise DraftSpecError("tree", _no_dynamic_tree(kind))
+        if kind == "lookup" and tree is not None:
+            raise DraftSpecError("tree", "drafter 'lookup' builds its own trees from matches; give it options "
+                                         "(max_ngram, num_draft_tokens, ...) instead of a tree")
+        if kind == "none" and isinstance(tree, Tree) and tree.num_nodes != 1:
+            raise DraftSpecError("tree", f"drafter 'none' drafts root-only trees; got a tree with {tree.num_nodes} "
+                                         "nodes")
+        if self.lookup is not None and kind != "lookup":
+            raise DraftSpecError("lookup", f"lookup options apply to drafter 'lookup' only, not {kind!r}")
+        m = self.max_draft_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise DraftSpecError("max_draft_len", f"got {m!r}, expected an integer >= 0")
+
+    # ---- making one ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        kind: str,
+        *,
+        path: str | Path | None = None,
+        tree: Tree | str | Sequence[Sequence[int]] | None = None,
+        options: Mapping[str, Any] | None = None,
+        max_draft_len: int | None = None,
+    ) -> DraftSpec:
+        """From loose values: `tree` a Tree, a preset name ("mc_sim_7b_63", "chain-4"), JSON choice paths, a list
+        of choice paths or "dynamic"; `options` the kind's options by name (eagle: total_tokens, depth, top_k;
+        lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches)."""
+        spec = cls(kind, path=path, tree=_tree(tree), max_draft_len=max_draft_len)
+        return spec.with_options(options or {})
+
+    def with_options(self, options: Mapping[str, Any]) -> DraftSpec:
+        """This spec with `options` (the kind's options by name) set key by key over its own options, or over the
+        defaults when it has none."""
+        if not options:
+            return self
+        allowed = option_names(self.kind)
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise DraftSpecError("options", f"unknown option(s) {unknown} for drafter {self.kind!r}; accepted: "
+                                            f"{sorted(allowed) if allowed else 'none'}")
+        if self.kind == "eagle" and isinstance(self.tree, Tree):
+            raise DraftSpecError("options", f"options {sorted(options)} apply to the dynamic EAGLE-2 tree only; "
+                                            "got a static tree too")
+        current = self.dynamic if self.kind == "eagle" else self.lookup
+        try:
+            typed = dataclasses.replace(current if current is not None else OPTIONS[self.kind](), **options)
+        except ConfigError as exc:
+            raise DraftSpecError("options", str(exc)) from exc
+        return dataclasses.replace(self, **{"dynamic" if self.kind == "eagle" else "lookup": typed})
+
+    @classmethod
+    def parse(cls, text: str) -> DraftSpec:
+        """KIND[:TREE][+KEY=VALUE...], as `python -m perf` takes drafters: KIND one of KINDS; TREE a preset
+        (mc_sim_7b_63, chain-K), JSON choice paths ([[0],[0,0],[1]]) or "dynamic" (EAGLE-2); KEY=VALUE the kind's
+        options (`option_names`) or max_draft_len, a value JSON, else text. E.g. "medusa:mc_sim_7b_63",
+        "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4", "medusa:chain-1+max_draft_len=1"."""
+        raw = text.strip()
+        if not raw:
+            raise DraftSpecError("kind", f"got an empty string, expected {GRAMMAR}")
+        head, *items = raw.split("+")
+        kind, sep, tree = head.partition(":")
+        if sep and not tree.strip():
+            raise DraftSpecError("tree", "empty tree after ':'")
+        options: dict[str, Any] = {}
+        for item in items:
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise DraftSpecError("options", f"option {item!r} must look like KEY=VALUE")
+            if key in options:
+                raise DraftSpecError("options", f"option {key!r} is given twice")
+            options[key] = option_value(value.strip())
+        max_draft_len = options.pop("max_draft_len", None)
+        return cls.create(kind.strip(), tree=tree.strip() if sep else None, options=options,
+                          max_draft_len=max_draft_len)
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> DraftSpec:
+        """engine.json's "draft" record (the inverse of `to_dict`): method, path, tree ({"kind": "static", "choices":
+        [...]}, {"kind": "dynamic", ...} or null), options (the kind's, by name), and max_draft_len when recorded."""
+        if not isinstance(data, Mapping):
+            raise DraftSpecError("kind", f"expected a mapping with keys method, path, tree, options, got {data!r}")
+        if "method" not in data:
+            raise DraftSpecError("kind", "missing key 'method'")
+        record, options = data.get("tree") or None, data.get("options") or {}
+        tree: Any = None
+        if isinstance(record, Mapping) and record.get("kind") == "static" and isinstance(record.get("choices"), list):
+            tree = record["choices"]
+        elif isinstance(record, Mapping) and record.get("kind") == DYNAMIC:
+            tree = DYNAMIC
+        elif record is not None:
+            raise DraftSpecError("tree", "expected null, {'kind': 'static', 'choices': [[...], ...]} or {'kind': "
+                                         f"'dynamic', ...}}, got {record!r}")
+        if not isinstance(options, Mapping):
+            raise DraftSpecError("options", f"expected a mapping of option names to values, got {options!r}")
+        return cls.create(data["method"], path=data.get("path"), tree=tree, options=options,
+                          max_draft_len=data.get("max_draft_len"))
+
+    # ---- reading one ------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, in engine.json's "draft" record form: method, path, tree, options (+ max_draft_len when set)."""
+        tree: dict[str, Any] | None = None
+        if isinstance(self.tree, Tree):
+            tree = {"kind": "static", "choices": [list(p) for p in self.tree.choices],
+                    "num_nodes": self.tree.num_nodes, "max_depth": self.tree.max_depth}
+        elif self.tree == DYNAMIC:
+            tree = {"kind": DYNAMIC, **({} if self.dynamic is None else dataclasses.asdict(self.dynamic))}
+        options = self.dynamic if self.dynamic is not None else self.lookup
+        d: dict[str, Any] = {"method": self.kind, "path": self.path, "tree": tree,
+                             "options": {} if options is None else dataclasses.asdict(options)}
+        if self.max_draft_len is not None:
+            d["max_draft_len"] = self.max_draft_len
+        return d
+
+    def describe(self) -> str:
+        """One line for people, e.g. "medusa (weights heads/, static tree: 4 nodes, depth 3)"."""
+        parts = []
+        if self.path is not None:
+            parts.append(f"weights {self.path}")
+        if isinstance(self.tree, Tree):
+            parts.append(f"static tree: {self.tree.num_nodes} nodes, depth {self.tree.max_depth}")
+        elif self.tree == DYNAMIC:
+            parts.append("dynamic tree" + ("" if self.dynamic is None else f": {_pairs(self.dynamic)}"))
+        elif self.kind in WEIGHTED_KINDS:
+            parts.append("the drafter's default tree")
+        if self.lookup is not None:
+            parts.append(_pairs(self.lookup))
+        if self.max_draft_len is not None:
+            parts.append(f"max_draft_len {self.max_draft_len}")
+        return self.kind + (f" ({', '.join(parts)})" if parts else "")
+
+    @property
+    def static_tree(self) -> Tree | None:
+        """The static tree, or None (dynamic, lookup, root-only or the drafter's default)."""
+        return self.tree if isinstance(self.tree, Tree) else None
+
+    def require_weights(self) -> None:
+        """DraftSpecError unless the weights a drafter of this kind loads are given."""
+        if self.kind in WEIGHTED_KINDS and self.path is None:
+            raise DraftSpecError("path", f"required for drafter {self.kind!r} (its head weights directory)")
+
+    @property
+    def draft_nodes(self) -> int:
+        """Most draft nodes per step (root excluded) of the tree this spec drafts, before max_draft_len."""
+        return self._shape()[0] - 1
+
+    @property
+    def max_tree_depth(self) -> int:
+        """Deepest draft node of the tree this spec drafts (TensorRT-LLM's num_eagle_layers for EAGLE)."""
+        return self._shape()[1]
+
+    def _shape(self) -> tuple[int, int]:
+        """(most tree nodes, root included; deepest node)."""
+        if isinstance(self.tree, Tree):
+            return self.tree.num_nodes, self.tree.max_depth
+        if self.kind == "eagle":
+            d = self.dynamic if self.dynamic is not None else DynamicTreeOptions()
+            return d.total_tokens, min(d.depth + 1, d.total_tokens - 1)
+        if self.kind == "lookup":
+            lk = self.lookup if self.lookup is not None else LookupOptions()
+            return lk.num_draft_tokens + 1, lk.depth_limit
+        if self.kind == "medusa":
+            raise ConfigError("a Medusa spec without a tree drafts its heads' default tree: ask the loaded drafter's "
+                              "spec (load_drafter(spec, model).spec)")
+        return 1, 0
+
+
+def option_value(text: str) -> Any:
+    """A KEY=VALUE option's value: JSON (numbers, true / false, null, lists), else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+__all__ = [
+    "KINDS", "WEIGHTED_KINDS", "DYNAMIC", "GRAMMAR", "OPTIONS", "DraftSpec", "DraftSpecError", "DynamicTreeOptions",
+    "LookupOptions", "as_tree", "field_names", "option_names", "option_value",
+]

@@ -1,0 +1,147 @@
+"""DraftSpec, the one description of "which drafter": its grammar, its engine.json record, its rules (each error
+naming the field, restated under each front end's own key), key-by-key options, and the front ends built on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from builder.config import DraftSection, Method
+from runtime.__main__ import parser as runtime_parser
+from runtime.api import LoadConfig
+from runtime.draft_spec import (
+    DYNAMIC,
+    KINDS,
+    DraftSpec,
+    DraftSpecError,
+    DynamicTreeOptions,
+    LookupOptions,
+    field_names,
+)
+from runtime.errors import ConfigError
+from runtime.tree import Tree
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("none", DraftSpec()),
+    ("medusa:mc_sim_7b_63", DraftSpec("medusa", tree=Tree.preset("mc_sim_7b_63"))),
+    ("medusa:[[0],[0,0],[1]]", DraftSpec("medusa", tree=Tree.from_choices([[0], [1], [0, 0]]))),
+    ("eagle", DraftSpec("eagle")),
+    ("eagle:dynamic", DraftSpec("eagle", tree=DYNAMIC)),
+    ("eagle+top_k=4", DraftSpec("eagle", tree=DYNAMIC, dynamic=DynamicTreeOptions(top_k=4))),
+    ("eagle:dynamic+total_tokens=30+depth=4", DraftSpec("eagle", dynamic=DynamicTreeOptions(30, 4))),
+    ("lookup+max_ngram=4+max_depth=null", DraftSpec("lookup", lookup=LookupOptions(max_ngram=4, max_depth=None))),
+    (" medusa : chain-1 + max_draft_len=1 ", DraftSpec("medusa", tree=Tree.chain(1), max_draft_len=1)),
+])
+def test_grammar(text, expected):
+    spec = DraftSpec.parse(text)
+    assert spec == expected
+    assert DraftSpec.from_mapping(spec.to_dict()) == spec  # the engine.json record round-trips
+
+
+@pytest.mark.parametrize("text, field, message", [
+    ("", "kind", "empty string"),
+    ("hydra", "kind", "unknown drafter kind 'hydra'; expected one of medusa, eagle, lookup, none"),
+    ("medusa:", "tree", "empty tree after ':'"),
+    ("medusa:bushy", "tree", "unknown tree preset 'bushy'"),
+    ("medusa:[[0,0]]", "tree", "no parent"),
+    ("medusa:dynamic", "tree", "the dynamic tree is EAGLE-2's; Medusa needs a static tree"),
+    ("lookup:chain-2", "tree", "drafter 'lookup' builds its own trees from matches"),
+    ("lookup:dynamic", "tree", "the dynamic tree is EAGLE-2's, not drafter 'lookup''s"),
+    ("none:chain-2", "tree", "drafter 'none' drafts root-only trees; got a tree with 3 nodes"),
+    ("eagle:chain-2+top_k=3", "options", "apply to the dynamic EAGLE-2 tree only"),
+    ("medusa+top_k=3", "options", "unknown option(s) ['top_k'] for drafter 'medusa'; accepted: none"),
+    ("lookup+ngram=3", "options", "unknown option(s) ['ngram'] for drafter 'lookup'"),
+    ("lookup+max_ngram=0", "options", "lookup option max_ngram must be an integer >= 1, got 0"),
+    ("lookup+max_ngram", "options", "must look like KEY=VALUE"),
+    ("lookup+max_ngram=2+max_ngram=3", "options", "'max_ngram' is given twice"),
+    ("lookup+max_draft_len=-1", "max_draft_len", "got -1, expected an integer >= 0"),
+])
+def test_rules_name_the_field(text, field, message):
+    with pytest.raises(DraftSpecError) as info:
+        DraftSpec.parse(text)
+    assert info.value.field == field and message in info.value.detail
+    assert str(info.value) == f"{field}: {info.value.detail}"
+
+
+def test_rules_on_typed_fields():
+    with pytest.raises(DraftSpecError, match="path: drafter 'lookup' has no weights"):
+        DraftSpec("lookup", path="heads/")
+    with pytest.raises(DraftSpecError, match="dynamic: the dynamic tree is EAGLE-2's; Medusa needs a static tree"):
+        DraftSpec("medusa", tree=DYNAMIC, dynamic=DynamicTreeOptions())
+    with pytest.raises(DraftSpecError, match="dynamic: options apply to the dynamic EAGLE-2 tree only"):
+        DraftSpec("eagle", tree=Tree.chain(2), dynamic=DynamicTreeOptions())
+    with pytest.raises(DraftSpecError, match="lookup: lookup options apply to drafter 'lookup' only, not 'none'"):
+        DraftSpec("none", lookup=LookupOptions())
+    with pytest.raises(DraftSpecError, match="tree: expected a Tree"):
+        DraftSpec("medusa", tree="chain-2")  # text is parsed by create / parse, not the constructor
+    with pytest.raises(DraftSpecError, match="path: required for drafter 'eagle'"):
+        DraftSpec("eagle").require_weights()
+    DraftSpec("none", tree=Tree.root_only()).require_weights()
+    assert DraftSpec("medusa", path=Path("/h")).path == "/h"  # paths are kept as text
+
+
+def test_options_merge_key_by_key():
+    engine = DraftSpec("eagle", path="/e/draft", dynamic=DynamicTreeOptions(12, 3, 3))
+    assert engine.with_options({"total_tokens": 5}).dynamic == DynamicTreeOptions(5, 3, 3)
+    assert DraftSpec("eagle").with_options({"top_k": 2}) == DraftSpec("eagle", dynamic=DynamicTreeOptions(top_k=2))
+    assert DraftSpec("lookup").with_options({}) == DraftSpec("lookup")
+    assert DraftSpec.create("lookup", options={"max_branches": 1}).lookup == LookupOptions(max_branches=1)
+
+
+def test_engine_records():
+    static = DraftSpec("medusa", path="draft", tree=Tree.chain(2))
+    assert static.to_dict() == {"method": "medusa", "path": "draft", "options": {},
+                                "tree": {"kind": "static", "choices": [[0], [0, 0]], "num_nodes": 3, "max_depth": 2}}
+    dynamic = DraftSpec("eagle", path="draft", dynamic=DynamicTreeOptions(12, 3, 3))
+    assert dynamic.to_dict() == {"method": "eagle", "path": "draft", "options": {"total_tokens": 12, "depth": 3,
+                                 "top_k": 3}, "tree": {"kind": "dynamic", "total_tokens": 12, "depth": 3, "top_k": 3}}
+    assert DraftSpec("lookup", lookup=LookupOptions()).to_dict()["options"] == dataclasses.asdict(LookupOptions())
+    assert DraftSpec.from_mapping({"method": "medusa", "path": "draft", "config": {}, "tree": {"kind": "static",
+                                   "choices": [[0]]}, "options": {}}) == DraftSpec("medusa", "draft", Tree.chain(1))
+    assert DraftSpec.from_mapping({"method": "none", "tree": None}) == DraftSpec()
+    with pytest.raises(DraftSpecError, match="tree: expected null"):
+        DraftSpec.from_mapping({"method": "medusa", "tree": {"kind": "bushy"}})
+    with pytest.raises(DraftSpecError, match="kind: missing key 'method'"):
+        DraftSpec.from_mapping({"path": "draft"})
+
+
+def test_describe_and_tree_shape():
+    assert DraftSpec().describe() == "none"
+    assert DraftSpec("medusa", path="h", tree=Tree.chain(3), max_draft_len=8).describe() == (
+        "medusa (weights h, static tree: 4 nodes, depth 3, max_draft_len 8)")
+    assert DraftSpec("eagle", dynamic=DynamicTreeOptions(30, 4, 5)).describe() == (
+        "eagle (dynamic tree: total_tokens 30, depth 4, top_k 5)")
+    assert DraftSpec("medusa").describe() == "medusa (the drafter's default tree)"
+    assert (DraftSpec("eagle").draft_nodes, DraftSpec("eagle").max_tree_depth) == (59, 6)
+    assert (DraftSpec("eagle", dynamic=DynamicTreeOptions(3, 5)).max_tree_depth) == 2  # 3 nodes: depth 2 at most
+    lookup = DraftSpec("lookup", lookup=LookupOptions(num_draft_tokens=7, max_depth=4))
+    assert (lookup.draft_nodes, lookup.max_tree_depth) == (7, 4)
+    assert (DraftSpec().draft_nodes, DraftSpec().max_tree_depth) == (0, 0)
+    with pytest.raises(ConfigError, match="loaded drafter's spec"):
+        DraftSpec("medusa").draft_nodes  # noqa: B018
+
+
+def test_front_ends_name_their_own_keys():
+    with pytest.raises(ConfigError, match="^draft.checkpoint: drafter 'none' has no weights"):
+        with field_names({"path": "draft.checkpoint"}):
+            DraftSpec("none", path="h")
+    with pytest.raises(ConfigError, match="^draft_model: drafter 'lookup' has no weights"):
+        LoadConfig(model="m", draft="lookup", draft_model="h")
+    with pytest.raises(ConfigError, match=r"^draft_options: unknown option\(s\) \['beam'\]"):
+        LoadConfig(model="m", draft="eagle", draft_options={"beam": 2})
+    with pytest.raises(ConfigError, match="^max_draft_len: got -1"):
+        LoadConfig(model="m", max_draft_len=-1)
+    with pytest.raises(ConfigError, match="^draft: unknown drafter kind 'hydra'"):
+        LoadConfig(model="m", draft="hydra")
+
+
+def test_one_list_of_kinds():
+    assert typing.get_args(Method) == KINDS  # the builder YAML's draft.method
+    draft = next(a for a in runtime_parser()._subparsers._group_actions[0].choices["generate"]._actions
+                 if a.dest == "draft")
+    assert tuple(draft.choices) == KINDS  # python -m runtime --draft
+    assert DraftSection("medusa", checkpoint="/h").spec() == DraftSpec("medusa", path="/h")
