@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from builder import trtllm
-from builder.config import BuildConfig, BuildPlan, make_drafter, plan_build
+from builder.config import BuildConfig, BuildError, BuildPlan, make_drafter, plan_build
 from builder.progress import NullProgress, Progress
 from runtime.checkpoint import load_checkpoint
 from runtime.draft_spec import WEIGHTED_KINDS
@@ -43,7 +43,6 @@ from runtime.engine import (
     open_engine,
     sha256_file,
 )
-from runtime.errors import SpectreeError
 from runtime.files import remove_stale_work_dirs, work_dir
 
 TOOL = "spectree-builder"
@@ -57,10 +56,6 @@ EAGLE_WEIGHTS = "model.safetensors"
 
 
 BUILDING, REPLACED = "building", "replaced"  # the work_dir tags: the engine being built, the one it replaces
-
-
-class BuildError(SpectreeError, RuntimeError):
-    """The build could not run or complete (output in the way, a stage failed)."""
 
 
 @dataclass(frozen=True)

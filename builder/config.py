@@ -56,6 +56,11 @@ class BuildConfigError(ConfigError):
     """A build configuration is malformed or does not fit the checkpoints it names."""
 
 
+class BuildError(SpectreeError, RuntimeError):
+    """The build could not run or complete (output in the way, a stage failed: the ONNX export or its checks,
+    TensorRT's parser or builder)."""
+
+
 @dataclass(frozen=True)
 class ModelSection:
     checkpoint: Path  # Hugging Face checkpoint directory
@@ -336,6 +341,6 @@ def default_of(cls: type, name: str) -> Any:
 
 
 __all__ = [
-    "BuildConfig", "ModelSection", "DraftSection", "TreeSection", "BuildSection", "BuildConfigError", "BuildPlan",
-    "load_config", "parse_config", "plan_build", "make_drafter", "meta_target", "at_key", "default_of",
+    "BuildConfig", "ModelSection", "DraftSection", "TreeSection", "BuildSection", "BuildConfigError", "BuildError",
+    "BuildPlan", "load_config", "parse_config", "plan_build", "make_drafter", "meta_target", "at_key", "default_of",
 ]

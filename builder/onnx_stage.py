@@ -26,15 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from builder.config import BuildError
 from runtime.config import ModelConfig
-from runtime.errors import SpectreeError
 
 INPUT_IDS, POSITION_IDS, TREE_MASK = "input_ids", "position_ids", "tree_mask"
 LOGITS, HIDDEN = "logits", "hidden_states"
-
-
-class OnnxStageError(SpectreeError, RuntimeError):
-    """The ONNX export or its checks failed."""
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -147,7 +143,7 @@ def export_verify_step(model: Any, path: Path) -> OnnxResult:
                 external_data=True,
             )
     except (RuntimeError, ValueError, TypeError, ImportError) as exc:
-        raise OnnxStageError(f"ONNX export of the verification step failed: {exc}\n{log.getvalue()[-2000:]}") from exc
+        raise BuildError(f"ONNX export of the verification step failed: {exc}\n{log.getvalue()[-2000:]}") from exc
     finally:
         onnx_logger.setLevel(level)
     return check_onnx(path, config)
@@ -165,21 +161,21 @@ def check_onnx(path: Path, config: ModelConfig) -> OnnxResult:
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise OnnxStageError(f"{path}: onnx.checker failed: {exc}") from exc
+        raise BuildError(f"{path}: onnx.checker failed: {exc}") from exc
     proto = onnx.load(str(path), load_external_data=False)
     plugin = [n for n in proto.graph.node if n.op_type == PLUGIN_NAME]
     if len(plugin) != config.num_hidden_layers:
-        raise OnnxStageError(
+        raise BuildError(
             f"{path}: {len(plugin)} {PLUGIN_NAME} nodes, expected one per layer ({config.num_hidden_layers})"
         )
     for node in plugin:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if attrs.get("plugin_namespace") != PLUGIN_NAMESPACE.encode():
-            raise OnnxStageError(f"{path}: node {node.name} has plugin_namespace {attrs.get('plugin_namespace')!r}, "
+            raise BuildError(f"{path}: node {node.name} has plugin_namespace {attrs.get('plugin_namespace')!r}, "
                                  f"expected {PLUGIN_NAMESPACE!r}")
     softmax = [n.name for n in proto.graph.node if n.op_type == "Softmax"]
     if softmax:
-        raise OnnxStageError(f"{path}: attention outside the plugin node: Softmax nodes {softmax[:4]}")
+        raise BuildError(f"{path}: attention outside the plugin node: Softmax nodes {softmax[:4]}")
     data_files = sorted(
         {
             e.value
@@ -202,6 +198,6 @@ def _dims(value_info: Any) -> list[Any]:
 
 
 __all__ = [
-    "VerifyStep", "OnnxResult", "OnnxStageError", "export_verify_step", "check_onnx", "example_inputs",
+    "VerifyStep", "OnnxResult", "export_verify_step", "check_onnx", "example_inputs",
     "past_names", "present_names", "INPUT_IDS", "POSITION_IDS", "TREE_MASK", "LOGITS", "HIDDEN",
 ]

@@ -13,14 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder.config import BuildPlan
+from builder.config import BuildError, BuildPlan
 from builder.onnx_stage import INPUT_IDS, POSITION_IDS, TREE_MASK, past_names
 from plugins.tree_attention.mask import mask_words
-from runtime.errors import SpectreeError
-
-
-class TensorRTStageError(SpectreeError, RuntimeError):
-    """TensorRT is present but parsing or building the engine failed."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ def build_plan(onnx_path: Path, out_path: Path, plan: BuildPlan) -> TensorRTResu
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise TensorRTStageError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
+        raise BuildError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
     config = builder.create_builder_config()
     profile = builder.create_optimization_profile()
     shapes = profile_shapes(plan)
@@ -91,7 +86,7 @@ def build_plan(onnx_path: Path, out_path: Path, plan: BuildPlan) -> TensorRTResu
     config.add_optimization_profile(profile)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise TensorRTStageError(f"TensorRT could not build an engine from {onnx_path} (see the log above)")
+        raise BuildError(f"TensorRT could not build an engine from {onnx_path} (see the log above)")
     out_path.write_bytes(_as_bytes(serialized))
     return TensorRTResult(built=True, reason=f"TensorRT {trt.__version__}", path=out_path, profile=shapes)
 
@@ -100,4 +95,4 @@ def _as_bytes(serialized: Any) -> bytes:
     return bytes(memoryview(serialized))
 
 
-__all__ = ["TensorRTResult", "TensorRTStageError", "build_plan", "profile_shapes", "unavailable_reason"]
+__all__ = ["TensorRTResult", "build_plan", "profile_shapes", "unavailable_reason"]

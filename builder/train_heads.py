@@ -46,12 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from builder.config import BuildConfigError
 from builder.training.config import (
     EagleSection,
     HeadsSection,
     MedusaSection,
     TrainConfig,
-    TrainConfigError,
 )
 from builder.training.corpus import (
     check_windows,
@@ -319,7 +319,7 @@ def load_frozen_target(path: Path):
     from transformers import LlamaForCausalLM
 
     if not (path / "config.json").is_file():
-        raise TrainConfigError(f"heads.target: {path} is not a Hugging Face checkpoint directory (no config.json)")
+        raise BuildConfigError(f"heads.target: {path} is not a Hugging Face checkpoint directory (no config.json)")
     target = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     target.eval().requires_grad_(False)
     return target
@@ -330,10 +330,10 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
     """Train the configured heads (or `only` one kind) for heads.target; returns one result per kind."""
     h = config.heads
     if h is None:
-        raise TrainConfigError(f"{config.source}: heads: missing; train-heads needs a heads section")
+        raise BuildConfigError(f"{config.source}: heads: missing; train-heads needs a heads section")
     kinds = [k for k in WEIGHTED_KINDS if getattr(h, k) is not None and only in (None, k)]
     if not kinds:
-        raise TrainConfigError(f"{config.source}: heads.{only}: not configured")
+        raise BuildConfigError(f"{config.source}: heads.{only}: not configured")
     work = h.work_dir
     if fresh:
         for k in kinds:
@@ -344,14 +344,14 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
     if config.corpus.source == "chat":
         return _train_chat_heads(config, kinds, quiet)
     if h.draft_vocab_size is not None:
-        raise TrainConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected none "
+        raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected none "
                                f"unless corpus.source is 'chat' (the vocabulary is counted on the target's answers)")
     target = load_frozen_target(h.target)
     target_fp = target_digest(h.target)
     split = split_corpus(config.corpus)
     data = load_tokens(split, h.target, work)
     if data.vocab_size != target.config.vocab_size:
-        raise TrainConfigError(f"heads.target: tokenizer.json has {data.vocab_size} tokens but the model's vocab_size "
+        raise BuildConfigError(f"heads.target: tokenizer.json has {data.vocab_size} tokens but the model's vocab_size "
                                f"is {target.config.vocab_size}")
     results = []
     for kind in kinds:
@@ -445,13 +445,13 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
             train_pos.append(positions)
             counts += torch.bincount(torch.tensor(conv["response_ids"], dtype=torch.int64), minlength=target_vocab)
     if not train_pos or not held_pos:
-        raise TrainConfigError(f"{config.source}: corpus.held_out {c.held_out} leaves no "
+        raise BuildConfigError(f"{config.source}: corpus.held_out {c.held_out} leaves no "
                                f"{'training' if not train_pos else 'held-out'} conversations among {len(convs)}")
     vocab = None
     to_draft = torch.arange(target_vocab)
     if h.draft_vocab_size is not None:
         if h.draft_vocab_size > target_vocab:
-            raise TrainConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected at "
+            raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected at "
                                    f"most the target's vocabulary size {target_vocab}")
         vocab = DraftVocab(top_frequent(counts, h.draft_vocab_size, always=eos_ids), target_vocab)
         to_draft = vocab.draft_index()

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from builder.training.config import TargetSection, TrainConfig, TrainConfigError
+from builder.config import BuildConfigError
+from builder.training.config import TargetSection, TrainConfig
 from builder.training.corpus import (
     SPECIAL_TOKENS,
     check_windows,
@@ -98,7 +99,7 @@ def held_out_loss(model: torch.nn.Module, tokens, count: int, seq_len: int) -> f
 
 def train_target(config: TrainConfig, fresh: bool = False, quiet: bool = False) -> TargetResult:
     if config.target is None:
-        raise TrainConfigError(f"{config.source}: target: missing; train-target needs a target section")
+        raise BuildConfigError(f"{config.source}: target: missing; train-target needs a target section")
     t, opt = config.target, config.target.train
     from transformers import LlamaForCausalLM
 

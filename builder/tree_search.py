@@ -28,23 +28,19 @@ from runtime.errors import ConfigError
 NEG = -np.inf
 
 
-class TreeSearchError(ConfigError):
-    """Bad acceptance table or budget for the tree search."""
-
-
 def _check_p(p: np.ndarray, name: str) -> None:
     if p.size == 0 or not np.all(np.isfinite(p)) or np.any(p < 0) or np.any(p > 1):
-        raise TreeSearchError(f"{name} must be non-empty probabilities in [0, 1], got {p.tolist()}")
+        raise ConfigError(f"{name} must be non-empty probabilities in [0, 1], got {p.tolist()}")
     if p.ndim == 1 and p.sum() > 1 + 1e-6:
-        raise TreeSearchError(f"{name} sums to {p.sum():.4f} > 1: at most one child is accepted per node")
+        raise ConfigError(f"{name} sums to {p.sum():.4f} > 1: at most one child is accepted per node")
     if p.ndim == 2 and np.any(p.sum(1) > 1 + 1e-6):
-        raise TreeSearchError(f"{name} rows must sum to <= 1 (one accepted child per node), got {p.sum(1).tolist()}")
+        raise ConfigError(f"{name} rows must sum to <= 1 (one accepted child per node), got {p.sum(1).tolist()}")
 
 
 def _check_budget(max_nodes: int, max_levels: int) -> None:
     for name, v in (("max_nodes", max_nodes), ("max_levels", max_levels)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise TreeSearchError(f"{name} must be an integer >= 1, got {v!r}")
+            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
 
 
 def _scaled(p: float, values: np.ndarray) -> np.ndarray:
@@ -116,7 +112,7 @@ def best_tree(P: Sequence[Sequence[float]] | Sequence[float], num_nodes: int, ma
     if P.ndim == 1:
         P = P[None]
     if P.ndim != 2:
-        raise TreeSearchError(f"P must be [K] or [depth, K], got shape {P.shape}")
+        raise ConfigError(f"P must be [K] or [depth, K], got shape {P.shape}")
     _check_p(P, "P")
     depth = max_levels - 1
     rows = np.concatenate([P, np.repeat(P[-1:], max(depth - P.shape[0], 0), axis=0)])[:depth]  # [depth, K]
@@ -163,11 +159,11 @@ def throughput_choice(
 ) -> tuple[int, int, float]:
     """Sequoia's hardware-aware choice: (m, l) maximising expected / cost. Returns (m, l, tokens per second)."""
     if expected.shape != step_cost.shape:
-        raise TreeSearchError(f"expected {expected.shape} and step_cost {step_cost.shape} must have the same shape")
+        raise ConfigError(f"expected {expected.shape} and step_cost {step_cost.shape} must have the same shape")
     with np.errstate(divide="ignore", invalid="ignore"):
         rate = np.where(np.isfinite(expected) & (step_cost > 0), expected / step_cost, -np.inf)
     m, l = np.unravel_index(int(np.argmax(rate)), rate.shape)
     return int(m), int(l), float(rate[m, l])
 
 
-__all__ = ["SearchedTree", "TreeSearchError", "best_tree", "expected_tokens", "sequoia_table", "throughput_choice"]
+__all__ = ["SearchedTree", "best_tree", "expected_tokens", "sequoia_table", "throughput_choice"]

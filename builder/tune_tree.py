@@ -35,6 +35,7 @@ import torch
 
 from builder.config import BuildConfig, BuildConfigError, load_config, plan_build
 from builder.tree_search import best_tree, expected_tokens
+from runtime import schema
 from runtime.decode import SpecDecoder
 from runtime.draft_spec import WEIGHTED_KINDS, DraftSpec
 from runtime.drafters import load_drafter
@@ -42,6 +43,7 @@ from runtime.drafters.none import NoneDrafter
 from runtime.model import TargetModel
 from runtime.prompts import load_prompt_file
 from runtime.protocol import Draft
+from runtime.schema import setting
 from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
 
@@ -71,29 +73,19 @@ class TuneSettings:
                     decoded again beside plain decoding, and the fastest measured is chosen
     """
 
-    max_tokens: int = 64
-    width: int = 10
-    depth: int = 6
-    max_nodes: int = 64
+    max_tokens: int = setting(64, ge=2)
+    width: int = setting(10, ge=1)
+    depth: int = setting(6, ge=1)
+    max_nodes: int = setting(64, ge=2)
     grid: tuple[int, ...] = DEFAULT_GRID
-    timing_prompts: int = 3
+    timing_prompts: int = setting(3, ge=1)
     references: tuple[str, ...] = ("mc_sim_7b_63", "chain-3", "chain-5")
-    objective: str = "tokens_per_s"
+    objective: str = setting("tokens_per_s", choices=OBJECTIVES)
     require_speedup: bool = True
-    finalists: int = 4
+    finalists: int = setting(4, ge=1)
 
     def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise TuneTreeError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        for name, lo in (("width", 1), ("depth", 1), ("max_nodes", 2), ("max_tokens", 2), ("timing_prompts", 1),
-                         ("finalists", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise TuneTreeError(f"{name} must be an integer >= {lo}, got {v!r}")
-
-
-class TuneTreeError(BuildConfigError):
-    """tune-tree cannot run on this config or these prompts."""
+        schema.check(self, BuildConfigError)
 
 
 # ---- 1. acceptance ----------------------------------------------------------------------------------------
@@ -181,7 +173,7 @@ def _drafter_with_tree(drafter, model: TargetModel, tree: Tree):
         return MedusaDrafter(drafter.heads, tree)
     if isinstance(drafter, EagleDrafter):
         return EagleDrafter(drafter.head, model, tree=tree)
-    raise TuneTreeError(f"tune-tree tunes static trees of medusa / eagle drafters, not {drafter.name!r}")
+    raise BuildConfigError(f"tune-tree tunes static trees of medusa / eagle drafters, not {drafter.name!r}")
 
 
 # ---- 2. costs ---------------------------------------------------------------------------------------------
@@ -296,10 +288,10 @@ def tune(
     say = progress or (lambda msg: None)
     d = config.draft
     if d.method not in WEIGHTED_KINDS:
-        raise TuneTreeError(f"{config.source}: draft.method: got {d.method!r}, expected 'medusa' or 'eagle' "
-                            "(tune-tree chooses static trees for draft heads)")
+        raise BuildConfigError(f"{config.source}: draft.method: got {d.method!r}, expected 'medusa' or 'eagle' "
+                               "(tune-tree chooses static trees for draft heads)")
     if not prompts:
-        raise TuneTreeError("no calibration prompts")
+        raise BuildConfigError("no calibration prompts")
     model = TargetModel.from_pretrained(config.model.checkpoint, dtype=config.build.dtype)
     tokenizer = Tokenizer.from_dir(config.model.checkpoint)
     base = load_drafter(DraftSpec(d.method, path=d.checkpoint, tree=Tree.chain(1)), model)
@@ -322,7 +314,8 @@ def tune(
         emitted += s.generated_tokens - 1
         t_total += s.time_total
     if counts.steps == 0:
-        raise TuneTreeError(f"the calibration prompts gave no countable steps (max_tokens {max_tokens} <= depth {depth}?)")
+        raise BuildConfigError(f"the calibration prompts gave no countable steps (max_tokens {max_tokens} <= depth "
+                               f"{depth}?)")
     P = counts.table()  # [depth, width]
 
     # 2. the DP's best tree for every (nodes, levels) budget
@@ -399,10 +392,11 @@ def tune(
                                     measured_tokens_per_s=final["plain"].tokens_per_s)
         candidates = [next((p for p in picks if p.name == c.name), c) for c in candidates]
     if best.expected <= 1.0:
-        raise TuneTreeError(f"the heads in {d.checkpoint} never matched the target on the calibration prompts "
-                            f"(acceptance by depth {[round(float(r.sum()), 3) for r in P]}): were they trained for it?")
+        raise BuildConfigError(f"the heads in {d.checkpoint} never matched the target on the calibration prompts "
+                               f"(acceptance by depth {[round(float(r.sum()), 3) for r in P]}): were they trained "
+                               "for it?")
     if objective == "tokens_per_s" and settings.require_speedup and best.speedup(plain) <= 1.0:
-        raise TuneTreeError(
+        raise BuildConfigError(
             f"no draft tree beats plain decoding on this machine: the best, {best.name} (predicted tau "
             f"{best.expected:.2f}), ran at {best.speedup(plain):.2f}x plain decoding (predicted: draft "
             f"{1e3 * best.t_draft:.2f} ms + target {1e3 * best.t_target:.2f} ms per step vs {1e3 * plain.t_target:.2f} "
@@ -517,7 +511,7 @@ def run_cli(args: argparse.Namespace, console) -> int:
     config_path = Path(args.config)
     config = load_config(config_path)
     if args.in_place and args.output:
-        raise TuneTreeError("pass either --output or --in-place, not both")
+        raise BuildConfigError("pass either --output or --in-place, not both")
     output = config_path if args.in_place else Path(args.output) if args.output else \
         config_path.with_name(config_path.stem + "-tuned.yaml")
     if args.prompts:
@@ -556,7 +550,6 @@ __all__ = [
     "StepTiming",
     "TuneResult",
     "TuneSettings",
-    "TuneTreeError",
     "add_arguments",
     "comb_tree",
     "read_prompts",

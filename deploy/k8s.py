@@ -43,10 +43,6 @@ def _container_path(default: str) -> str:
     return setting(default, pattern="/.*", what="an absolute path inside the container")
 
 
-class DeployConfigError(ConfigError):
-    """A deployment option is invalid."""
-
-
 @dataclass(frozen=True)
 class DeployConfig:
     """Everything `python -m deploy k8s` / `docker` accept (flags are these field names)."""
@@ -77,12 +73,12 @@ class DeployConfig:
     shm_size: str = _quantity("2Gi")  # the python backend moves tensors through /dev/shm
 
     def __post_init__(self) -> None:
-        schema.check(self, DeployConfigError)
+        schema.check(self, ConfigError)
         ports = [self.http_port, self.grpc_port, self.metrics_port]
         if len(set(ports)) != 3:
-            raise DeployConfigError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+            raise ConfigError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
         if self.device == "cuda" and self.gpus < 1:
-            raise DeployConfigError("gpus: device cuda needs at least 1 GPU")
+            raise ConfigError("gpus: device cuda needs at least 1 GPU")
 
     @property
     def labels(self) -> dict[str, str]:
@@ -167,7 +163,7 @@ def _compose_size(quantity: str) -> str:
     """Kubernetes quantity -> docker size ("2Gi" -> "2g")."""
     m = re.match(r"^(\d+)(Ki|Mi|Gi|Ti)?$", quantity)
     if m is None:
-        raise DeployConfigError(f"shm_size: docker needs a whole binary size such as 2Gi, got {quantity!r}")
+        raise ConfigError(f"shm_size: docker needs a whole binary size such as 2Gi, got {quantity!r}")
     unit = {None: "b", "Ki": "k", "Mi": "m", "Gi": "g", "Ti": "t"}[m.group(2)]
     return f"{m.group(1)}{unit}"
 
@@ -278,7 +274,6 @@ def config_fields() -> list[dataclasses.Field]:
 __all__ = [
     "TRITON_IMAGE",
     "DeployConfig",
-    "DeployConfigError",
     "compose",
     "config_fields",
     "container_command",

@@ -9,7 +9,9 @@ Starlette app, each request one gRPC stream to the served repository's generatio
 What goes to Triton: the prompt (completions: text_input, or input_ids for a token-id prompt; chat: messages,
 rendered by the engine's chat template server-side, the same `Tokenizer.apply_chat_template` as
 `python -m runtime generate --chat`, so greedy text is identical), sampling settings as vllm_backend's
-sampling_parameters JSON, always streamed (a whole response is the streamed deltas joined). Supported request
+sampling_parameters JSON, always streamed (a whole response is the streamed deltas joined). The sampling fields are
+checked here by `runtime.sampling.SamplingParams`, the one check of every sampling field (as the server's request
+parser does), its error restated with the request's field name. Supported request
 fields: model, prompt / messages, max_tokens (chat: also max_completion_tokens), temperature, top_p, n (1), stream,
 stream_options.include_usage, stop, seed, presence_penalty, frequency_penalty, logprobs (completions: the number
 of alternatives; chat: a bool, with top_logprobs), echo (completions, text prompts), user; vLLM's extra fields
@@ -46,7 +48,6 @@ from runtime.errors import ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.schema import setting
 
-MAX_TOP_LOGPROBS = 20  # runtime.sampling.MAX_LOGPROBS; OpenAI's own limit for top_logprobs
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -157,48 +158,50 @@ def _check_common(body: Any, known: tuple[str, ...]) -> None:
         raise APIError("response_format: only {\"type\": \"text\"} is supported", param="response_format")
 
 
-_SAMPLING = {  # OpenAI / vLLM field -> (vllm_backend sampling_parameters key, accepted types, description)
-    "temperature": ("temperature", (int, float), "a number >= 0"),
-    "top_p": ("top_p", (int, float), "a number in (0, 1]"),
-    "top_k": ("top_k", (int,), "an integer (-1 or 0: off)"),
-    "seed": ("seed", (int,), "an integer in [0, 2**64 - 1]"),
-    "presence_penalty": ("presence_penalty", (int, float), "a number in [-2, 2]"),
-    "frequency_penalty": ("frequency_penalty", (int, float), "a number in [-2, 2]"),
-    "repetition_penalty": ("repetition_penalty", (int, float), "a number > 0"),
-    "min_tokens": ("min_tokens", (int,), "an integer >= 0"),
-    "ignore_eos": ("ignore_eos", (bool,), "a boolean"),
-}
+# OpenAI / vLLM request fields that are runtime.sampling.SamplingParams fields of the same name (and keys of
+# vllm_backend's sampling_parameters JSON); besides them: max_tokens, stop and logprobs (`_sampling`).
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "min_tokens", "ignore_eos")
 _COMMON_KEYS = ("model", "n", "stream", "stream_options", "stop", "max_tokens", "response_format", *_SAMPLING)
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> dict[str, Any]:
-    sp: dict[str, Any] = {"max_tokens": max_tokens}
-    if "temperature" not in body or body["temperature"] is None:
+def _sampling(body: Mapping[str, Any], max_tokens: tuple[str, Any],
+              logprobs: tuple[str, Any] | None) -> dict[str, Any]:
+    """The request's sampling fields as vllm_backend's sampling_parameters JSON (the values as sent), checked by
+    SamplingParams (the one check of every sampling field) with its error restated under the request's field name;
+    `max_tokens` / `logprobs`: (the request field that gave it, its value)."""
+    from runtime.errors import RequestError
+    from runtime.sampling import SamplingParams
+
+    origin = {"max_tokens": max_tokens[0]}  # SamplingParams field -> the request field it came from
+    sp: dict[str, Any] = {"max_tokens": max_tokens[1]}
+    if body.get("temperature") is None:
         sp["temperature"] = 1.0  # OpenAI's default
-    for key, (name, kinds, what) in _SAMPLING.items():
-        value = _get(body, key, kinds, what)
-        if value is not None:
-            sp[name] = value
+    for key in _SAMPLING:
+        if body.get(key) is not None:
+            sp[key], origin[key] = body[key], key
     stop = body.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise APIError("stop: expected a string or a list of strings", param="stop")
-        if stop:
-            sp["stop"] = stop
+    if stop is not None and stop != []:
+        sp["stop"] = [stop] if isinstance(stop, str) else stop
+        origin["stop"] = "stop"
     if logprobs is not None:
-        sp["logprobs"] = logprobs
+        origin["logprobs"], sp["logprobs"] = logprobs
+    try:
+        SamplingParams(**(sp if sp.get("top_k") != -1 else {**sp, "top_k": 0}))  # vLLM spells "top-k off" -1
+    except RequestError as exc:
+        if exc.field is None:
+            raise APIError(str(exc)) from exc
+        name = origin.get(exc.field, exc.field)
+        raise APIError(f"{name}: expected {exc.expected}, got {exc.value!r}", param=name) from exc
     return sp
 
 
-def _max_tokens(body: Mapping[str, Any], default: int, *keys: str) -> int:
+def _max_tokens(body: Mapping[str, Any], default: int, *keys: str) -> tuple[str, Any]:
+    """(the first of `keys` the request gives, its value), else ("max_tokens", default); SamplingParams checks it."""
     for key in keys:
-        value = _get(body, key, (int,), "an integer >= 1")
-        if value is not None:
-            if value < 1:
-                raise APIError(f"{key}: expected an integer >= 1, got {value}", param=key)
-            return value
-    return default
+        if body.get(key) is not None:
+            return key, body[key]
+    return "max_tokens", default
 
 
 def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
@@ -234,9 +237,9 @@ def completion_call(body: Any, served: ServedModel) -> GenerationCall:
     if best_of != 1:
         raise APIError(f"best_of: {best_of}; this server returns one sequence per request", param="best_of")
     stream = _get(body, "stream", (bool,), "a boolean", False)
-    logprobs = _get(body, "logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise APIError(f"logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", param="logprobs")
+    logprobs = body.get("logprobs")
+    sp = _sampling(body, _max_tokens(body, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"),
+                   None if logprobs is None else ("logprobs", logprobs))
     echo = _get(body, "echo", (bool,), "a boolean", False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -256,7 +259,6 @@ def completion_call(body: Any, served: ServedModel) -> GenerationCall:
     if echo and logprobs is not None:
         raise APIError("echo with logprobs: the prompt's log-probabilities are not computed by this server",
                        param="echo")
-    sp = _sampling(body, _max_tokens(body, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"), logprobs)
     return _call("completion", model, inputs, sp, stream, _stream_options(body, stream), logprobs is not None,
                  logprobs or 0, prompt if echo else "")
 
@@ -292,12 +294,12 @@ def chat_call(body: Any, served: ServedModel) -> GenerationCall:
             raise APIError(f"messages[{i}]: field(s) {extra} not supported (no tools)", param="messages")
         plain.append({"role": m["role"], "content": _message_text(m.get("content"), f"messages[{i}].content")})
     want = _get(body, "logprobs", (bool,), "a boolean", False)
-    top = _get(body, "top_logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-    if top is not None and (not want or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise APIError(f"top_logprobs: needs logprobs: true and an integer in [0, {MAX_TOP_LOGPROBS}], got {top}",
+    top = body.get("top_logprobs")
+    if top is not None and not want:
+        raise APIError(f"top_logprobs: needs logprobs: true (got top_logprobs {top!r} without it)",
                        param="top_logprobs")
     sp = _sampling(body, _max_tokens(body, served.max_tokens_limit, "max_completion_tokens", "max_tokens"),
-                   (top or 0) if want else None)
+                   ("top_logprobs", 0 if top is None else top) if want else None)
     inputs = {"messages": _bytes(json.dumps(plain, ensure_ascii=False))}
     return _call("chat", model, inputs, sp, stream, _stream_options(body, stream), want, top or 0)
 
@@ -539,6 +541,8 @@ def create_app(config: OpenAIConfig, served: ServedModel) -> Any:
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
+
+    import runtime.sampling  # noqa: F401  (requests are checked by SamplingParams: torch loads now, not on the first)
 
     state: dict[str, Any] = {}
 

@@ -21,10 +21,10 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from model_repo.render import RenderError, RepoOptions, read_repo, render
+from model_repo.render import RepoOptions, read_repo, render
 from model_repo.tensorrtllm import BACKENDS, TrtllmRepoOptions, render_tensorrtllm
 from runtime import schema
-from runtime.errors import SpectreeError
+from runtime.errors import ConfigError, SpectreeError
 
 _HELP = {
     "engine": "engine directory (engine.json) or Hugging Face checkpoint directory",
@@ -97,18 +97,18 @@ def _options(ns: argparse.Namespace) -> RepoOptions | TrtllmRepoOptions:
                    if n not in names and hasattr(ns, n))
     if other:
         flags = ", ".join("--" + n.replace("_", "-") for n in other)
-        raise RenderError(f"--backend {ns.backend} does not take {flags}")
+        raise ConfigError(f"--backend {ns.backend} does not take {flags}")
     data: dict[str, Any] = {}
     if ns.config:
-        loaded, _ = schema.read_yaml(ns.config, RenderError)
+        loaded, _ = schema.read_yaml(ns.config, ConfigError)
         if not isinstance(loaded, dict):
-            raise RenderError(f"--config {ns.config}: expected a mapping of option -> value, got "
+            raise ConfigError(f"--config {ns.config}: expected a mapping of option -> value, got "
                               f"{type(loaded).__name__}")
         data.update(loaded)
     for f in dataclasses.fields(cls):
         if hasattr(ns, f.name):
             data[f.name] = getattr(ns, f.name)
-    return schema.load(cls, data, RenderError, source=ns.config or "command line")
+    return schema.load(cls, data, ConfigError, source=ns.config or "command line")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from model_repo.errors import SettingsError
+from runtime.errors import ConfigError
 
 
 def engine_facts(path: str) -> tuple[int, int, bool]:
@@ -43,7 +43,7 @@ def load_tokenizer(path: str) -> Any:
     if is_engine_dir(path):
         tok = open_engine(path).tokenizer()
         if tok is None:
-            raise SettingsError(f"engine directory {path} has no tokenizer.json; text prompts need one")
+            raise ConfigError(f"engine directory {path} has no tokenizer.json; text prompts need one")
         return tok
     return Tokenizer.from_dir(path)
 

@@ -1,17 +1,13 @@
 """Serving errors and the Triton error codes they become: a bad request is a runtime.errors.RequestError whose
-message names the input (INVALID_ARG), SettingsError a bad config.pbtxt parameter, RequestCancelled a request its
-client cancelled; `error_code` / `error_message` say what a client gets for any exception, `coded_error_message` /
-`decode_error_message` carry the code through a BLS call."""
+message names the input (INVALID_ARG), a bad config.pbtxt parameter a runtime.errors.ConfigError
+(model_repo.settings), RequestCancelled a request its client cancelled; `error_code` / `error_message` say what a
+client gets for any exception, `coded_error_message` / `decode_error_message` carry the code through a BLS call."""
 
 from __future__ import annotations
 
 import enum
 
-from runtime.errors import ConfigError, OverloadedError, RequestError, SpectreeError
-
-
-class SettingsError(ConfigError):
-    """A model's config.pbtxt parameters are missing, unknown or malformed."""
+from runtime.errors import OverloadedError, RequestError, SpectreeError
 
 
 # runtime.errors.OverloadedError (the scheduler's batch and queue are full, or the ensemble's max_in_flight):
@@ -69,7 +65,6 @@ __all__ = [
     "OVERLOADED",
     "ErrorCode",
     "RequestCancelled",
-    "SettingsError",
     "coded_error_message",
     "decode_error_message",
     "error_code",

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_repo.errors import RequestCancelled, SettingsError
+from model_repo.errors import RequestCancelled
 from model_repo.metrics import SpecMetrics
 from model_repo.request import GenerateRequest, prompt_ids
 from model_repo.responses import ResponseBuilder, ResponseSink
 from runtime.batching import RequestHandle, Scheduler, SchedulerConfig
-from runtime.errors import RequestError, SchedulerStopped
+from runtime.errors import ConfigError, RequestError, SchedulerStopped
 from runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def available_memory_bytes(device: str) -> int:
     except (OSError, ValueError):
         pass
     if available is None:
-        raise SettingsError("cannot read the free memory (/proc/meminfo); render with kv_memory_mb set")
+        raise ConfigError("cannot read the free memory (/proc/meminfo); render with kv_memory_mb set")
     return available
 
 

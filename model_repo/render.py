@@ -60,10 +60,6 @@ RENDERING = "rendering"  # the work_dir tag of a repository being rendered
 LOAD_OPTION_KEYS = ("draft", "draft_model", "tree", "dtype", "max_draft_len")
 
 
-class RenderError(ConfigError):
-    """Rendering options are invalid, or do not fit the engine they name."""
-
-
 @dataclass(frozen=True)
 class RepoOptions:
     """Everything `python -m model_repo render` accepts (CLI flags and YAML keys are these field names)."""
@@ -110,13 +106,13 @@ class RepoOptions:
     skip_checksums: bool = setting(False)  # do not verify the engine's files against engine.json's sha256 first
 
     def __post_init__(self) -> None:
-        schema.check(self, RenderError)
+        schema.check(self, ConfigError)
 
     @classmethod
     def from_mapping(cls, data: Any, where: str = "options") -> RepoOptions:
         """Strict construction from a mapping (YAML, flags): unknown keys fail, required keys must be there, every
         value is type- and bound-checked (runtime.schema)."""
-        return schema.load(cls, data, RenderError, source=where)
+        return schema.load(cls, data, ConfigError, source=where)
 
     def load_options(self) -> dict[str, Any]:
         """Keyword arguments for runtime.load (only the ones set)."""
@@ -226,7 +222,7 @@ def write_repo(out: Path, configs: Mapping[str, ModelConfig], adapters: Mapping[
     config.pbtxt, parsed back before it is written; model.py of the python models (adapters: model name -> source);
     the manifest. An existing out is replaced only with force."""
     if out.exists() and not force:
-        raise RenderError(f"output: {str(out)!r} already exists (pass force to replace it)")
+        raise ConfigError(f"output: {str(out)!r} already exists (pass force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_work_dirs(out, RENDERING)  # a killed render's leftovers
     tmp = work_dir(out, RENDERING)
@@ -235,7 +231,7 @@ def write_repo(out: Path, configs: Mapping[str, ModelConfig], adapters: Mapping[
         for name, config in configs.items():
             text = dumps(config)
             if loads(ModelConfig, text) != config:  # the writer and the parser must agree
-                raise RenderError(f"{name}/config.pbtxt does not parse back to the config it was rendered from")
+                raise ConfigError(f"{name}/config.pbtxt does not parse back to the config it was rendered from")
             (tmp / name / "1").mkdir(parents=True)
             (tmp / name / "config.pbtxt").write_text(text, encoding="utf-8")
             if name in adapters:
@@ -253,17 +249,17 @@ def render(options: RepoOptions) -> RenderedRepo:
     """Write the repository (atomically: into a temporary sibling, then renamed into place)."""
     engine = Path(options.engine)
     if not engine.is_dir():
-        raise RenderError(f"engine: {str(engine)!r} is not a directory")
+        raise ConfigError(f"engine: {str(engine)!r} is not a directory")
     if not options.skip_checksums:
         engines.verify_engine(str(engine))
     max_context, _, has_tokenizer = engines.engine_facts(str(engine))
     if not has_tokenizer:
-        raise RenderError(f"engine: {str(engine)!r} has no tokenizer.json; the text pipeline needs one")
+        raise ConfigError(f"engine: {str(engine)!r} has no tokenizer.json; the text pipeline needs one")
     limit = options.max_tokens_limit if options.max_tokens_limit is not None else max_context
     if limit > max_context:
-        raise RenderError(f"max_tokens_limit: {limit} is above the engine's context length {max_context}")
+        raise ConfigError(f"max_tokens_limit: {limit} is above the engine's context length {max_context}")
     if options.draft_model is not None and not Path(options.draft_model).is_dir():
-        raise RenderError(f"draft_model: {options.draft_model!r} is not a directory")
+        raise ConfigError(f"draft_model: {options.draft_model!r} is not a directory")
     engine_path = options.engine_path_in_server or str(engine.resolve())
     configs = model_configs(options, engine_path, max_context, limit)
 
@@ -282,7 +278,7 @@ def read_repo(path: str | Path) -> dict[str, ModelConfig]:
     for cfg in sorted(root.glob("*/config.pbtxt")):
         out[cfg.parent.name] = loads(ModelConfig, cfg.read_text(encoding="utf-8"))
     if not out:
-        raise RenderError(f"{root}: no */config.pbtxt found; not a model repository")
+        raise ConfigError(f"{root}: no */config.pbtxt found; not a model repository")
     return out
 
 
@@ -292,7 +288,6 @@ __all__ = [
     "MODELS",
     "PREPROCESSING",
     "SPEC_DECODE",
-    "RenderError",
     "RenderedRepo",
     "RepoOptions",
     "adapter_module",

@@ -22,9 +22,8 @@ from model_repo.contract import (
     TEXT_INPUT,
     Inputs,
 )
-from model_repo.errors import SettingsError
 from model_repo.schema import DataType, ModelInput
-from runtime.errors import RequestError
+from runtime.errors import ConfigError, RequestError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import ChatMessage, chat_messages
 
@@ -124,7 +123,7 @@ class RequestLimits:
             if v is None and name not in ("max_tokens", "vocab_size"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SettingsError(f"RequestLimits.{name} must be an int >= 1, got {v!r}")
+                raise ConfigError(f"RequestLimits.{name} must be an int >= 1, got {v!r}")
 
 
 def check_prompt_bytes(inputs: Inputs, limit: int | None) -> None:

@@ -1,5 +1,5 @@
 """The served models' settings: each model's config.pbtxt parameters, parsed and checked (`SpecDecodeSettings`,
-`PreprocessingSettings`, `EnsembleSettings`: every key required, unknown keys rejected, SettingsError naming the
+`PreprocessingSettings`, `EnsembleSettings`: every key required, unknown keys rejected, ConfigError naming the
 model, key and value), and the request parameters the ensemble model sets on its BLS calls (`CallerOptions`)."""
 
 from __future__ import annotations
@@ -11,18 +11,17 @@ from typing import Any, ClassVar, TypeVar
 
 from model_repo.bls import CANCEL_TOKEN_PARAMETER, CODED_ERRORS_PARAMETER, CancelBoard
 from model_repo.contract import VERIFICATION_GREEDY, VERIFICATION_SAMPLED
-from model_repo.errors import SettingsError
 from model_repo.request import RequestLimits
 from runtime import schema
 from runtime.batching import SchedulerConfig
-from runtime.errors import RequestError
+from runtime.errors import ConfigError, RequestError
 from runtime.schema import setting
 
 T = TypeVar("T")
 
 # ---- model settings (config.pbtxt parameters) -----------------------------------------------------------
 # Loaded by runtime.schema in string mode (Triton parameters are text): every key required, unknown keys rejected,
-# bounds declared on the fields; SettingsError "MODEL config parameters: KEY: got VALUE, expected WHAT".
+# bounds declared on the fields; ConfigError "MODEL config parameters: KEY: got VALUE, expected WHAT".
 
 
 class _ModelParameters:
@@ -33,7 +32,7 @@ class _ModelParameters:
 
     @classmethod
     def from_parameters(cls: type[T], params: Mapping[str, str], model: str | None = None) -> T:
-        return schema.load(cls, params, SettingsError, source=f"{model or cls.MODEL} config parameters",
+        return schema.load(cls, params, ConfigError, source=f"{model or cls.MODEL} config parameters",
                            strings=True)
 
 
@@ -69,10 +68,10 @@ class SpecDecodeSettings(_ModelParameters):
         params = dict(params)
         for key, expected in VERIFICATION_PARAMETERS.items():
             if key not in params:
-                raise SettingsError(f"{model} config parameters: {key}: missing (required)")
+                raise ConfigError(f"{model} config parameters: {key}: missing (required)")
             if (got := params.pop(key)) != expected:
-                raise SettingsError(f"{model} config parameters: {key}: got {got!r}, expected {expected!r} "
-                                    f"(runtime.verify implements {expected!r})")
+                raise ConfigError(f"{model} config parameters: {key}: got {got!r}, expected {expected!r} "
+                                  f"(runtime.verify implements {expected!r})")
         return super().from_parameters(params, model)
 
     def request_limits(self, vocab_size: int) -> RequestLimits:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from model_repo.pbtxt import loads
-from model_repo.render import RenderError, adapter_module, write_repo
+from model_repo.render import adapter_module, write_repo
 from model_repo.schema import (
     DataType,
     DynamicBatching,
@@ -65,7 +65,7 @@ from model_repo.schema import (
 )
 from runtime import schema
 from runtime.draft_spec import DYNAMIC, WEIGHTED_KINDS
-from runtime.errors import RequestError
+from runtime.errors import ConfigError, RequestError
 from runtime.schema import setting
 
 PREPROCESSING = "preprocessing"
@@ -108,7 +108,7 @@ class TrtllmRepoOptions:
     force: bool = setting(False)
 
     def __post_init__(self) -> None:
-        schema.check(self, RenderError)
+        schema.check(self, ConfigError)
 
 
 # ---- what the engine directory says -------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def parse_choices_parameter(text: str) -> tuple[tuple[int, ...], ...]:
     """Inverse of choices_parameter (for checks)."""
     body = text.strip()
     if not (body.startswith("{") and body.endswith("}")):
-        raise RenderError(f"choices {text!r}: expected {{...}}, {{...}}")
+        raise ConfigError(f"choices {text!r}: expected {{...}}, {{...}}")
     return tuple(tuple(int(x) for x in part.split(",") if x.strip()) for part in body[1:-1].split("}, {"))
 
 
@@ -288,14 +288,14 @@ TENSORRT_LLM_KEYS = (
 
 
 def check_engine(facts: EngineFacts) -> None:
-    """RenderError when the tensorrtllm backend cannot serve this engine as built."""
+    """ConfigError when the tensorrtllm backend cannot serve this engine as built."""
     if facts.method == "eagle" and facts.dynamic_tree:
-        raise RenderError("engine: an EAGLE-2 dynamic-tree engine; the tensorrtllm backend's parameters take a static "
+        raise ConfigError("engine: an EAGLE-2 dynamic-tree engine; the tensorrtllm backend's parameters take a static "
                           "eagle_choices tree only (its default would be mc_sim_7b_63, which does not fit this "
                           "engine's num_eagle_layers). Build with draft.tree.choices or a preset, or serve it with "
                           "--backend python")
     if facts.method in TREE_METHODS and facts.choices is None:
-        raise RenderError(f"engine: a {facts.method} engine without a static tree in engine.json")
+        raise ConfigError(f"engine: a {facts.method} engine without a static tree in engine.json")
 
 
 def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: str,
@@ -304,7 +304,7 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
     check_engine(facts)
     batch = options.max_batch_size if options.max_batch_size is not None else facts.max_batch_size
     if batch > facts.max_batch_size:
-        raise RenderError(f"max_batch_size: {batch} is above the engine's build.max_batch_size {facts.max_batch_size}")
+        raise ConfigError(f"max_batch_size: {batch} is above the engine's build.max_batch_size {facts.max_batch_size}")
     tree = facts.method in TREE_METHODS
     batching = DynamicBatching(preferred_batch_size=(batch,),
                                max_queue_delay_microseconds=options.max_queue_delay_microseconds,
@@ -406,10 +406,10 @@ def render_tensorrtllm(options: TrtllmRepoOptions) -> RenderedTrtllmRepo:
 
     engine = Path(options.engine)
     if not is_engine_dir(engine):
-        raise RenderError(f"engine: {str(engine)!r} is not an engine directory (no engine.json); the tensorrtllm "
+        raise ConfigError(f"engine: {str(engine)!r} is not an engine directory (no engine.json); the tensorrtllm "
                           "backend serves engines built by `python -m builder build`")
     if not (engine / "tokenizer.json").is_file():
-        raise RenderError(f"engine: {str(engine)!r} has no tokenizer.json; the text pipeline needs one")
+        raise ConfigError(f"engine: {str(engine)!r} has no tokenizer.json; the text pipeline needs one")
     facts = EngineFacts.read(engine)
     from builder.trtllm import TRTLLM_ENGINE_DIR
 
@@ -528,7 +528,7 @@ def decoding_mode_of(repository: str | Path, model: str = TENSORRT_LLM) -> str:
     try:
         config = loads(ModelConfig, path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise RenderError(f"cannot read {path}: {exc}") from exc
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
     return config.parameter("decoding_mode")
 
 
@@ -597,7 +597,7 @@ class VerifySettings:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], model: str) -> VerifySettings:
-        return schema.load(cls, params, RenderError, source=f"{model} config parameters", strings=True)
+        return schema.load(cls, params, ConfigError, source=f"{model} config parameters", strings=True)
 
 
 def verify_tree_logits(inputs: Mapping[str, np.ndarray], settings: VerifySettings) -> dict[str, np.ndarray]:

@@ -33,17 +33,15 @@ from perf import stats
 from perf.bench import BenchConfig, BenchConfigError, VariantSpec, build_decoder, encode_prompts, load_target, resolve
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import load_prompts
+from runtime import schema
 from runtime.batching import SchedulerConfig
 from runtime.draft_spec import DraftSpec
 from runtime.files import shown_path
+from runtime.schema import setting
 
 REPORT_FORMAT = "spectree-batch"
 REPORT_VERSION = 1
 MODES = ("sequential", "batched")
-
-
-def _positive_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -55,33 +53,24 @@ class BatchBenchConfig:
     drafter: str | None = None  # a bench drafter spec (lookup, medusa:chain-3, eagle, ...) or "plain"; None: configured
     draft_models: tuple[tuple[str, Path], ...] = ()  # (medusa | eagle, head directory) beyond the configured one
     prompts: tuple[Path, ...] = ()  # prompt files; empty: perf/prompts/{code,prose}.jsonl
-    prompts_per_set: int | None = None
-    concurrency: tuple[int, ...] = (1, 2, 4, 8)
-    max_tokens: int = 64  # tokens per request, exactly (EOS ignored)
-    warmup: int = 1  # untimed rounds first
-    repeats: int = 1  # timed rounds; the median counts
-    threads: int | None = None  # torch intra-op threads; None: every usable core
+    prompts_per_set: int | None = setting(None, ge=1)
+    concurrency: tuple[int, ...] = setting((1, 2, 4, 8), nonempty=True)
+    max_tokens: int = setting(64, ge=1)  # tokens per request, exactly (EOS ignored)
+    warmup: int = setting(1, ge=0)  # untimed rounds first
+    repeats: int = setting(1, ge=1)  # timed rounds; the median counts
+    threads: int | None = setting(None, ge=1)  # torch intra-op threads; None: every usable core
     dtype: str | None = None  # float32 | bfloat16 | float16; None: the config's / engine's
-    prefill_chunk: int = SchedulerConfig.prefill_chunk  # the scheduler's prompt tokens per request per step
-    out: str = "out/perf/{date}-{machine}"
+    # the scheduler's prompt tokens per request per step
+    prefill_chunk: int = setting(SchedulerConfig.prefill_chunk, ge=1)
+    out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.engine is None):
             raise BenchConfigError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
                                   f"got config={self.config!r}, engine={self.engine!r}")
-        if not self.concurrency or not all(_positive_int(n) for n in self.concurrency) \
-                or len(set(self.concurrency)) != len(self.concurrency):
+        schema.check(self, BenchConfigError)
+        if min(self.concurrency) < 1 or len(set(self.concurrency)) != len(self.concurrency):
             raise BenchConfigError(f"concurrency: got {list(self.concurrency)}, expected distinct integers >= 1")
-        for name, minimum in (("max_tokens", 1), ("warmup", 0), ("repeats", 1), ("prefill_chunk", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
-        for name in ("threads", "prompts_per_set"):
-            value = getattr(self, name)
-            if value is not None and not _positive_int(value):
-                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= 1 (or unset)")
-        if not self.out:
-            raise BenchConfigError("out: expected an output directory, got an empty string")
         if self.drafter is not None:
             try:
                 VariantSpec.parse(self.drafter)

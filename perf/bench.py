@@ -35,9 +35,11 @@ from typing import Any
 from perf import stats
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
+from runtime import schema
 from runtime.draft_spec import DYNAMIC, GRAMMAR, WEIGHTED_KINDS, DraftSpec
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import shown_path
+from runtime.schema import setting
 
 KIND_ALIASES = {"plain": "none"}  # spec kinds that name a DraftSpec kind another way
 TRANSFORMERS = "transformers"  # the drafter of every transformers variant (identity recorded, not enforced)
@@ -158,39 +160,30 @@ class BenchConfig:
     drafters: tuple[VariantSpec, ...] = ()  # empty: the configured drafter (if it is not "none")
     draft_models: tuple[tuple[str, Path], ...] = ()  # (medusa | eagle, head directory) beyond the configured one
     prompts: tuple[Path, ...] = ()  # prompt files (JSON Lines); empty: perf/prompts/{code,prose}.jsonl
-    prompts_per_set: int | None = None  # at most this many prompts from each file
-    max_tokens: int = 64  # tokens generated per prompt, exactly (EOS ignored)
-    warmup: int = 1  # untimed generations per variant before measuring
-    repeats: int = 1  # timed generations per (variant, prompt); the median counts
-    threads: int | None = None  # torch intra-op threads; None: every usable core
-    dtype: str | None = None  # float32 | bfloat16 | float16; None: the config's / engine's
+    prompts_per_set: int | None = setting(None, ge=1)  # at most this many prompts from each file
+    max_tokens: int = setting(64, ge=1)  # tokens generated per prompt, exactly (EOS ignored)
+    warmup: int = setting(1, ge=0)  # untimed generations per variant before measuring
+    repeats: int = setting(1, ge=1)  # timed generations per (variant, prompt); the median counts
+    threads: int | None = setting(None, ge=1)  # torch intra-op threads; None: every usable core
+    # None: the config's / engine's
+    dtype: str | None = setting(None, choices=("float32", "bfloat16", "float16"))
     hf: bool = True  # measure the transformers baseline (greedy generate)
-    hf_lookup: int | None = None  # measure transformers' prompt lookup decoding with this many tokens; None: not
+    hf_lookup: int | None = setting(None, ge=1)  # transformers' prompt lookup decoding with this many tokens; None: not
     hf_assistant: Path | None = None  # measure transformers' assisted generation with this draft checkpoint
-    out: str = "out/perf/{date}-{machine}"  # output directory; {date} and {machine} are filled in
+    # output directory; {date} and {machine} are filled in
+    out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.engine is None):
             raise BenchConfigError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
                                    f"got config={self.config!r}, engine={self.engine!r}")
-        for name, minimum in (("max_tokens", 1), ("warmup", 0), ("repeats", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
-        for name in ("threads", "prompts_per_set", "hf_lookup"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise BenchConfigError(f"{name}: got {value!r}, expected an integer >= 1 (or unset)")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise BenchConfigError(f"dtype: got {self.dtype!r}, expected float32, bfloat16 or float16")
+        schema.check(self, BenchConfigError)
         kinds = [k for k, _ in self.draft_models]
         for kind in kinds:
             if kind not in WEIGHTED_KINDS:
                 raise BenchConfigError(f"draft_models: got kind {kind!r}, expected medusa or eagle (KIND=DIR)")
         if len(set(kinds)) != len(kinds):
             raise BenchConfigError(f"draft_models: a kind is given twice ({kinds})")
-        if not self.out:
-            raise BenchConfigError("out: expected an output directory, got an empty string")
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads is not None else usable_cores()

@@ -38,8 +38,10 @@ from typing import Any
 from perf.analyzer import locate
 from perf.machine import report_header, settings_dict
 from perf.prompt_sets import load_prompts
+from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import read_json_object
+from runtime.schema import setting
 
 REPORT_FORMAT = "spectree-genai-perf"
 REPORT_VERSION = 1
@@ -79,13 +81,14 @@ class GenaiPerfConfig:
     tokenizer: Path  # the engine directory (tokenizer.json, tokenizer_config.json): genai-perf re-tokenizes text
     openai_url: str | None = None  # the OpenAI-compatible API, HOST:PORT (python -m deploy serve --openai-port)
     openai_model: str | None = None  # its model id (GET /v1/models)
-    openai_endpoint_type: str = "completions"  # completions | chat (chat needs the engine's chat template)
+    # completions | chat (chat needs the engine's chat template)
+    openai_endpoint_type: str = setting("completions", choices=ENDPOINT_TYPES)
     metrics_url: str | None = None  # Triton's metrics endpoint (http://HOST:PORT/metrics), for the speculation stats
-    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    concurrency: tuple[int, ...] = setting((1, 2, 4, 8, 16), nonempty=True)
     prompts: tuple[Path, ...] = ()
     prompts_per_set: int | None = None
-    max_tokens: int = 64  # output tokens per request, exactly
-    requests: int = 16  # requests measured per level (at least 2 x the level)
+    max_tokens: int = setting(64, ge=1)  # output tokens per request, exactly
+    requests: int = setting(16, ge=1)  # requests measured per level (at least 2 x the level)
     genai_perf: str | None = None  # the genai-perf executable; None: PATH, then this interpreter's bin/
     perf_analyzer: str | None = None
     timeout_s: float = 1800.0  # per genai-perf run
@@ -97,19 +100,12 @@ class GenaiPerfConfig:
             object.__setattr__(self, "openai_url", _host_port(self.openai_url, "openai_url"))
             if not self.openai_model:
                 raise ConfigError("openai_model: needed with openai_url (the model id GET /v1/models lists)")
-        if self.openai_endpoint_type not in ENDPOINT_TYPES:
-            raise ConfigError(f"openai_endpoint_type: got {self.openai_endpoint_type!r}, expected one of "
-                              f"{list(ENDPOINT_TYPES)}")
+        schema.check(self, ConfigError)
         if not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ConfigError(f"tokenizer: {str(self.tokenizer)!r} has no tokenizer.json (genai-perf counts tokens "
                               "with it: pass the engine directory)")
-        if not self.concurrency or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
-                                       for c in self.concurrency):
+        if min(self.concurrency) < 1:
             raise ConfigError(f"concurrency: got {self.concurrency!r}, expected levels >= 1")
-        for name in ("max_tokens", "requests"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}: got {value!r}, expected an integer >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         return settings_dict(self)

@@ -39,8 +39,10 @@ from typing import Any
 import torch
 
 from perf.machine import expand_out, machine_info, now_iso, settings_dict
-from runtime.draft_spec import KINDS, WEIGHTED_KINDS
+from runtime import schema
+from runtime.draft_spec import KINDS, DraftSpec
 from runtime.errors import ConfigError
+from runtime.schema import setting
 
 REPORT_FORMAT = "spectree-gpu-check"
 REPORT_VERSION = 1
@@ -94,25 +96,22 @@ class Shapes:
 class GpuCheckConfig:
     """Everything `python -m perf gpu-check` takes (its flags' defaults come from here)."""
 
-    out: str = "perf/results/{date}-{machine}"
+    out: str = setting("perf/results/{date}-{machine}", nonempty=True, what="an output directory")
     dry_run: bool = False  # CPU, tiny shapes: checks the shapes and the files, measures nothing meaningful
     smollm2: Path = REPO_ROOT / "models" / "smollm2-135m-instruct"  # imported from the GGUF when missing
     smollm2_config: Path = REPO_ROOT / "configs" / "smollm2.yaml"  # the drafter, its weights and tree
-    e2e_draft: str | None = None  # override the drafter (e.g. lookup: no head weights needed)
+    e2e_draft: str | None = setting(None, choices=KINDS)  # override the drafter (e.g. lookup: no head weights needed)
     prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
     seed: int = 0
     sections: tuple[str, ...] = ("kernel", "bandwidth", "verify", "e2e")  # a subset reruns only those
     shapes: Shapes = field(default_factory=Shapes.full)
 
     def __post_init__(self) -> None:
-        if not self.out:
-            raise ConfigError("out: expected an output directory, got an empty string")
+        schema.check(self, ConfigError)
         known = ("kernel", "bandwidth", "verify", "e2e")
         if not self.sections or any(x not in known for x in self.sections):
             raise ConfigError(f"sections: got {list(self.sections)}, expected a non-empty subset of "
                                 f"{', '.join(known)}")
-        if self.e2e_draft is not None and self.e2e_draft not in KINDS:
-            raise ConfigError(f"e2e_draft: got {self.e2e_draft!r}, expected one of {', '.join(KINDS)}")
 
     @property
     def device(self) -> torch.device:
@@ -292,27 +291,23 @@ def _smollm2(config: GpuCheckConfig) -> Path:
 
 def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     """Speculative vs plain decoding of the SmolLM2 target on the device, greedy, same prompts, interleaved."""
-    import yaml
-
-    import runtime
+    from builder.config import load_config
+    from perf.bench import Target, build_decoder
     from perf.prompt_sets import load_prompts
+    from runtime.model import TargetModel
+    from runtime.tokenizer import Tokenizer
 
     s = config.shapes
     path = _smollm2(config)
-    raw = yaml.safe_load(config.smollm2_config.read_text(encoding="utf-8"))
-    draft = raw.get("draft") or {}
-    dtype = (raw.get("build") or {}).get("dtype")
-    method = config.e2e_draft or draft.get("method", "none")
-    options: dict[str, Any] = {"device": str(config.device), "dtype": dtype}
-    if method in WEIGHTED_KINDS and config.e2e_draft is None:
-        options["draft_model"] = str((config.smollm2_config.parent / draft["checkpoint"]).resolve())
-        tree = draft.get("tree") or {}
-        if "choices" in tree:
-            options["tree"] = json.dumps(tree["choices"])
-        elif "preset" in tree:
-            options["tree"] = tree["preset"]
-    spec = runtime.load(str(path), draft=method, **options)
-    plain = runtime.load(str(path), draft="none", device=str(config.device), dtype=dtype)
+    build = load_config(config.smollm2_config)  # the demo engine's config: its drafter (a DraftSpec) and dtype
+    limit, dtype = build.build.max_draft_len, build.build.dtype
+    draft = (DraftSpec.create(config.e2e_draft, max_draft_len=limit) if config.e2e_draft is not None
+             else build.draft.spec(max_draft_len=limit))
+    model = TargetModel.from_pretrained(path, dtype=dtype, device=config.device)  # shared by both decoders
+    target = Target("checkpoint", path, model, Tokenizer.from_dir(path), draft)
+    plain, _ = build_decoder(target, None)
+    spec, _ = build_decoder(target, draft)
+    tree = draft.static_tree
     prompts = load_prompts([config.prompts], limit=s.e2e_prompts)
     sync = torch.cuda.synchronize if config.device.type == "cuda" else (lambda: None)
     rows = []
@@ -332,7 +327,8 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
                      "speedup": tp / ts if ts > 0 else None, "tau": rs.stats.tau})
     total_plain = sum(r["tokens"] / r["plain_tok_s"] for r in rows)
     total_spec = sum(r["tokens"] / r["spec_tok_s"] for r in rows)
-    return {"target": str(path), "drafter": method, "tree": options.get("tree"), "dtype": dtype,
+    return {"target": str(path), "drafter": draft.kind, "draft": draft.describe(), "dtype": dtype,
+            "tree": json.dumps([list(c) for c in tree.choices]) if tree is not None else draft.tree,
             "rows": rows, "identical": all(r["identical"] for r in rows),
             "speedup": total_plain / total_spec if total_spec else None}
 

@@ -35,8 +35,10 @@ from perf import stats
 from perf.analyzer import PerfAnalyzer, locate
 from perf.machine import report_header, settings_dict
 from perf.prompt_sets import Prompt, load_prompts
+from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import read_json_object
+from runtime.schema import setting
 
 REPORT_FORMAT = "spectree-serve"
 REPORT_VERSION = 1
@@ -78,16 +80,16 @@ class ServeConfig:
 
     url: str  # gRPC endpoint HOST:PORT
     model: str  # model name in the repository (ensemble, spec_decode, ...)
-    concurrency: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    concurrency: tuple[int, ...] = setting((1, 2, 3, 4, 5, 6, 7, 8), nonempty=True)
     prompts: tuple[Path, ...] = ()  # prompt files; empty: perf/prompts/{code,prose}.jsonl
-    prompts_per_set: int | None = None
-    max_tokens: int = 64
+    prompts_per_set: int | None = setting(None, ge=1)
+    max_tokens: int = setting(64, ge=1)
     ignore_eos: bool = True  # sampling_parameters {"ignore_eos": true}: every request generates max_tokens
-    requests: int = 16  # requests measured per level (at least 2 x the concurrency)
-    warmup: int = 2  # untimed requests before the first level
+    requests: int = setting(16, ge=1)  # requests measured per level (at least 2 x the concurrency)
+    warmup: int = setting(2, ge=0)  # untimed requests before the first level
     tokenizer: Path | None = None  # re-tokenize text_output when the model returns no output_ids
     perf_analyzer: str | None = None  # explicit binary; None: PATH, then this interpreter's bin/
-    timeout_s: float = 1800.0  # per perf_analyzer run
+    timeout_s: float = setting(1800.0, gt=0)  # per perf_analyzer run (seconds)
     out: str = "out/perf/{date}-{machine}"  # output directory (shared with bench); {date}, {machine} filled in
 
     def __post_init__(self) -> None:
@@ -97,17 +99,9 @@ class ServeConfig:
                                    "127.0.0.1:8001)")
         if not self.model or "/" in self.model:
             raise ConfigError(f"model: got {self.model!r}, expected a model name of the repository")
-        if not self.concurrency or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
-                                       for c in self.concurrency):
+        schema.check(self, ConfigError)
+        if min(self.concurrency) < 1:
             raise ConfigError(f"concurrency: got {self.concurrency!r}, expected levels >= 1")
-        for name, minimum in (("max_tokens", 1), ("requests", 1), ("warmup", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
-        if self.prompts_per_set is not None and (not isinstance(self.prompts_per_set, int) or self.prompts_per_set < 1):
-            raise ConfigError(f"prompts_per_set: got {self.prompts_per_set!r}, expected an integer >= 1")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s: got {self.timeout_s!r}, expected a positive number of seconds")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ConfigError(f"tokenizer: {str(self.tokenizer)!r} has no tokenizer.json")
 

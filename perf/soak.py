@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
+from runtime.schema import setting
 
 RETRY_S = 0.2  # a refused client waits this long before its next request
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
@@ -41,19 +43,15 @@ RSS_EVERY_S = 1.0
 @dataclass(frozen=True)
 class SoakConfig:
     url: str  # gRPC HOST:PORT
-    clients: int = 16
-    seconds: float = 60.0  # clients start requests for this long; the ones in flight then finish
+    clients: int = setting(16, ge=1)
+    # clients start requests for this long; the ones in flight then finish
+    seconds: float = setting(60.0, gt=0, what="a duration > 0 (seconds)")
     model: str = "ensemble"
-    max_tokens: int = 48
+    max_tokens: int = setting(48, ge=1)
     timeout_s: float = 120.0  # per response
 
     def __post_init__(self) -> None:
-        for name, minimum in (("clients", 1), ("max_tokens", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise ConfigError(f"{name}: expected an integer >= {minimum}, got {v!r}")
-        if not self.seconds > 0:
-            raise ConfigError(f"seconds: expected a duration > 0, got {self.seconds!r}")
+        schema.check(self, ConfigError)
 
 
 @dataclass(frozen=True)

@@ -31,17 +31,15 @@ import torch
 
 from perf import stats
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
+from runtime import schema
 from runtime.errors import ConfigError
 from runtime.files import shown_path
+from runtime.schema import setting
 
 DTYPES = ("float32", "bfloat16", "float16")
 MASKS = ("chain", "tree")
 REPORT_FORMAT = "spectree-verify-cost"
 REPORT_VERSION = 1
-
-
-def _positive_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -51,41 +49,34 @@ class VerifyCostConfig:
     config: Path | None = None  # builder YAML (its model.checkpoint); exactly one of config / checkpoint
     checkpoint: Path | None = None  # HF checkpoint directory
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    context: int = 256  # tokens prefilled into the cache before the timed forwards
-    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # N: new tokens per forward; must include 1
-    repeats: int = 7  # timed passes over every (dtype, mask, N); the median counts
-    warmup: int = 1  # untimed passes first
-    threads: int | None = None  # torch intra-op threads; None: every usable core
-    device: str = "cpu"  # cpu | cuda | cuda:K
+    context: int = setting(256, ge=1)  # tokens prefilled into the cache before the timed forwards
+    # N: new tokens per forward; must include 1
+    sizes: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64), nonempty=True)
+    repeats: int = setting(7, ge=1)  # timed passes over every (dtype, mask, N); the median counts
+    warmup: int = setting(1, ge=0)  # untimed passes first
+    threads: int | None = setting(None, ge=1)  # torch intra-op threads; None: every usable core
+    device: str = setting("cpu", pattern=r"cpu|cuda(:.*)?", what="cpu, cuda or cuda:K")
     seed: int = 0  # random context, tokens, trees and the order within each pass
     profile: tuple[int, ...] = ()  # N whose chain forward is also run under torch.profiler (op-time breakdown)
-    out: str = "out/perf/{date}-{machine}"  # output directory; {date} and {machine} are filled in
+    # output directory; {date} and {machine} are filled in
+    out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.checkpoint is None):
             raise ConfigError("give exactly one of --config (a builder YAML) or --checkpoint (a checkpoint "
                                   f"directory), got config={self.config!r}, checkpoint={self.checkpoint!r}")
+        schema.check(self, ConfigError)
         if not self.dtypes or any(d not in DTYPES for d in self.dtypes) or len(set(self.dtypes)) != len(self.dtypes):
             raise ConfigError(f"dtypes: got {list(self.dtypes)}, expected distinct names among "
                                   f"{', '.join(DTYPES)}")
-        if not self.sizes or not all(_positive_int(n) for n in self.sizes) or len(set(self.sizes)) != len(self.sizes):
+        if min(self.sizes) < 1 or len(set(self.sizes)) != len(self.sizes):
             raise ConfigError(f"sizes: got {list(self.sizes)}, expected distinct integers >= 1")
         if 1 not in self.sizes:
             raise ConfigError(f"sizes: got {list(self.sizes)}, expected a list including 1 (the ratios are "
                                   "verify(N) / verify(1))")
-        for name, minimum in (("context", 1), ("repeats", 1), ("warmup", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
         if any(n not in self.sizes for n in self.profile):
             raise ConfigError(f"profile: got {list(self.profile)}, expected sizes among --sizes "
                                   f"{sorted(self.sizes)}")
-        if self.threads is not None and not _positive_int(self.threads):
-            raise ConfigError(f"threads: got {self.threads!r}, expected an integer >= 1 (or unset)")
-        if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ConfigError(f"device: got {self.device!r}, expected cpu, cuda or cuda:K")
-        if not self.out:
-            raise ConfigError("out: expected an output directory, got an empty string")
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads is not None else usable_cores()

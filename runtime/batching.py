@@ -48,9 +48,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from runtime import schema
 from runtime.decode import GenerationDelta, GenerationResult, PromptLike, RequestState, SpecDecoder, collect
 from runtime.errors import ConfigError, OverloadedError, RequestError, SchedulerStopped
 from runtime.sampling import SamplingParams
+from runtime.schema import setting
 
 log = logging.getLogger(__name__)
 
@@ -58,27 +60,17 @@ log = logging.getLogger(__name__)
 DeltaCallback = Callable[["RequestHandle", GenerationDelta | BaseException], None]
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How one Scheduler batches (the serving layer renders these; its defaults are the ones here)."""
 
-    max_batch_size: int = 8  # requests decoded together (one target forward per step for all of them)
-    max_queue_size: int = 64  # requests waiting beyond the batch; a submit beyond that raises OverloadedError
-    kv_budget_bytes: int = 2 * 2**30  # the KV-cache reservations of all active requests together
-    prefill_chunk: int = 512  # prompt tokens per request per step (a longer prompt joins over several steps)
+    max_batch_size: int = setting(8, ge=1)  # requests decoded together (one target forward per step for all of them)
+    max_queue_size: int = setting(64, ge=0)  # requests waiting beyond the batch; a submit beyond that: OverloadedError
+    kv_budget_bytes: int = setting(2 * 2**30, ge=1)  # the KV-cache reservations of all active requests together
+    prefill_chunk: int = setting(512, ge=1)  # prompt tokens per request per step (longer prompts join over steps)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "kv_budget_bytes", "prefill_chunk"):
-            value = getattr(self, name)
-            if not _positive_int(value):
-                raise ConfigError(f"scheduler {name} must be an int >= 1, got {value!r}")
-        q = self.max_queue_size
-        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
-            raise ConfigError(f"scheduler max_queue_size must be an int >= 0, got {q!r}")
+        schema.check(self, ConfigError, "scheduler")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from runtime import schema
 from runtime.errors import ConfigError
 from runtime.files import read_json_object
+from runtime.schema import setting
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -39,14 +41,14 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
+    vocab_size: int = setting(ge=1)
+    hidden_size: int = setting(ge=1)
+    intermediate_size: int = setting(ge=1)
+    num_hidden_layers: int = setting(ge=1)
+    num_attention_heads: int = setting(ge=1)
+    num_key_value_heads: int = setting(ge=1)
+    head_dim: int = setting(ge=1)
+    max_position_embeddings: int = setting(ge=1)
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
@@ -57,24 +59,11 @@ class ModelConfig:
     dtype: str  # "float32" | "bfloat16" | "float16"
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    max_context: int  # longest sequence (prompt + generated) this implementation computes exactly
+    max_context: int = setting(ge=1)  # longest sequence (prompt + generated) this implementation computes exactly
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "max_context",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        schema.check(self, ConfigError)
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from runtime import schema
 from runtime.errors import ConfigError
+from runtime.schema import setting
 from runtime.tree import Tree
 
 KINDS = ("medusa", "eagle", "lookup", "none")
@@ -81,15 +83,12 @@ class DynamicTreeOptions:
     top_k         children per expanded node and frontier width.
     """
 
-    total_tokens: int = 60
-    depth: int = 5
-    top_k: int = 10
+    total_tokens: int = setting(60, ge=1)
+    depth: int = setting(5, ge=0)
+    top_k: int = setting(10, ge=1)
 
     def __post_init__(self) -> None:
-        for name, minimum in (("total_tokens", 1), ("depth", 0), ("top_k", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"EAGLE dynamic-tree option {name} must be an integer >= {minimum}, got {value!r}")
+        schema.check(self, ConfigError, "dynamic")
 
 
 @dataclass(frozen=True)
@@ -102,25 +101,18 @@ class LookupOptions:
     max_branches            distinct continuations merged into the tree (1: a plain chain, PLD's original form).
     """
 
-    max_ngram: int = 3
-    min_ngram: int = 1
-    num_draft_tokens: int = 10
-    max_depth: int | None = 6
-    max_branches: int = 4
+    max_ngram: int = setting(3, ge=1)
+    min_ngram: int = setting(1, ge=1)
+    num_draft_tokens: int = setting(10, ge=1)
+    max_depth: int | None = setting(6, ge=1)
+    max_branches: int = setting(4, ge=1)
 
     def __post_init__(self) -> None:
-        for name in ("max_ngram", "min_ngram", "num_draft_tokens", "max_branches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"lookup option {name} must be an integer >= 1, got {value!r}")
+        schema.check(self, ConfigError, "lookup")
         if self.min_ngram > self.max_ngram:
             raise ConfigError(
                 f"lookup option min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
             )
-        if self.max_depth is not None and (
-            not isinstance(self.max_depth, int) or isinstance(self.max_depth, bool) or self.max_depth < 1
-        ):
-            raise ConfigError(f"lookup option max_depth must be an integer >= 1 or None, got {self.max_depth!r}")
 
     @property
     def depth_limit(self) -> int:

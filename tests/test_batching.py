@@ -388,11 +388,11 @@ def test_queue_full_is_a_distinct_overload_error(plain):
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match="max_batch_size must be an int >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"scheduler.max_batch_size: got 0, expected an integer >= 1"):
         SchedulerConfig(max_batch_size=0)
-    with pytest.raises(ConfigError, match="max_queue_size"):
+    with pytest.raises(ConfigError, match=r"scheduler.max_queue_size: got -1, expected an integer >= 0"):
         SchedulerConfig(max_queue_size=-1)
-    with pytest.raises(ConfigError, match="kv_budget_bytes"):
+    with pytest.raises(ConfigError, match=r"scheduler.kv_budget_bytes: got 1.5, expected an integer"):
         SchedulerConfig(kv_budget_bytes=1.5)
 
 

@@ -124,6 +124,8 @@ def test_config_architecture_specifics():
         ({"vocab_size": None}, "missing required field 'vocab_size'"),
         ({"eos_token_id": [1, "x"]}, "eos_token_id"),
         ({"sliding_window": -3}, "sliding_window"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers: got 0, expected an integer >= 1"),
+        ({"intermediate_size": True}, "intermediate_size: got True, expected an integer"),
     ],
 )
 def test_config_errors(changes, message):

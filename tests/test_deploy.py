@@ -15,7 +15,6 @@ import yaml
 from deploy.__main__ import main
 from deploy.k8s import (
     DeployConfig,
-    DeployConfigError,
     container_command,
     write_docker,
     write_k8s,
@@ -120,7 +119,7 @@ def test_docker_and_compose(tmp_path):
     ],
 )
 def test_deploy_config_is_validated(kwargs, message):
-    with pytest.raises(DeployConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         DeployConfig(**kwargs)
     assert message in str(e.value)
 

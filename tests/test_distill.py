@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import runtime
+from builder.config import BuildConfigError
 from builder.train_heads import train_heads
-from builder.training.config import TrainConfigError, parse_train_config
-from builder.training.distill import HIDDEN, TOKENS, conversations, features
+from builder.training.config import parse_train_config
+from builder.training.distill import HIDDEN, TOKENS, GenerateSettings, conversations, features
 from runtime.drafters.draft_vocab import DraftVocab, top_frequent
-from runtime.errors import CheckpointError
+from runtime.errors import CheckpointError, ConfigError
 from tests.tiny import make_checkpoint
 
 CHATML = ("{% for m in messages %}{{ '<|eot_id|>' + m['role'] + '\\n' + m['content'] + '</s>\\n' }}{% endfor %}"
@@ -138,9 +139,21 @@ def test_draft_vocab_validation():
 def test_chat_config_errors(chat_target, tmp_path):
     cfg = _config(chat_target, tmp_path)
     cfg["corpus"].pop("prompts")
-    with pytest.raises(TrainConfigError, match="corpus.prompts: got None, expected a prompts file exactly when"):
+    with pytest.raises(BuildConfigError, match="corpus.prompts: got None, expected a prompts file exactly when"):
         parse_train_config(cfg)
     cfg = _config(chat_target, tmp_path)
     cfg["heads"]["draft_vocab_size"] = 1
-    with pytest.raises(TrainConfigError, match="heads.draft_vocab_size: got 1, expected an integer >= 2"):
+    with pytest.raises(BuildConfigError, match="heads.draft_vocab_size: got 1, expected an integer >= 2"):
         parse_train_config(cfg)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": 0}, "generate.temperature: got 0, expected a number > 0"),
+    ({"answers": 0}, "generate.answers: got 0, expected an integer >= 1"),
+    ({"batch_size": True}, "generate.batch_size: got True, expected an integer"),
+    ({"dtype": "float16"}, "generate.dtype: got 'float16', expected one of 'float32', 'bfloat16'"),
+])
+def test_generate_settings_name_the_setting(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        GenerateSettings(**kwargs)
+    assert str(info.value) == message

@@ -55,7 +55,7 @@ def test_grammar(text, expected):
     ("eagle:chain-2+top_k=3", "options", "apply to the dynamic EAGLE-2 tree only"),
     ("medusa+top_k=3", "options", "unknown option(s) ['top_k'] for drafter 'medusa'; accepted: none"),
     ("lookup+ngram=3", "options", "unknown option(s) ['ngram'] for drafter 'lookup'"),
-    ("lookup+max_ngram=0", "options", "lookup option max_ngram must be an integer >= 1, got 0"),
+    ("lookup+max_ngram=0", "options", "lookup.max_ngram: got 0, expected an integer >= 1"),
     ("lookup+max_ngram", "options", "must look like KEY=VALUE"),
     ("lookup+max_ngram=2+max_ngram=3", "options", "'max_ngram' is given twice"),
     ("lookup+max_draft_len=-1", "max_draft_len", "got -1, expected an integer >= 0"),

@@ -158,6 +158,6 @@ def test_load_drafter_errors(target, heads):
         load("lookup", target, tree="chain-2")
     with pytest.raises(ConfigError, match="drafts root-only trees; got a tree with 3 nodes"):
         load("none", target, tree="chain-2")
-    with pytest.raises(ConfigError, match="lookup option max_ngram must be an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"lookup.max_ngram: got 0, expected an integer >= 1"):
         load("lookup", target, max_ngram=0)
     assert load("none", target, tree=[]).name == "none"

@@ -423,10 +423,10 @@ def test_no_fc_bias_variant_loads(tmp_path, target_dir, target, hf_target):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(total_tokens=0), "total_tokens must be an integer >= 1, got 0"),
-        (dict(depth=-1), "depth must be an integer >= 0, got -1"),
-        (dict(top_k=0), "top_k must be an integer >= 1, got 0"),
-        (dict(top_k=2.0), "top_k must be an integer"),
+        (dict(total_tokens=0), r"dynamic.total_tokens: got 0, expected an integer >= 1"),
+        (dict(depth=-1), r"dynamic.depth: got -1, expected an integer >= 0"),
+        (dict(top_k=0), r"dynamic.top_k: got 0, expected an integer >= 1"),
+        (dict(top_k=2.0), r"dynamic.top_k: got 2.0, expected an integer"),
     ],
 )
 def test_bad_dynamic_options(kwargs, match):

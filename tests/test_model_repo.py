@@ -11,7 +11,7 @@ import pytest
 from model_repo.__main__ import main
 from model_repo.contract import MESSAGES
 from model_repo.pbtxt import dumps, loads, parse
-from model_repo.render import RenderError, RepoOptions, read_repo, render
+from model_repo.render import RepoOptions, read_repo, render
 from model_repo.schema import (
     DataType,
     EnsembleScheduling,
@@ -200,22 +200,22 @@ def test_render_gpu_instances(ckpt, tmp_path):
 
 
 def test_render_refuses_bad_options(ckpt, tmp_path):
-    with pytest.raises(RenderError, match="max_tokens_limit: 600 is above the engine's context length 512"):
+    with pytest.raises(ConfigError, match="max_tokens_limit: 600 is above the engine's context length 512"):
         render(RepoOptions(engine=str(ckpt), output=str(tmp_path / "a"), max_tokens_limit=600))
-    with pytest.raises(RenderError, match="device: got 'tpu', expected one of 'cpu', 'cuda'"):
+    with pytest.raises(ConfigError, match="device: got 'tpu', expected one of 'cpu', 'cuda'"):
         RepoOptions(engine=str(ckpt), output=str(tmp_path / "a"), device="tpu")
-    with pytest.raises(RenderError, match="max_concurrent_requests: got 0, expected an integer >= 1"):
+    with pytest.raises(ConfigError, match="max_concurrent_requests: got 0, expected an integer >= 1"):
         RepoOptions(engine=str(ckpt), output=str(tmp_path / "a"), max_concurrent_requests=0)
-    with pytest.raises(RenderError, match=r"options: bogus: unknown key \(value 1\); expected one of engine, output, "):
+    with pytest.raises(ConfigError, match=r"options: bogus: unknown key \(value 1\); expected one of engine, output, "):
         RepoOptions.from_mapping({"engine": str(ckpt), "output": "x", "bogus": 1})
-    with pytest.raises(RenderError, match=r"options: output: missing \(required\)"):
+    with pytest.raises(ConfigError, match=r"options: output: missing \(required\)"):
         RepoOptions.from_mapping({"engine": str(ckpt)})
-    with pytest.raises(RenderError, match="is not a directory"):
+    with pytest.raises(ConfigError, match="is not a directory"):
         render(RepoOptions(engine=str(tmp_path / "nope"), output=str(tmp_path / "a")))
     no_tok = tmp_path / "no_tok"
     make_checkpoint(no_tok, "qwen2")
     (no_tok / "tokenizer.json").unlink()
-    with pytest.raises(RenderError, match="no tokenizer.json"):
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
         render(RepoOptions(engine=str(no_tok), output=str(tmp_path / "a")))
     assert not (tmp_path / "a").exists()
 
@@ -223,7 +223,7 @@ def test_render_refuses_bad_options(ckpt, tmp_path):
 def test_render_does_not_overwrite_without_force(ckpt, tmp_path):
     out = tmp_path / "repo"
     render(RepoOptions(engine=str(ckpt), output=str(out)))
-    with pytest.raises(RenderError, match="already exists"):
+    with pytest.raises(ConfigError, match="already exists"):
         render(RepoOptions(engine=str(ckpt), output=str(out), max_concurrent_requests=2))
     render(RepoOptions(engine=str(ckpt), output=str(out), max_concurrent_requests=2, force=True))
     assert read_repo(out)["spec_decode"].parameter("max_concurrent_requests") == "2"

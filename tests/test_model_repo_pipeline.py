@@ -17,7 +17,6 @@ from model_repo.bls import CANCEL_TOKEN_PARAMETER, CODED_ERRORS_PARAMETER, Cance
 from model_repo.errors import (
     ErrorCode,
     RequestCancelled,
-    SettingsError,
     coded_error_message,
     decode_error_message,
     error_code,
@@ -28,7 +27,7 @@ from model_repo.metrics import METRICS, SpecMetrics
 from model_repo.request import RequestLimits, parse_generate_request, preprocess, prompt_ids
 from model_repo.settings import CallerOptions, EnsembleSettings, PreprocessingSettings, SpecDecodeSettings
 from runtime.batching import SchedulerConfig
-from runtime.errors import CacheError, OverloadedError, RequestError, SchedulerStopped
+from runtime.errors import CacheError, ConfigError, OverloadedError, RequestError, SchedulerStopped
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import ChatMessage
 from tests.heads import write_medusa_head
@@ -689,7 +688,7 @@ def test_spec_decode_settings_are_strict():
         ({"extra": "1"}, "extra: unknown key (value '1')"),
         ({"engine_dir": None}, "engine_dir: missing (required)"),
     ):
-        with pytest.raises(SettingsError, match=None) as e:
+        with pytest.raises(ConfigError, match=None) as e:
             SpecDecodeSettings.from_parameters(settings_params(**over))
         assert message in str(e.value)
 
@@ -697,13 +696,13 @@ def test_spec_decode_settings_are_strict():
 def test_preprocessing_and_ensemble_settings_are_strict():
     assert PreprocessingSettings.from_parameters({"engine_dir": "/e", "max_context": "64", "max_prompt_bytes": "9"}) \
         == PreprocessingSettings(engine_dir="/e", max_context=64, max_prompt_bytes=9)
-    with pytest.raises(SettingsError, match=r"^pre config parameters: max_context: got 1, expected an integer >= 2$"):
+    with pytest.raises(ConfigError, match=r"^pre config parameters: max_context: got 1, expected an integer >= 2$"):
         PreprocessingSettings.from_parameters({"engine_dir": "/e", "max_context": "1", "max_prompt_bytes": "9"}, "pre")
     params = {"preprocessing_model": "p", "spec_decode_model": "s", "max_in_flight": "40"}
     assert EnsembleSettings.from_parameters(params) == EnsembleSettings(preprocessing="p", spec_decode="s",
                                                                         max_in_flight=40)
-    with pytest.raises(SettingsError, match=r"^ensemble config parameters: max_in_flight: got 'x', expected an "
+    with pytest.raises(ConfigError, match=r"^ensemble config parameters: max_in_flight: got 'x', expected an "
                                             r"integer$"):
         EnsembleSettings.from_parameters({**params, "max_in_flight": "x"})
-    with pytest.raises(SettingsError, match="ensemble config parameters: spec_decode_model: missing"):
+    with pytest.raises(ConfigError, match="ensemble config parameters: spec_decode_model: missing"):
         EnsembleSettings.from_parameters({"preprocessing_model": "p", "max_in_flight": "1"})

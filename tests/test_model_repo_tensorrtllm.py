@@ -20,7 +20,6 @@ from tritonclient.grpc import model_config_pb2
 from builder.build import build_engine
 from builder.config import parse_config
 from model_repo.__main__ import main
-from model_repo.render import RenderError
 from model_repo.tensorrtllm import (
     BLS,
     ENSEMBLE,
@@ -40,7 +39,7 @@ from model_repo.tensorrtllm import (
     verify_tree_logits,
     word_list,
 )
-from runtime.errors import RequestError
+from runtime.errors import ConfigError, RequestError
 from runtime.protocol import Draft, Proposal
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import Tokenizer
@@ -158,14 +157,14 @@ def test_ensemble_steps_are_wired_to_existing_tensors(engines, tmp_path):
 
 
 def test_render_refuses_what_the_backend_cannot_serve(engines, tmp_path, capsys):
-    with pytest.raises(RenderError, match="EAGLE-2 dynamic-tree engine"):
+    with pytest.raises(ConfigError, match="EAGLE-2 dynamic-tree engine"):
         render_tensorrtllm(TrtllmRepoOptions(engine=str(engines["eagle2"]), output=str(tmp_path / "r")))
-    with pytest.raises(RenderError, match="max_batch_size: 8 is above the engine's build.max_batch_size 4"):
+    with pytest.raises(ConfigError, match="max_batch_size: 8 is above the engine's build.max_batch_size 4"):
         render_tensorrtllm(TrtllmRepoOptions(engine=str(engines["medusa"]), output=str(tmp_path / "r"),
                                              max_batch_size=8))
-    with pytest.raises(RenderError, match="kv_cache_free_gpu_mem_fraction"):
+    with pytest.raises(ConfigError, match="kv_cache_free_gpu_mem_fraction"):
         TrtllmRepoOptions(engine="e", output="o", kv_cache_free_gpu_mem_fraction=1.5)
-    with pytest.raises(RenderError, match="not an engine directory"):
+    with pytest.raises(ConfigError, match="not an engine directory"):
         render_tensorrtllm(TrtllmRepoOptions(engine=str(tmp_path), output=str(tmp_path / "r")))
     assert main(["render", "--backend", "tensorrtllm", "--engine", str(engines["medusa"]), "--output",
                  str(tmp_path / "r"), "--device", "cuda"]) == 2

@@ -64,14 +64,22 @@ def test_chat_request_becomes_triton_inputs():
      "top_logprobs: needs logprobs: true"),
     (chat_call, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "only text content parts"),
-    (completion_call, {"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs: expected an integer in"),
+    (completion_call, {"model": "tiny", "prompt": "x", "logprobs": 50}, 400,
+     "logprobs: expected None or an integer in [0, 20], got 50"),
+    (chat_call, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                 "top_logprobs": 50}, 400, "top_logprobs: expected None or an integer in [0, 20], got 50"),
+    (chat_call, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens: expected an integer >= 1, got 0"),
+    (completion_call, {"model": "tiny", "prompt": "x", "min_tokens": 20}, 400,
+     "min_tokens: expected an integer in [0, max_tokens=16], got 20"),
     (completion_call, {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options: only allowed with stream: true"),
     (completion_call, {"model": "tiny", "prompt": ["a", "b"]}, 400, "a batch of 2 prompts"),
     (completion_call, {"model": "tiny", "prompt": "x", "temprature": 1}, 400, "unknown field(s) ['temprature']"),
     (completion_call, {"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias: not supported"),
     (completion_call, {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens: expected an integer >= 1"),
-    (completion_call, {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature: expected a number"),
+    (completion_call, {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400,
+     "temperature: expected a finite number >= 0 (0 = greedy), got 'hot'"),
     (completion_call, {"model": "tiny"}, 400, "prompt: expected a non-empty string"),
 ])
 def test_bad_requests_are_refused_in_openai_shape(make, body, status, message):
@@ -79,6 +87,18 @@ def test_bad_requests_are_refused_in_openai_shape(make, body, status, message):
         make(body, SERVED)
     assert err.value.status == status and message in str(err.value)
     assert err.value.body()["error"]["message"] == str(err.value)
+
+
+def test_sampling_errors_are_sampling_params_errors_named_by_the_request_field():
+    from runtime.errors import RequestError
+    from runtime.sampling import SamplingParams
+
+    with pytest.raises(RequestError) as own:
+        SamplingParams(top_p=1.5)
+    with pytest.raises(APIError) as err:
+        completion_call({"model": "tiny", "prompt": "x", "top_p": 1.5}, SERVED)
+    assert str(err.value) == f"top_p: expected {own.value.expected}, got 1.5" and err.value.param == "top_p"
+    assert sampling(completion_call({"model": "tiny", "prompt": "x", "top_k": -1}, SERVED))["top_k"] == -1  # vLLM: off
 
 
 # ---- the official openai client against a real server ------------------------------------------------------
@@ -178,7 +198,7 @@ def test_errors_come_back_in_openai_shape(client, model_id):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt="hi", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match=r"top_p: expected a number in \(0, 1\]"):
-        client.completions.create(model=model_id, prompt="hi", max_tokens=4, top_p=1.5)  # refused by the server
+        client.completions.create(model=model_id, prompt="hi", max_tokens=4, top_p=1.5)  # SamplingParams refuses it
     with pytest.raises(openai.BadRequestError, match="max_tokens: 100000 is above this server's limit"):
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=100000, stream=True)

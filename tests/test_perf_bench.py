@@ -184,6 +184,20 @@ def test_config_and_engine_are_exclusive():
         BenchConfig(config=Path("a.yaml"), engine=Path("e"))
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens: got 0, expected an integer >= 1"),
+    ({"warmup": -1}, "warmup: got -1, expected an integer >= 0"),
+    ({"threads": True}, "threads: got True, expected an integer"),
+    ({"hf_lookup": 0}, "hf_lookup: got 0, expected an integer >= 1"),
+    ({"dtype": "float64"}, "dtype: got 'float64', expected one of 'float32', 'bfloat16', 'float16'"),
+    ({"out": ""}, "out: got '', expected an output directory"),
+])
+def test_settings_bounds_name_the_setting(kwargs, message):
+    with pytest.raises(BenchConfigError) as info:
+        BenchConfig(config=Path("a.yaml"), **kwargs)
+    assert str(info.value) == message
+
+
 # ---- drafter specs ------------------------------------------------------------------------------------------
 
 

@@ -155,6 +155,10 @@ def test_concurrency_levels():
     ({"model": ""}, "model: got ''"),
     ({"max_tokens": 0}, "max_tokens: got 0"),
     ({"requests": 0}, "requests: got 0"),
+    ({"concurrency": (0, 2)}, "concurrency: got (0, 2), expected levels >= 1"),
+    ({"concurrency": (True,)}, "concurrency[0]: got True, expected an integer"),
+    ({"prompts_per_set": 0}, "prompts_per_set: got 0, expected an integer >= 1"),
+    ({"timeout_s": 0}, "timeout_s: got 0, expected a number > 0"),
     ({"tokenizer": "/nonexistent"}, "has no tokenizer.json"),
 ])
 def test_serve_config_errors(kwargs, message):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from builder.config import BuildConfigError
 from builder.train_heads import (
     EagleTrainHead,
     eagle_layer_config,
@@ -19,9 +20,8 @@ from builder.train_heads import (
     train_heads,
 )
 from builder.train_target import train_target
-from builder.training.config import TrainConfigError, parse_train_config
+from builder.training.config import parse_train_config
 from builder.training.corpus import (
-    CorpusError,
     held_out_prompts,
     is_held_out,
     split_corpus,
@@ -29,6 +29,7 @@ from builder.training.corpus import (
 from builder.training.loop import ResumeError
 from runtime.drafters.eagle import load_eagle_head
 from runtime.drafters.medusa import load_medusa_heads
+from runtime.errors import ConfigError
 from runtime.model import TargetModel, causal_mask
 from runtime.tokenizer import Tokenizer
 from tests import heads as ref_heads
@@ -88,7 +89,7 @@ def test_held_out_prompts_are_disjoint_code_snippets(corpus):
     assert len(cal) == len(ev) == len(split.held_out) and not set(cal) & set(ev)
     held = "".join(f.path.read_text() for f in split.held_out)
     assert all(p.startswith("def ") and p in held and len(p) <= 320 for p in cal + ev)
-    with pytest.raises(CorpusError, match="part must be"):
+    with pytest.raises(ConfigError, match="part must be"):
         held_out_prompts(split, "train")
 
 
@@ -145,20 +146,20 @@ def test_shown_path_is_relative_inside_the_working_directory(tmp_path, monkeypat
 
 def test_bad_training_configs_name_the_key(corpus, tmp_path):
     base = _target_cfg(corpus, tmp_path)
-    with pytest.raises(TrainConfigError, match=r"corpus.held_out: got 1.5"):
+    with pytest.raises(BuildConfigError, match=r"corpus.held_out: got 1.5"):
         parse_train_config({**base, "corpus": {**base["corpus"], "held_out": 1.5}})
-    with pytest.raises(TrainConfigError, match=r"target.train.seq_len: got 128"):
+    with pytest.raises(BuildConfigError, match=r"target.train.seq_len: got 128"):
         parse_train_config({**base, "target": {**base["target"], "train": _train(seq_len=128)}})
-    with pytest.raises(TrainConfigError, match=r"target.num_key_value_heads"):
+    with pytest.raises(BuildConfigError, match=r"target.num_key_value_heads"):
         parse_train_config({**base, "target": {**base["target"], "num_key_value_heads": 3}})
-    with pytest.raises(TrainConfigError, match=r"target.train.lrr: unknown key"):
+    with pytest.raises(BuildConfigError, match=r"target.train.lrr: unknown key"):
         parse_train_config({**base, "target": {**base["target"], "train": {"lrr": 1.0}}})
     # bounds are declared on the fields: the error names the whole key path (heads.medusa.train, not train)
-    with pytest.raises(TrainConfigError, match=r"target.train.min_lr_ratio: got 1.5, expected a number in \[0, 1\]"):
+    with pytest.raises(BuildConfigError, match=r"target.train.min_lr_ratio: got 1.5, expected a number in \[0, 1\]"):
         parse_train_config({**base, "target": {**base["target"], "train": _train(min_lr_ratio=1.5)}})
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(CorpusError, match="0 training and 0 held-out"):
+    with pytest.raises(ConfigError, match="0 training and 0 held-out"):
         split_corpus(parse_train_config({**base, "corpus": {**base["corpus"], "path": str(empty)}}).corpus)
 
 
@@ -235,7 +236,7 @@ def test_heads_bf16_and_data_labels(corpus, tiny_target, tmp_path):
     (result,) = train_heads(parse_train_config(cfg), only="medusa", quiet=True)
     heads = load_medusa_heads(tmp_path / "medusa")
     assert result.kind == "medusa" and heads.lm_weight.dtype == torch.bfloat16
-    with pytest.raises(TrainConfigError, match="heads: neither medusa nor eagle"):
+    with pytest.raises(BuildConfigError, match="heads: neither medusa nor eagle"):
         parse_train_config({**cfg, "heads": {k: v for k, v in cfg["heads"].items() if k not in ("medusa", "eagle")}})
 
 

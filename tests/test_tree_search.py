@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
+from runtime.errors import ConfigError
 from runtime.tree import Tree
 from builder.tree_search import (
-    TreeSearchError,
     best_tree,
     expected_tokens,
     sequoia_table,
@@ -89,11 +89,11 @@ def test_throughput_choice_prefers_cheaper_when_gain_is_small():
 
 
 def test_bad_inputs():
-    with pytest.raises(TreeSearchError, match=r"rows must sum to <= 1 .*got \[1.1\]"):
+    with pytest.raises(ConfigError, match=r"rows must sum to <= 1 .*got \[1.1\]"):
         best_tree((0.9, 0.2), 4, 3)
-    with pytest.raises(TreeSearchError, match=r"probabilities in \[0, 1\]"):
+    with pytest.raises(ConfigError, match=r"probabilities in \[0, 1\]"):
         sequoia_table((0.5, -0.1), 4, 3)
-    with pytest.raises(TreeSearchError, match="max_nodes must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match="max_nodes must be an integer >= 1, got 0"):
         best_tree(P_REF, 0, 3)
-    with pytest.raises(TreeSearchError, match="same shape"):
+    with pytest.raises(ConfigError, match="same shape"):
         throughput_choice(np.ones((3, 3)), np.ones((3, 4)))

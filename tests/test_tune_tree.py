@@ -13,14 +13,13 @@ import torch
 import runtime
 from builder.__main__ import main as builder_main
 from builder.build import build_engine
-from builder.config import load_config, plan_build
+from builder.config import BuildConfigError, load_config, plan_build
 from builder.train_heads import train_heads
 from builder.train_target import train_target
 from builder.training.config import parse_train_config
 from builder.tune_tree import (
     AcceptanceCounts,
     TuneSettings,
-    TuneTreeError,
     comb_tree,
     read_prompts,
     tune,
@@ -128,14 +127,14 @@ def test_cli_and_errors(setup, tmp_path):
 
     lookup = tmp_path / "lookup.yaml"
     lookup.write_text(f"model: {{checkpoint: {setup['target']}}}\ndraft: {{method: lookup}}\n")
-    with pytest.raises(TuneTreeError, match="draft.method: got 'lookup', expected 'medusa' or 'eagle'"):
+    with pytest.raises(BuildConfigError, match="draft.method: got 'lookup', expected 'medusa' or 'eagle'"):
         tune(load_config(lookup), ["x"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: unknown key\(s\) \['text'\]"):
         read_prompts(bad)
     assert builder_main(["tune-tree", "--config", str(lookup), "--prompts", str(setup["prompts"])]) == 2
-    with pytest.raises(TuneTreeError, match="width must be an integer >= 1, got 0"):
+    with pytest.raises(BuildConfigError, match="width: got 0, expected an integer >= 1"):
         TuneSettings(width=0)
-    with pytest.raises(TuneTreeError, match="objective must be one of tokens_per_s, tau, got 'speed'"):
+    with pytest.raises(BuildConfigError, match="objective: got 'speed', expected one of 'tokens_per_s', 'tau'"):
         TuneSettings(objective="speed")

@@ -37,10 +37,6 @@ from runtime.schema import setting
 SaveDtype = Literal["float32", "bfloat16"]
 
 
-class TrainConfigError(BuildConfigError):
-    """A training configuration is malformed."""
-
-
 @dataclass(frozen=True)
 class CorpusSection:
     source: Literal["stdlib", "files", "chat"] = "stdlib"
@@ -58,13 +54,13 @@ class CorpusSection:
 
     def __post_init__(self) -> None:
         if self.source == "files" and self.path is None:
-            raise TrainConfigError("corpus.path: missing; source 'files' needs the corpus root directory")
+            raise BuildConfigError("corpus.path: missing; source 'files' needs the corpus root directory")
         if self.source != "files" and self.path is not None:
-            raise TrainConfigError(f"corpus.path: got {str(self.path)!r}, expected none for source {self.source!r}")
+            raise BuildConfigError(f"corpus.path: got {str(self.path)!r}, expected none for source {self.source!r}")
         if (self.source == "chat") != (self.prompts is not None):
-            raise TrainConfigError(f"corpus.prompts: got {self.prompts!r}, expected a prompts file exactly when "
+            raise BuildConfigError(f"corpus.prompts: got {self.prompts!r}, expected a prompts file exactly when "
                                    f"source is 'chat' (source is {self.source!r})")
-        schema.check(self, TrainConfigError, "corpus")
+        schema.check(self, BuildConfigError, "corpus")
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ class OptimSection:
     threads: int | None = setting(None, ge=1)  # torch intra-op threads (None: torch's default)
 
     def __post_init__(self) -> None:
-        schema.check(self, TrainConfigError, "train")
+        schema.check(self, BuildConfigError, "train")
 
 
 @dataclass(frozen=True)
@@ -107,15 +103,15 @@ class TargetSection:
     train: OptimSection = field(default_factory=OptimSection)
 
     def __post_init__(self) -> None:
-        schema.check(self, TrainConfigError, "target")
+        schema.check(self, BuildConfigError, "target")
         if self.hidden_size % self.num_attention_heads:
-            raise TrainConfigError(f"target.num_attention_heads: got {self.num_attention_heads}, expected a divisor "
+            raise BuildConfigError(f"target.num_attention_heads: got {self.num_attention_heads}, expected a divisor "
                                    f"of hidden_size {self.hidden_size}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise TrainConfigError(f"target.num_key_value_heads: got {self.num_key_value_heads}, expected a divisor "
+            raise BuildConfigError(f"target.num_key_value_heads: got {self.num_key_value_heads}, expected a divisor "
                                    f"of num_attention_heads {self.num_attention_heads}")
         if self.train.seq_len > self.max_position_embeddings:
-            raise TrainConfigError(f"target.train.seq_len: got {self.train.seq_len}, expected at most "
+            raise BuildConfigError(f"target.train.seq_len: got {self.train.seq_len}, expected at most "
                                    f"max_position_embeddings {self.max_position_embeddings}")
 
 
@@ -127,7 +123,7 @@ class MedusaSection:
     train: OptimSection = field(default_factory=OptimSection)
 
     def __post_init__(self) -> None:
-        schema.check(self, TrainConfigError, "heads.medusa")
+        schema.check(self, BuildConfigError, "heads.medusa")
 
 
 @dataclass(frozen=True)
@@ -140,7 +136,7 @@ class EagleSection:
     train: OptimSection = field(default_factory=OptimSection)
 
     def __post_init__(self) -> None:
-        schema.check(self, TrainConfigError, "heads.eagle")
+        schema.check(self, BuildConfigError, "heads.eagle")
 
 
 @dataclass(frozen=True)
@@ -159,8 +155,8 @@ class HeadsSection:
 
     def __post_init__(self) -> None:
         if self.medusa is None and self.eagle is None:
-            raise TrainConfigError("heads: neither medusa nor eagle is configured; nothing to train")
-        schema.check(self, TrainConfigError, "heads")
+            raise BuildConfigError("heads: neither medusa nor eagle is configured; nothing to train")
+        schema.check(self, BuildConfigError, "heads")
 
 
 @dataclass(frozen=True)
@@ -173,12 +169,12 @@ class TrainConfig:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """Read and type-check a training YAML; relative paths resolve from its directory."""
-    data, base_dir = read_yaml(path, TrainConfigError)
+    data, base_dir = read_yaml(path, BuildConfigError)
     return parse_train_config(data, base_dir=base_dir, source=str(path))
 
 
 def parse_train_config(data: Any, base_dir: str | Path = ".", source: str = "config") -> TrainConfig:
-    config = from_mapping(TrainConfig, data, "", Path(base_dir).resolve(), source, TrainConfigError)
+    config = from_mapping(TrainConfig, data, "", Path(base_dir).resolve(), source, BuildConfigError)
     return dataclasses.replace(config, source=source)
 
 
@@ -190,7 +186,6 @@ __all__ = [
     "OptimSection",
     "TargetSection",
     "TrainConfig",
-    "TrainConfigError",
     "load_train_config",
     "parse_train_config",
 ]

@@ -22,13 +22,9 @@ import numpy as np
 import torch
 
 from builder.training.config import CorpusSection
-from runtime.errors import SpectreeError
+from runtime.errors import ConfigError
 
 SPECIAL_TOKENS = ("<s>", "</s>")  # ids 0 and 1: trained tokenizers list them first
-
-
-class CorpusError(SpectreeError, ValueError):
-    """The corpus is missing, empty, or too small for the requested windows."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,7 @@ def corpus_root(section: CorpusSection) -> Path:
     root = Path(sysconfig.get_paths()["stdlib"]) if section.source == "stdlib" else section.path
     assert root is not None
     if not root.is_dir():
-        raise CorpusError(f"corpus root {root} (corpus.source {section.source!r}) is not a directory")
+        raise ConfigError(f"corpus root {root} (corpus.source {section.source!r}) is not a directory")
     return root
 
 
@@ -79,7 +75,7 @@ def split_corpus(section: CorpusSection) -> CorpusSplit:
             continue
         (held if is_held_out(rel, section.held_out) else train).append(CorpusFile(rel, path, size))
     if not train or not held:
-        raise CorpusError(
+        raise ConfigError(
             f"corpus {root} (pattern {section.pattern!r}) gave {len(train)} training and {len(held)} held-out files; "
             "need at least one of each"
         )
@@ -154,7 +150,7 @@ def load_tokens(split: CorpusSplit, tokenizer_dir: Path, cache_dir: Path) -> Tok
     """Token arrays for both splits, from cache_dir when its fingerprint matches, else tokenised and cached."""
     tok_file = tokenizer_dir / "tokenizer.json"
     if not tok_file.is_file():
-        raise CorpusError(f"no tokenizer.json in {tokenizer_dir}")
+        raise ConfigError(f"no tokenizer.json in {tokenizer_dir}")
     from tokenizers import Tokenizer as HFTokenizer
 
     vocab = HFTokenizer.from_file(str(tok_file)).get_vocab_size(with_added_tokens=True)
@@ -173,7 +169,7 @@ def load_tokens(split: CorpusSplit, tokenizer_dir: Path, cache_dir: Path) -> Tok
 
 def check_windows(tokens: np.ndarray, seq_len: int, what: str) -> None:
     if tokens.shape[0] < seq_len + 2:
-        raise CorpusError(f"{what} has {tokens.shape[0]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+        raise ConfigError(f"{what} has {tokens.shape[0]} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
 
 
 def random_windows(tokens: np.ndarray, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -197,7 +193,7 @@ def held_out_prompts(split: CorpusSplit, part: str, max_chars: int = 320) -> lis
     lines). Two per file, at about 1/3 and 2/3 of it; part "calibration" takes the first of each file, "evaluation"
     the second, so tuning and measuring never share a prompt."""
     if part not in ("calibration", "evaluation"):
-        raise CorpusError(f"part must be 'calibration' or 'evaluation', got {part!r}")
+        raise ConfigError(f"part must be 'calibration' or 'evaluation', got {part!r}")
     prompts = []
     for f in split.held_out:
         lines = read_text(f).splitlines(keepends=True)
@@ -220,7 +216,6 @@ def held_out_prompts(split: CorpusSplit, part: str, max_chars: int = 320) -> lis
 
 __all__ = [
     "SPECIAL_TOKENS",
-    "CorpusError",
     "CorpusFile",
     "CorpusSplit",
     "TokenData",

@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime import schema
 from runtime.errors import ConfigError
+from runtime.schema import setting
 
 CONVERSATIONS = "conversations.jsonl"
 TOKENS, STARTS, HIDDEN = "tokens.npy", "starts.npy", "hidden.pt"
@@ -35,22 +37,15 @@ TOKENS, STARTS, HIDDEN = "tokens.npy", "starts.npy", "hidden.pt"
 
 @dataclass(frozen=True)
 class GenerateSettings:
-    max_new_tokens: int = 256
-    batch_size: int = 16
-    answers: int = 1  # per prompt: the greedy answer, then answers - 1 sampled ones
-    temperature: float = 0.8  # of the sampled answers
-    dtype: str = "bfloat16"
+    max_new_tokens: int = setting(256, ge=1)
+    batch_size: int = setting(16, ge=1)
+    answers: int = setting(1, ge=1)  # per prompt: the greedy answer, then answers - 1 sampled ones
+    temperature: float = setting(0.8, gt=0)  # of the sampled answers
+    dtype: str = setting("bfloat16", choices=("float32", "bfloat16"))
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise ConfigError(f"generate.temperature: got {self.temperature!r}, expected a number > 0")
-        for name in ("max_new_tokens", "batch_size", "answers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"generate.{name}: got {value!r}, expected an integer >= 1")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"generate.dtype: got {self.dtype!r}, expected 'float32' or 'bfloat16'")
+        schema.check(self, ConfigError, "generate")
 
 
 @dataclass(frozen=True)
