@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from perf import stats
-from perf.bench import BenchConfig, BenchConfigError, VariantSpec, build_decoder, encode_prompts, load_target, resolve
+from perf.bench import (BenchConfig, BenchConfigError, VariantSpec, build_decoder, check_one_target, encode_prompts,
+                        load_target, resolve)
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import load_prompts
 from runtime import schema
@@ -65,9 +66,7 @@ class BatchBenchConfig:
     out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
     def __post_init__(self) -> None:
-        if (self.config is None) == (self.engine is None):
-            raise BenchConfigError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
-                                  f"got config={self.config!r}, engine={self.engine!r}")
+        check_one_target(self.config, self.engine)
         schema.check(self, BenchConfigError)
         if min(self.concurrency) < 1 or len(set(self.concurrency)) != len(self.concurrency):
             raise BenchConfigError(f"concurrency: got {list(self.concurrency)}, expected distinct integers >= 1")

@@ -151,6 +151,13 @@ def parse_specs(text: str) -> tuple[VariantSpec, ...]:
 # ---- configuration -----------------------------------------------------------------------------------------
 
 
+def check_one_target(config: Any, engine: Any) -> None:
+    """The target of a perf run comes from exactly one of a builder YAML and an engine directory."""
+    if (config is None) == (engine is None):
+        raise BenchConfigError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
+                               f"got config={config!r}, engine={engine!r}")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """Everything `python -m perf bench` takes (its flags' defaults come from here)."""
@@ -174,9 +181,7 @@ class BenchConfig:
     out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
     def __post_init__(self) -> None:
-        if (self.config is None) == (self.engine is None):
-            raise BenchConfigError("give exactly one of --config (a builder YAML) or --engine (an engine directory), "
-                                   f"got config={self.config!r}, engine={self.engine!r}")
+        check_one_target(self.config, self.engine)
         schema.check(self, BenchConfigError)
         kinds = [k for k, _ in self.draft_models]
         for kind in kinds:
