@@ -206,6 +206,12 @@ def level_report(export: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+# perf_analyzer 2.51 sometimes leaves its profile export cut at a 128 KiB buffer boundary (seen once in ten levels
+# on this machine; genai-perf then fails parsing it): such a level is measured again, at most this many times.
+TRUNCATED_EXPORT = "JSONDecodeError: unexpected end of data"
+TRUNCATED_EXPORT_RETRIES = 1
+
+
 def run_genai_perf(config: GenaiPerfConfig, out: Path, on_level: Callable[[str], None] | None = None,
                    ) -> dict[str, Any]:
     """Measure every endpoint at every concurrency level; genai-perf's artifacts go to OUT/genai_perf/."""
@@ -228,16 +234,23 @@ def run_genai_perf(config: GenaiPerfConfig, out: Path, on_level: Callable[[str],
                 on_level(f"{endpoint.name}: concurrency {c}")
             artifacts = raw / f"{endpoint.name}-c{c}"
             cmd = command(binary, config, endpoint, c, inputs, artifacts)
-            before = scrape(config.metrics_url)
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=config.timeout_s,
-                                      check=False)
-            except subprocess.TimeoutExpired as exc:
-                raise GenaiPerfFailed(f"genai-perf did not finish within {config.timeout_s:.0f} s: "
-                                      f"{' '.join(cmd)}") from exc
-            artifacts.mkdir(parents=True, exist_ok=True)
-            (artifacts / "genai-perf.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}",
-                                                     encoding="utf-8")
+            for attempt in range(1 + TRUNCATED_EXPORT_RETRIES):
+                if artifacts.is_dir():
+                    shutil.rmtree(artifacts)
+                before = scrape(config.metrics_url)
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=config.timeout_s,
+                                          check=False)
+                except subprocess.TimeoutExpired as exc:
+                    raise GenaiPerfFailed(f"genai-perf did not finish within {config.timeout_s:.0f} s: "
+                                          f"{' '.join(cmd)}") from exc
+                artifacts.mkdir(parents=True, exist_ok=True)
+                (artifacts / "genai-perf.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}",
+                                                         encoding="utf-8")
+                if proc.returncode == 0 or TRUNCATED_EXPORT not in proc.stderr + proc.stdout:
+                    break
+                if on_level:
+                    on_level(f"{endpoint.name}: concurrency {c}: perf_analyzer's profile export was cut short; again")
             exports = sorted(artifacts.rglob("profile_export_genai_perf.json"))
             if proc.returncode != 0 or len(exports) != 1:
                 tail = (proc.stdout + proc.stderr).strip()[-1500:]
