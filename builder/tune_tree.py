@@ -217,12 +217,6 @@ def time_trees(model: TargetModel, tokenizer: Tokenizer, runs: Sequence[tuple[st
     return out
 
 
-def time_tree(model: TargetModel, tokenizer: Tokenizer, drafter, num_nodes: int, depth: int,
-              prompts: Sequence[str], max_tokens: int) -> StepTiming:
-    """Run `drafter` over `prompts` with SpecDecoder (greedy): its per-step costs (`time_trees`)."""
-    return time_trees(model, tokenizer, [("tree", drafter, num_nodes, depth)], prompts, max_tokens)["tree"]
-
-
 # ---- 3. choice --------------------------------------------------------------------------------------------
 
 
@@ -554,7 +548,7 @@ __all__ = [
     "comb_tree",
     "read_prompts",
     "run_cli",
-    "time_tree",
+    "time_trees",
     "tune",
     "write_choices",
 ]
