@@ -191,8 +191,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: tuple[str, Any],
     except RequestError as exc:
         if exc.field is None:
             raise APIError(str(exc)) from exc
-        name = origin.get(exc.field, exc.field)
-        raise APIError(f"{name}: expected {exc.expected}, got {exc.value!r}", param=name) from exc
+        name, message = exc.restated(origin)
+        raise APIError(message, param=name) from exc
     return sp
 
 

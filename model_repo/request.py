@@ -393,7 +393,7 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
     except RequestError as exc:
         if exc.field is None:
             raise
-        raise RequestError(f"{origin.get(exc.field, exc.field)}: expected {exc.expected}, got {exc.value!r}") from exc
+        raise RequestError(exc.restated(origin)[1]) from exc
     if params.max_tokens > limits.max_tokens:
         raise RequestError(f"{origin['max_tokens']}: {params.max_tokens} is above this server's limit of "
                          f"{limits.max_tokens}")

@@ -6,6 +6,7 @@ also subclasses the builtin that best describes it, so callers may catch either.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -45,6 +46,13 @@ class RequestError(SpectreeError, ValueError):
         err = cls(f"{field} must be {expected}, got {value!r}")
         err.field, err.expected, err.value = field, expected, value
         return err
+
+    def restated(self, names: Mapping[str, str]) -> tuple[str, str]:
+        """An `invalid` error in a front end's words: (its name for the field, '{name}: expected ..., got ...');
+        `names` maps SamplingParams fields to the client's names (a field not in it keeps its own)."""
+        assert self.field is not None, "only errors made by invalid() name a field"
+        name = names.get(self.field, self.field)
+        return name, f"{name}: expected {self.expected}, got {self.value!r}"
 
 
 class OverloadedError(SpectreeError, RuntimeError):
