@@ -16,9 +16,12 @@ and shared), runs one Llama decoder layer without input_layernorm (causal over t
 predicts f_{t+1}; the target's frozen lm_head turns it into the distribution of x_{t+2}.
 Loss = SmoothL1(f'_{t+1}, f_{t+1}) + ce_weight * CE(lm_head(f'_{t+1}), labels of x_{t+2}), as in EAGLE.
 
+Training-time test (HASS / EAGLE-3; heads.eagle.unroll > 1): the head also runs on its own predicted features in
+the same window, each run attending what a depth-d tree node attends while drafting (`EagleTrainHead.unrolled`).
+
 Held-out metrics on fixed windows: Medusa top-1 / top-5 agreement with the target's greedy token per head
-(= per tree depth); EAGLE the same per depth, where depth d > 1 feeds the head's own predicted features back
-d - 1 times (every position at once: an approximation of tree drafting, whose prefix features are exact).
+(= per tree depth); EAGLE the same per depth, drafted as a tree branch is (exact target features up to the root,
+the head's own predictions below it).
 Outputs: FasterDecoding head directory (config.json + medusa_lm_head.safetensors) and the EAGLE repository's
 layout (config.json + pytorch_model.bin), both loadable by `runtime.drafters` and by those projects' loaders;
 plus training_log.jsonl and training_summary.json.
@@ -146,6 +149,49 @@ class EagleTrainHead(nn.Module):
             x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)  # causal (sdpa)
         return x
 
+    def unrolled(
+        self,
+        embeds: torch.Tensor,  # [B, N, H]: embeddings of x_{j+1}, j = 0 .. N-1
+        features: torch.Tensor,  # [B, N, H]: the target's f_j
+        runs: int,
+    ) -> list[torch.Tensor]:  # runs x [B, N, H]: run s at time j predicts f_{j+1} (meaningful for j >= s)
+        """The training-time test: run 0 is forward(); run s > 0 reads, at time j, run s-1's prediction at time j-1
+        paired with x_{j+1} (a depth-(s+1) tree node), and attends exactly what that node attends while drafting:
+        run 0's entries at times <= j - s (the head cache: exact target features) and, for r = 1..s, run r's entry at
+        time j - s + r (its ancestors on the branch, then itself). Run s at time j sits at position j, like the node."""
+        if len(self.layers) != 1:
+            raise ValueError(f"the training-time test runs a one-layer head, this one has {len(self.layers)}")
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        layer = self.layers[0]
+        attn = layer.self_attn
+        b, n, _ = embeds.shape
+        device = embeds.device
+        cos, sin = self.rotary(embeds, torch.arange(n, device=device)[None])
+        t = torch.arange(n, device=device)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        feats = features
+        for s in range(runs):
+            if s:
+                feats = torch.cat([features[:, :1], outs[-1][:, :-1]], dim=1)  # time 0 has no parent: filler
+            x = self.fc(torch.cat([embeds, feats], dim=-1))
+            q = attn.q_proj(x).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, heads, N, d]
+            k = attn.k_proj(x).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, kv_heads, N, d]
+            v = attn.v_proj(x).view(b, n, -1, attn.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            # Query time j of run s reads run 0 at times <= j - s and run r >= 1 at time j - s + r.
+            allowed = [t[None, :] <= t[:, None] - s] + [t[None, :] == t[:, None] - s + r for r in range(1, s + 1)]
+            mask = torch.cat(allowed, dim=1)  # [N, (s+1) N]; the diagonal of run s itself is always allowed
+            o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                               scale=attn.scaling, enable_gqa=True)  # [B, heads, N, d]
+            h = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+            outs.append(h + layer.mlp(layer.post_attention_layernorm(h)))
+        return outs
+
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
         """The EAGLE checkpoint's keys: fc.*, layers.0.* (no input_layernorm, no rotary buffers)."""
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
@@ -227,42 +273,54 @@ def medusa_metrics(heads: nn.ModuleList, batches) -> dict[str, list[float]]:
             "top1_data": [h / c for h, c in zip(data1, count)]}
 
 
+def eagle_runs(section: EagleSection, step: int) -> int:
+    """How many times the head runs per window at this step (the training-time test starts at unroll_from)."""
+    return section.unroll if step >= section.unroll_from else 1
+
+
 def eagle_loss(head: EagleTrainHead, target: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
-               ids: torch.Tensor, section: EagleSection, labels: str) -> tuple[torch.Tensor, dict[str, float]]:
-    """Position t pairs (f_t, x_{t+1}) and predicts f_{t+1}, whose lm_head gives x_{t+2}."""
+               ids: torch.Tensor, section: EagleSection, labels: str,
+               runs: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
+    """Position t pairs (f_t, x_{t+1}) and predicts f_{t+1}, whose lm_head gives x_{t+2}. With runs > 1 the
+    training-time test adds run s's losses (positions t >= s, where its input is a prediction) at unroll_decay^s."""
     feats = hidden[:, :-1]  # [B, T-1, H]
     if section.feature_noise > 0:
         feats = feats + (torch.rand_like(feats) * 2 - 1) * section.feature_noise
-    pred = head(target.model.embed_tokens(ids[:, 1:]), feats)  # [B, T-1, H]
-    reg = F.smooth_l1_loss(pred, hidden[:, 1:])
-    out = target.lm_head(pred[:, :-1])  # [B, T-2, V]: x_{t+2} exists for t <= T-3
-    ce = _ce(out.flatten(0, 1), logits[:, 1:-1].flatten(0, 1), ids[:, 2:].flatten(), labels)
-    return reg + section.ce_weight * ce, {"regression": reg.item(), "ce": ce.item()}
+    embeds = target.model.embed_tokens(ids[:, 1:])  # [B, T-1, H]
+    preds = [head(embeds, feats)] if runs == 1 else head.unrolled(embeds, feats, runs)  # runs x [B, T-1, H]
+    total = hidden.new_zeros(())
+    info: dict[str, float] = {}
+    for s, pred in enumerate(preds):
+        reg = F.smooth_l1_loss(pred[:, s:], hidden[:, s + 1:])
+        out = target.lm_head(pred[:, s:-1])  # [B, T-2-s, V]: x_{t+2} exists for t <= T-3
+        ce = _ce(out.flatten(0, 1), logits[:, s + 1:-1].flatten(0, 1), ids[:, s + 2:].flatten(), labels)
+        total = total + section.unroll_decay**s * (reg + section.ce_weight * ce)
+        suffix = "" if s == 0 else f"_{s + 1}"
+        info[f"regression{suffix}"], info[f"ce{suffix}"] = reg.item(), ce.item()
+    return total, info
 
 
 @torch.no_grad()
 def eagle_metrics(head: EagleTrainHead, target: nn.Module, batches, depths: int = 4) -> dict[str, list[float]]:
-    """Per depth d: top-1 / top-5 agreement of the head's x_{t+d+1} with the target's greedy token, feeding the
-    head's own predicted features back d - 1 times (depth 1 is exact teacher forcing). `target` supplies the
-    embedding and the (draft-vocabulary) output layer."""
+    """Per depth d: top-1 / top-5 agreement of the head's x_{t+d+1} with the target's greedy token along the
+    target's greedy path, drafted as a tree branch is: exact target features up to the branch's root, the head's
+    own predictions below it (`EagleTrainHead.unrolled`). `target` supplies the embedding and the
+    (draft-vocabulary) output layer."""
     hit1, hit5, count = [0] * depths, [0] * depths, [0] * depths
     for b in batches:
         ids, hidden, greedy = b.ids, b.hidden, b.greedy
-        embeds = target.model.embed_tokens(ids)  # [1, T, H]
-        feats = hidden  # depth 1: the target's features at every position
         t = ids.shape[1]
-        for d in range(depths):
-            # At depth d + 1 row j pairs feats[j] (f_{j+d}, predicted d times) with x_{j+d+1}.
-            n = t - d - 2
-            if n <= 0:
-                break
-            pred = head(embeds[:, d + 1:d + 1 + n], feats[:, :n])  # predicts f_{j+d+1}
-            top = torch.topk(target.lm_head(pred).float(), EVAL_TOPK, dim=-1).indices  # [1, n, 5]
-            want = greedy[:, d + 1:d + 1 + n]
+        runs = min(depths, t - 2)
+        if runs <= 0:
+            continue
+        preds = head.unrolled(target.model.embed_tokens(ids[:, 1:]), hidden[:, :-1], runs)  # runs x [1, T-1, H]
+        for d, pred in enumerate(preds):
+            # Run d at time j (j >= d) predicts f_{j+1}, whose lm_head gives x_{j+2}: the greedy token at j + 1.
+            top = torch.topk(target.lm_head(pred[:, d:-1]).float(), EVAL_TOPK, dim=-1).indices  # [1, T-2-d, 5]
+            want = greedy[:, d + 1:t - 1]
             hit1[d] += int((top[..., 0] == want).sum())
             hit5[d] += int((top == want[..., None]).any(-1).sum())
-            count[d] += n
-            feats = pred
+            count[d] += want.shape[1]
     return {"top1": [h / c for h, c in zip(hit1, count) if c], "top5": [h / c for h, c in zip(hit5, count) if c]}
 
 
@@ -286,6 +344,8 @@ def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str, target_
     d.pop("output")
     for k in ("max_steps", "max_minutes", "threads"):  # extending a run's budget is allowed
         d["train"].pop(k)
+    for k in ("unroll", "unroll_decay", "unroll_from"):  # so is switching the training-time test on for what follows
+        d.pop(k, None)
     payload = json.dumps([kind, h.labels, d, data_fp, target_fp], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -360,7 +420,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
         if kind == "medusa":
             module = medusa_heads_module(target.lm_head.weight.detach(), section.num_heads, section.num_layers)
 
-            def step_loss(ids, module=module):
+            def step_loss(ids, step, module=module):
                 hidden, logits = target_outputs(target, ids)
                 return medusa_loss(module, hidden, logits, ids, h.labels), {}
 
@@ -369,9 +429,9 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
         else:
             module = EagleTrainHead(eagle_layer_config(target.config))
 
-            def step_loss(ids, module=module, section=section):
+            def step_loss(ids, step, module=module, section=section):
                 hidden, logits = target_outputs(target, ids)
-                return eagle_loss(module, target, hidden, logits, ids, section, h.labels)
+                return eagle_loss(module, target, hidden, logits, ids, section, h.labels, eagle_runs(section, step))
 
             def metrics(windows, module=module):
                 return eagle_metrics(module, target, eval_batches(target, windows))
@@ -496,7 +556,7 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
         if kind == "medusa":
             module = medusa_heads_module(lm_draft, section.num_heads, section.num_layers)
 
-            def step_loss(pos, module=module):
+            def step_loss(pos, step, module=module):
                 ids, hidden = gather(pos)
                 return medusa_loss(module, hidden, view.lm_head(hidden), ids, "target"), {}
 
@@ -505,9 +565,10 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
         else:
             module = EagleTrainHead(eagle_layer_config(target_config))
 
-            def step_loss(pos, module=module, section=section):
+            def step_loss(pos, step, module=module, section=section):
                 ids, hidden = gather(pos)
-                return eagle_loss(module, view, hidden, view.lm_head(hidden), ids, section, "target")
+                return eagle_loss(module, view, hidden, view.lm_head(hidden), ids, section, "target",
+                                  eagle_runs(section, step))
 
             def metrics(module=module, opt=opt):
                 return eagle_metrics(module, view, held_batches(opt))
@@ -534,7 +595,8 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
 
 _MEANING = {
     "medusa": "held-out agreement with the target's greedy token; entry i = head i (tree depth i + 1)",
-    "eagle": "held-out agreement with the target's greedy token; entry d = depth d + 1 (own features fed back d times)",
+    "eagle": "held-out agreement with the target's greedy token; entry d = depth d + 1 (drafted as a tree branch: exact "
+             "features to the root, the head's own below it)",
 }
 
 
@@ -641,6 +703,7 @@ __all__ = [
     "eagle_layer_config",
     "eagle_loss",
     "eagle_metrics",
+    "eagle_runs",
     "load_frozen_target",
     "medusa_heads_module",
     "medusa_loss",

@@ -123,7 +123,7 @@ def train_target(config: TrainConfig, fresh: bool = False, quiet: bool = False) 
     model = LlamaForCausalLM(llama_config(t, data.vocab_size))
     tokens_per_step = opt.batch_size * opt.seq_len  # every window predicts seq_len tokens
 
-    def step_loss(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def step_loss(batch: torch.Tensor, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         logits = model(input_ids=batch[:, :-1]).logits  # batch [B, seq_len + 1] -> logits [B, seq_len, V]
         return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()), {}
 

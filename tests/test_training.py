@@ -230,6 +230,44 @@ def test_heads_train_and_load_back_in_public_formats(corpus, tiny_target, tmp_pa
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_eagle_training_time_test_sees_what_tree_drafting_sees(tiny_target):
+    """Oracle: run s of `unrolled` at time j equals the plain causal head run over the branch a depth-(s+1) tree
+    node sits on: exact features at times <= j - s, then the nodes of runs 1..s, each fed its parent's prediction."""
+    torch.manual_seed(0)
+    head = EagleTrainHead(eagle_layer_config(load_frozen_target(tiny_target).config)).eval()
+    hsz = head.fc.out_features
+    embeds, feats = torch.randn(2, 12, hsz), torch.randn(2, 12, hsz)
+    with torch.no_grad():
+        runs = head.unrolled(embeds, feats, 3)
+        torch.testing.assert_close(runs[0], head(embeds, feats), atol=1e-5, rtol=1e-5)
+        for s in (1, 2):
+            for j in range(s, 12):
+                branch = [runs[r - 1][:, j - s + r - 1:j - s + r] for r in range(1, s + 1)]
+                want = head(embeds[:, :j + 1], torch.cat([feats[:, :j - s + 1], *branch], dim=1))[:, -1]
+                torch.testing.assert_close(runs[s][:, j], want, atol=1e-5, rtol=1e-5)
+        # Negative control: the naive unroll (every earlier position on predicted features too) differs.
+        naive = head(embeds, torch.cat([feats[:, :1], runs[0][:, :-1]], dim=1))
+        assert not torch.allclose(naive[:, 3:], runs[1][:, 3:], atol=1e-3)
+
+
+def test_eagle_training_time_test_trains_and_resumes(corpus, tiny_target, tmp_path):
+    cfg = _heads_cfg(corpus, tiny_target, tmp_path)
+    cfg["heads"]["eagle"]["train"] = _train(max_steps=20, lr=3e-3)
+    (first,) = train_heads(parse_train_config(cfg), only="eagle", quiet=True)
+    # Switching the training-time test on extends the run: the state resumes (same fingerprint) and steps 20..
+    # train three runs per window.
+    cfg["heads"]["eagle"].update(unroll=3, unroll_from=20)
+    cfg["heads"]["eagle"]["train"] = _train(max_steps=40, lr=3e-3)
+    (second,) = train_heads(parse_train_config(cfg), only="eagle", quiet=True)
+    steps = _events(tmp_path / "work" / "eagle_log.jsonl", "step")
+    assert second.steps == 40 and first.steps == 20
+    assert all("ce_3" not in e for e in steps if e["step"] <= 20) and all("ce_3" in e for e in steps if e["step"] > 20)
+    assert all(math.isfinite(e["ce_3"]) and math.isfinite(e["regression_3"]) for e in steps if e["step"] > 20)
+    assert len(second.metrics["top1"]) == 4 and second.metrics["top1"][0] > 0.4
+    with pytest.raises(BuildConfigError, match="heads.eagle.unroll"):
+        parse_train_config({**cfg, "heads": {**cfg["heads"], "eagle": {**cfg["heads"]["eagle"], "unroll": 0}}})
+
+
 def test_heads_bf16_and_data_labels(corpus, tiny_target, tmp_path):
     cfg = _heads_cfg(corpus, tiny_target, tmp_path, labels="data", dtype="bfloat16")
     cfg["heads"]["medusa"]["train"] = _train(max_steps=5)

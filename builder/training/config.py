@@ -133,6 +133,13 @@ class EagleSection:
     ce_weight: float = setting(0.1, ge=0.0)
     # uniform noise +-feature_noise on the input features (robustness to drift)
     feature_noise: float = setting(0.0, ge=0.0)
+    # Training-time test (HASS / EAGLE-3): from step unroll_from on, the head also runs unroll - 1 more times in each
+    # window, each run reading the previous run's predicted features under the attention mask of tree drafting
+    # (exact target features up to the tree's root, the head's own predictions along the branch), so depth d > 1 is
+    # trained on what drafting at depth d sees. Run s (0-based) is weighted unroll_decay^s. 1: EAGLE-1 only.
+    unroll: int = setting(1, ge=1, le=8)
+    unroll_decay: float = setting(0.8, gt=0.0, le=1.0)
+    unroll_from: int = setting(0, ge=0)
     train: OptimSection = field(default_factory=OptimSection)
 
     def __post_init__(self) -> None:

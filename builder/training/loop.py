@@ -189,7 +189,7 @@ def rounded(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def optimise(
     module: torch.nn.Module,
-    step_loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    step_loss: Callable[[torch.Tensor, int], tuple[torch.Tensor, dict[str, float]]],
     evaluate: Callable[[int], dict[str, Any]],
     opt: OptimSection,
     train_tokens: Any,
@@ -203,7 +203,7 @@ def optimise(
 ) -> tuple[int, float, float, dict[str, Any]]:
     """The one optimisation loop: AdamW, schedule and budget, periodic eval, resumable state.
 
-    step_loss(windows  # [batch_size, window_len] int64 from train_tokens) -> (loss, extra step-log fields);
+    step_loss(windows  # [batch_size, window_len] int64 from train_tokens, step) -> (loss, extra step-log fields);
     evaluate(step) -> metrics logged with each eval and returned at the end (module in eval mode meanwhile).
     Returns (steps, elapsed seconds, last loss, final metrics). The JSON-lines log goes to log_file (progress bar
     labelled desc); start_fields are added to its start/resume record.
@@ -241,7 +241,7 @@ def optimise(
             lr = learning_rate(opt, step, elapsed)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss, info = step_loss(random_windows(train_tokens, opt.batch_size, window_len, gen))
+            loss, info = step_loss(random_windows(train_tokens, opt.batch_size, window_len, gen), step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), opt.grad_clip or float("inf")))
