@@ -10,7 +10,9 @@ engine (loaded here; same prompt, same settings): greedy output is plain decodin
 same output whatever else the server is doing. A request refused with UNAVAILABLE (the server is full: "overloaded:
 ...", the documented queue-full rejection) is counted apart and retried after RETRY_S; any other error, and any
 mismatch, is a failure (exit status 1). With --server-pid, the resident memory of the server and its
-python stubs is sampled every second (RSS flat: its growth between the second and the last quarter of the run).
+python stubs is sampled every second (RSS flat: its growth between the second and the last quarter of the run),
+in total and per process (stubs by their Triton instance name, e.g. spec_decode_0_0), so a growth is traced to
+its process.
 Writes soak.json and soak.md into --out ({date} and {machine} filled in).
 """
 
@@ -77,6 +79,7 @@ class SoakResult:
     ttft_s: list[float] = field(default_factory=list)  # request sent -> first tokens
     itl_s: list[float] = field(default_factory=list)  # between responses, per token of the later one
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MiB)
+    rss_by_process: list[dict[str, float]] = field(default_factory=list)  # per sample of rss_mb: MiB by process
 
     @property
     def ok(self) -> bool:
@@ -87,9 +90,14 @@ class SoakResult:
             return None if not xs else float(np.percentile(xs, q))
 
         rss = [m for _, m in self.rss_mb]
-        quarter = max(1, len(rss) // 4)
-        growth = (statistics.median(rss[-quarter:]) - statistics.median(rss[quarter:2 * quarter])
-                  if len(rss) >= 8 else None)
+        names = sorted({name for sample in self.rss_by_process for name in sample})
+        by_process = {}
+        for name in names:
+            series = [sample[name] for sample in self.rss_by_process if name in sample]
+            growth = _growth(series)
+            by_process[name] = {"start": round(series[0], 1), "end": round(series[-1], 1),
+                                "growth": None if growth is None else round(growth, 1)}
+        growth = _growth(rss)
         return {
             "clients": self.clients, "seconds": round(self.seconds, 1), "requests": self.requests,
             "completed": self.completed, "overloaded": self.overloaded, "errors": len(self.errors),
@@ -102,8 +110,17 @@ class SoakResult:
             "rss_mib": None if not rss else {"start": round(rss[0], 1), "end": round(rss[-1], 1),
                                              "max": round(max(rss), 1),
                                              "growth": None if growth is None else round(growth, 1)},
+            "rss_by_process_mib": by_process,
             "first_errors": self.errors[:5], "first_mismatches": self.mismatches[:5], "ok": self.ok,
         }
+
+
+def _growth(rss: Sequence[float]) -> float | None:
+    """Median of the last quarter minus median of the second quarter (the first is warm-up); None under 8 samples."""
+    if len(rss) < 8:
+        return None
+    quarter = len(rss) // 4
+    return statistics.median(rss[-quarter:]) - statistics.median(rss[quarter:2 * quarter])
 
 
 def reference_cases(decoder: Any, prompts: Sequence[Any], max_tokens: int) -> list[Case]:
@@ -124,15 +141,25 @@ def reference_cases(decoder: Any, prompts: Sequence[Any], max_tokens: int) -> li
 
 
 def process_rss_mib(pids: Sequence[int]) -> float:
-    total = 0
+    return sum(process_rss_by_name(pids).values())
+
+
+def process_rss_by_name(pids: Sequence[int]) -> dict[str, float]:
+    """Resident MiB of each live process among pids: python backend stubs by their Triton instance name, the others
+    by their command name (tritonserver), made unique with the pid when two share one."""
+    from deploy.server import python_stubs
+
+    stubs = python_stubs(pids)
+    out: dict[str, float] = {}
     for pid in pids:
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
+            kib = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("VmRSS:"))
+            name = stubs[pid].instance if pid in stubs else Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, StopIteration):
             continue
-    return total / 1024
+        out[f"{name} ({pid})" if name in out else name] = kib / 1024
+    return out
 
 
 def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[int]] | None = None) -> SoakResult:
@@ -150,9 +177,10 @@ def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[
 
     def sample_rss() -> None:
         while not stop_rss.is_set():
-            mib = process_rss_mib(pids())
+            by_name = process_rss_by_name(pids())
             with lock:
-                result.rss_mb.append((time.monotonic() - start, mib))
+                result.rss_mb.append((time.monotonic() - start, sum(by_name.values())))
+                result.rss_by_process.append(by_name)
             stop_rss.wait(RSS_EVERY_S)
 
     def client(index: int) -> None:
@@ -236,6 +264,10 @@ def report_markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{' / '.join(str(r['ttft_ms'][k]) for k in ('p50', 'p90', 'p99'))} | "
             f"{' / '.join(str(r['itl_ms'][k]) for k in ('p50', 'p90', 'p99'))} | "
             f"{rss.get('start')} / {rss.get('end')} / {rss.get('growth')} |")
+    for r in runs:
+        if r.get("rss_by_process_mib"):
+            lines.append(f"- {r['clients']} clients, RSS by process (start / end / growth MiB): " + "; ".join(
+                f"{name} {m['start']} / {m['end']} / {m['growth']}" for name, m in r["rss_by_process_mib"].items()))
     for r in runs:
         for kind in ("first_errors", "first_mismatches"):
             for line in r[kind]:

@@ -36,10 +36,24 @@ are encoded on the submitting thread.
 
 Stats: each request's GenerationStats charge it the whole shared forward of every step it took part in (its
 latency), and time_total runs from submit (queueing included).
+
+Host memory: every step allocates and frees tens of MiB of short-lived blocks (logits [rows, V] in float32, the
+sampling work on them, attention in float64 on CPU) whose sizes change with the batch's make-up, on this one thread,
+among KV caches that live as long as their request. Once a freed mmap has raised glibc's dynamic mmap threshold
+(up to 32 MiB), malloc serves such blocks from its heaps, and a heap gives free pages back only from its top: the
+freed holes stay resident. Measured on the SmolLM2 demo engine, 16 clients back to back: resident memory rose
+1050 -> 1534 MiB in 75 s in-process (1775 at 130 s) and the served spec_decode stub's 1075 -> 1729 MiB in 64 s,
+with no live tensor or request object left behind; `malloc_trim(0)` took it back to 1073 MiB. So the scheduler
+hands free heap pages back itself (`release_free_memory`: glibc's malloc_trim; nothing elsewhere) whenever the
+batch empties, and every `trim_interval_s` seconds while requests run: the same load then stays at 1290-1340 MiB
+in-process (the stub at 1290-1390 MiB with 16 and 64 clients) and returns to 1066 MiB when idle, for one 4 ms call
+(12 ms at most) a second. `SchedulerStats.memory_trims` counts them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -68,6 +82,9 @@ class SchedulerConfig:
     max_queue_size: int = setting(64, ge=0)  # requests waiting beyond the batch; a submit beyond that: OverloadedError
     kv_budget_bytes: int = setting(2 * 2**30, ge=1)  # the KV-cache reservations of all active requests together
     prefill_chunk: int = setting(512, ge=1)  # prompt tokens per request per step (longer prompts join over steps)
+    # free C-heap pages go back to the OS whenever the batch empties and at most this often (seconds) while
+    # requests run; None: never (see "Host memory" above)
+    trim_interval_s: float | None = setting(1.0, ge=0)
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError, "scheduler")
@@ -89,6 +106,7 @@ class SchedulerStats:
     cancelled: int
     failed: int  # requests ended by an error (their own, or the scheduler stopping)
     rejected: int  # submits refused with OverloadedError
+    memory_trims: int  # free heap memory handed back to the OS (`release_free_memory`; 0 without glibc)
     healthy: bool
 
     @property
@@ -218,7 +236,9 @@ class Scheduler:
         self._closing = False
         self._error: BaseException | None = None
         self._next_id = 1
-        self._counts = dict.fromkeys(("steps", "segments", "rows", "finished", "cancelled", "failed", "rejected"), 0)
+        self._counts = dict.fromkeys(("steps", "segments", "rows", "finished", "cancelled", "failed", "rejected",
+                                      "memory_trims"), 0)
+        self._trimmed_at = time.monotonic()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -338,6 +358,7 @@ class Scheduler:
         try:
             while self._boundary():
                 self._step()
+                self._trim()
         except BaseException as exc:  # noqa: BLE001  (recorded for health checks and every request, not swallowed)
             log.exception("spectree scheduler loop failed; every request in flight ends with SchedulerStopped")
             with self._cond:
@@ -416,6 +437,22 @@ class Scheduler:
         for r, delta in emitted:
             self._send(r, delta)
 
+    def _trim(self) -> None:
+        """After a step: free heap pages back to the OS when the batch has emptied, or once trim_interval_s has
+        passed since the last time (see "Host memory" in the module docstring)."""
+        interval = self.config.trim_interval_s
+        if interval is None:
+            return
+        with self._cond:
+            idle = not (self._active or self._waiting)
+        if not idle and time.monotonic() - self._trimmed_at < interval:
+            return
+        trimmed = release_free_memory()
+        self._trimmed_at = time.monotonic()
+        if trimmed:
+            with self._cond:
+                self._counts["memory_trims"] += 1
+
     def _remove(self, r: _Request) -> None:
         """Take r out of the batch or the queue (under the lock)."""
         if r in self._active:
@@ -466,4 +503,26 @@ class Scheduler:
             self._fail(r, err)
 
 
-__all__ = ["DeltaCallback", "RequestHandle", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the process's C library has none (musl, macOS, Windows)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def release_free_memory() -> bool:
+    """Hand the free pages of every C-heap arena back to the OS (glibc's `malloc_trim(0)`: the free chunks inside
+    the heaps too, not only the top); live memory is untouched. False where the C library has no such call."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+__all__ = ["DeltaCallback", "RequestHandle", "Scheduler", "SchedulerConfig", "SchedulerStats", "release_free_memory"]
