@@ -177,9 +177,10 @@ class EagleTrainHead(nn.Module):
             if s:
                 feats = torch.cat([features[:, :1], outs[-1][:, :-1]], dim=1)  # time 0 has no parent: filler
             x = self.fc(torch.cat([embeds, feats], dim=-1))
-            q = attn.q_proj(x).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, heads, N, d]
-            k = attn.k_proj(x).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, kv_heads, N, d]
-            v = attn.v_proj(x).view(b, n, -1, attn.head_dim).transpose(1, 2)
+            a = layer.input_layernorm(x)  # nn.Identity (EAGLE-1), as in forward()
+            q = attn.q_proj(a).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, heads, N, d]
+            k = attn.k_proj(a).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, kv_heads, N, d]
+            v = attn.v_proj(a).view(b, n, -1, attn.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             keys.append(k)
             values.append(v)

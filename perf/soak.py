@@ -140,10 +140,6 @@ def reference_cases(decoder: Any, prompts: Sequence[Any], max_tokens: int) -> li
     return cases
 
 
-def process_rss_mib(pids: Sequence[int]) -> float:
-    return sum(process_rss_by_name(pids).values())
-
-
 def process_rss_by_name(pids: Sequence[int]) -> dict[str, float]:
     """Resident MiB of each live process among pids: python backend stubs by their Triton instance name, the others
     by their command name (tritonserver), made unique with the pid when two share one."""

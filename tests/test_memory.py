@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import random
-import sys
 import threading
 import time
 from collections import Counter
@@ -28,7 +27,7 @@ import runtime
 import runtime.model
 from model_repo.generations import Generations
 from model_repo.request import RequestLimits, parse_generate_request
-from runtime.batching import RequestHandle, Scheduler, SchedulerConfig
+from runtime.batching import RequestHandle, Scheduler, SchedulerConfig, _malloc_trim
 from runtime.decode import RequestState
 from runtime.drafters.eagle import EagleSession
 from runtime.drafters.lookup import LookupSession
@@ -194,14 +193,7 @@ def _rss_anon_mib() -> float:
     raise AssertionError("no RssAnon in /proc/self/status")
 
 
-def _has_malloc_trim() -> bool:
-    try:
-        return sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "malloc_trim")
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_malloc_trim(), reason="glibc's malloc_trim (Linux) only")
+@pytest.mark.skipif(_malloc_trim() is None, reason="glibc's malloc_trim (Linux) only")
 def test_idle_scheduler_hands_free_heap_pages_back(eagle):
     """A request's last delta callback (on the scheduler's thread, in its malloc arena) leaves 48 MiB of freed
     blocks, each between two live ones: the shape of a heap after many steps of short-lived blocks among
