@@ -537,7 +537,9 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
     lm_draft = lm_full if data.vocab is None else lm_full[data.vocab.target_ids].contiguous()  # [K, H]
     view = FrozenTargetView(embed, lm_draft)
     target_fp = target_digest(h.target)
-    data_fp = hashlib.sha256(json.dumps([str(config.corpus.prompts), data.tokens.shape[0], h.draft_vocab_size,
+    # Not the corpus size: a run may go on after prompts or answers were appended to its corpus, as it may after its
+    # budget was extended (each resume record in the log gives the training positions it saw from then on).
+    data_fp = hashlib.sha256(json.dumps([str(config.corpus.prompts), h.draft_vocab_size,
                                          config.corpus.held_out]).encode()).hexdigest()[:16]
 
     def gather(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,3 +157,61 @@ def test_generate_settings_name_the_setting(kwargs, message):
     with pytest.raises(ConfigError) as info:
         GenerateSettings(**kwargs)
     assert str(info.value) == message
+
+
+def test_features_reuse_the_cached_prefix(chat_target, tmp_path):
+    """Conversations appended to the corpus run through the target on their own: the cached rows of the earlier ones
+    are kept (a marker written into them survives), the new rows equal a fresh pass, and an edited earlier
+    conversation invalidates the whole cache."""
+    from builder.training.distill import CONVERSATIONS, generate
+
+    settings = GenerateSettings(max_new_tokens=8, batch_size=3)
+    prompts = [(f"q{i}", f"Write code to count words ({i}).") for i in range(6)]
+    data_dir = tmp_path / "d"
+    generate(chat_target, prompts[:4], data_dir, settings, quiet=True)
+    first = features(chat_target, data_dir, conversations(data_dir), quiet=True)
+    n = first.num_tokens
+    torch.save(torch.full_like(first.hidden, 7.0), data_dir / HIDDEN)
+
+    generate(chat_target, prompts, data_dir, settings, quiet=True)  # appends q4, q5
+    convs = conversations(data_dir)
+    assert len(convs) == 6
+    grown = features(chat_target, data_dir, convs, quiet=True)
+    assert grown.num_tokens > n and bool((grown.hidden[:n] == 7.0).all())
+    fresh_dir = tmp_path / "fresh"
+    fresh_dir.mkdir()
+    (fresh_dir / CONVERSATIONS).write_text((data_dir / CONVERSATIONS).read_text())
+    fresh = features(chat_target, fresh_dir, convs, quiet=True)
+    torch.testing.assert_close(grown.hidden[n:].float(), fresh.hidden[n:].float(), atol=2e-2, rtol=2e-2)
+    assert not bool((fresh.hidden[:n] == 7.0).all(-1).any())
+
+    answer = convs[0]["response_ids"]
+    edited = [dict(convs[0], response_ids=[(answer[0] + 1) % 400] + answer[1:])] + convs[1:]
+    again = features(chat_target, data_dir, edited, quiet=True)
+    assert not bool((again.hidden[:n] == 7.0).all(-1).any())
+
+
+def test_chat_run_goes_on_after_the_corpus_grows(chat_target, tmp_path):
+    """Appending prompts to a chat corpus and extending the budget resumes the run (its log says how many training
+    positions it sees from then on); a changed draft vocabulary size is a different run and is refused."""
+    from builder.training.loop import ResumeError
+
+    cfg = _config(chat_target, tmp_path, prompts=12)
+    del cfg["heads"]["medusa"]
+    train_heads(parse_train_config(cfg), quiet=True)
+    prompts = Path(cfg["corpus"]["prompts"])
+    prompts.write_text(prompts.read_text() + "".join(
+        json.dumps({"id": f"n{i}", "prompt": f"Explain what a variable is ({i}).", "chat": True}) + "\n"
+        for i in range(8)))
+    cfg["heads"]["eagle"]["train"] = {**cfg["heads"]["eagle"]["train"], "max_steps": 18}
+    (result,) = train_heads(parse_train_config(cfg), quiet=True)
+    assert result.steps == 18
+    log = [json.loads(line) for line in (tmp_path / "work" / "eagle_log.jsonl").read_text().splitlines()]
+    start, resume = [e for e in log if e["event"] in ("start", "resume")]
+    assert resume["event"] == "resume" and resume["step"] == 12
+    assert resume["train_positions"] > start["train_positions"]
+    assert len(conversations(tmp_path / "work" / "distill")) == 40
+
+    cfg["heads"]["draft_vocab_size"] = K + 8
+    with pytest.raises(ResumeError, match="different configuration"):
+        train_heads(parse_train_config(cfg), quiet=True)

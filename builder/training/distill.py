@@ -12,6 +12,8 @@ target will say, not what some corpus says. Two resumable stages, both under one
                starts.npy  # [C] int64   each conversation's first index into tokens
                hidden.pt   # [T, H]      the target's final-norm hidden state at every position (bfloat16), each
                                          conversation run on its own from its start, as the runtime would
+               Conversations appended since the last run (more prompts, more answers) are the only ones run then:
+               the cached rows of the others are kept.
 
 A training window is a range of positions into these arrays, so head training never runs the target.
 """
@@ -154,15 +156,28 @@ def features(target_dir: str | Path, data_dir: str | Path, convs: Sequence[dict]
     starts = np.cumsum([0] + [len(s) for s in seqs[:-1]]).astype(np.int64)
     tokens = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs])
     paths = [data_dir / n for n in (TOKENS, STARTS, HIDDEN)]
+    done = 0  # conversations whose features are cached (the cache covers a prefix of them)
+    old_hidden = None
     if all(p.is_file() for p in paths):
-        cached = np.load(paths[0])
+        cached, cached_starts = np.load(paths[0]), np.load(paths[1])
+        n_cached = cached.shape[0]
         if cached.shape == tokens.shape and bool((cached == tokens).all()):
-            return DistillData(cached, np.load(paths[1]), torch.load(paths[2], weights_only=True))
+            return DistillData(cached, cached_starts, torch.load(paths[2], weights_only=True))
+        k = cached_starts.shape[0]
+        # Conversations appended since (more prompts or answers): only the new ones run through the target.
+        if (0 < k < len(seqs) and int(starts[k]) == n_cached and bool((cached_starts == starts[:k]).all())
+                and bool((cached == tokens[:n_cached]).all())):
+            old_hidden = torch.load(paths[2], weights_only=True)
+            done = k if old_hidden.shape[0] == n_cached else 0
     _, model = _load_hf(target_dir, dtype)
     hidden = torch.empty(tokens.shape[0], model.config.hidden_size, dtype=torch.bfloat16)
+    if done:
+        hidden[:old_hidden.shape[0]] = old_hidden
+    del old_hidden
     # Batch conversations of similar length together, padded on the right (causal: padding never reaches a real row).
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    bar = tqdm(total=int(tokens.shape[0]), desc="target features", unit="tok", disable=quiet)
+    order = sorted(range(done, len(seqs)), key=lambda i: len(seqs[i]))
+    bar = tqdm(total=int(tokens.shape[0] - (starts[done] if done else 0)), desc="target features", unit="tok",
+               disable=quiet)
     i = 0
     while i < len(order):
         j = i

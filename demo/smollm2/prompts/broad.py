@@ -181,10 +181,15 @@ def _combos() -> list[str]:
     return out
 
 
+def held_out_prompts() -> list[str]:
+    """The held-out benchmark prompts and tune-tree's calibration prompts (no training prompt may equal one)."""
+    return [json.loads(line)["prompt"] for path in (HERE.parents[2] / "perf/prompts/chat.jsonl",
+                                                    HERE / "calibration.jsonl")
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def broad_prompts() -> list[str]:
-    held_out = [json.loads(line)["prompt"] for path in (HERE.parents[2] / "perf/prompts/chat.jsonl",
-                                                         HERE / "calibration.jsonl")
-                for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    held_out = held_out_prompts()
     pool = [p for p in dict.fromkeys(_combos()) if not any(w in p.lower() for w in EXCLUDED) and p not in held_out]
     rng = random.Random(SEED)
     # Code prompts are most of the pool (15 languages x 40 tasks x 7 shapes); keep them to about half.

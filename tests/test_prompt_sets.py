@@ -1,0 +1,51 @@
+"""The demo's prompt sets keep their promises: no head-training prompt is a benchmark or calibration prompt, the
+generated parts of train.jsonl are exactly what their generators write (no hand edits), and no generated prompt
+touches a held-out topic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "demo" / "smollm2" / "prompts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"spectree_prompts_{name}", PROMPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def test_training_prompts_exclude_every_evaluation_prompt():
+    train = {r["prompt"] for r in _records(PROMPTS / "train.jsonl")}
+    evaluation = [PROMPTS / "calibration.jsonl", *sorted((ROOT / "perf" / "prompts").glob("*.jsonl"))]
+    for path in evaluation:
+        leaked = [r["id"] for r in _records(path) if r["prompt"] in train]
+        assert not leaked, f"{path.name}: {leaked} are also head-training prompts"
+
+
+@pytest.mark.parametrize("part", ["broad", "wide"])
+def test_generated_parts_are_what_their_generators_write(part):
+    records = _records(PROMPTS / "train.jsonl")
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids))
+    ours = [r for r in records if r["id"].startswith(f"{part}-")]
+    module = _load(part)
+    if part == "broad":
+        want = module.broad_prompts()
+    else:
+        want, _ = module.wide_prompts({r["prompt"] for r in records if not r["id"].startswith("wide-")})
+    assert [r["prompt"] for r in ours] == want
+    assert [r["id"] for r in ours] == [f"{part}-{i:04d}" for i in range(len(want))]
+    excluded = _load("broad").EXCLUDED
+    touching = [p for p in want if any(w in p.lower() for w in excluded)]
+    assert not touching
