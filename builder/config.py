@@ -7,7 +7,7 @@
       checkpoint: ../heads/medusa-llama-7b       # head weights, medusa / eagle only
       tree: {preset: mc_sim_7b_63}               # or {choices: [[0], [0, 0], [1]]}
                                                  # or {dynamic: {total_tokens: 60, depth: 5, top_k: 10}} (eagle)
-      lookup: {max_ngram: 3, num_draft_tokens: 10}   # lookup only
+      lookup: {max_ngram: 3, num_draft_tokens: 10}   # lookup; on medusa / eagle: merged into their trees
     build:
       dtype: float16                             # float32 | bfloat16 | float16 (default: the checkpoint's)
       tp_size: 1
@@ -107,7 +107,8 @@ class DraftSection:
     method: Method = "none"
     checkpoint: Path | None = None  # head weights: FasterDecoding Medusa or SafeAILab EAGLE-1 directory
     tree: TreeSection | None = None  # default: the drafter's own (Medusa: mc_sim_7b_63 / chain; EAGLE: dynamic)
-    lookup: LookupOptions | None = None  # prompt-lookup bounds (method lookup)
+    # prompt-lookup bounds: method lookup's own, or (medusa / eagle) continuations merged into each step's tree
+    lookup: LookupOptions | None = None
 
     def __post_init__(self) -> None:
         with field_names(DRAFT_KEYS, BuildConfigError):
@@ -322,7 +323,8 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
         raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
                                f"{plan.max_seq_len - 1} (max_seq_len - 1)")
     if draft.draft_nodes > b.max_draft_len:
-        what = "draft.lookup.num_draft_tokens" if draft.kind == "lookup" else "draft.tree"
+        what = {"lookup": "draft.lookup.num_draft_tokens"}.get(
+            draft.kind, "draft.tree + draft.lookup.num_draft_tokens" if draft.merges_lookup else "draft.tree")
         default = (" (the drafter's default; set draft.tree)" if draft.kind != "lookup" and config.draft.tree is None
                    else "")
         raise BuildConfigError(

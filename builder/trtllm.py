@@ -131,7 +131,7 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
         net.update(tie_word_embeddings=False, mlp_bias=False, head_dim=eagle_head.head_dim)
         cfg.update(
             architecture="EagleForCausalLM",
-            num_eagle_layers=plan.draft.max_tree_depth,
+            num_eagle_layers=plan.draft.model_only.max_tree_depth,
             max_draft_len=plan.config.build.max_draft_len,
             max_non_leaves_per_layer=(
                 plan.draft.dynamic.top_k if tree is None else max_non_leaves_per_layer(tree)
@@ -170,7 +170,7 @@ def checkpoint_tensors(
             eagle_to_trtllm(
                 head.state_dict(),
                 head.config,
-                plan.draft.max_tree_depth,
+                plan.draft.model_only.max_tree_depth,
                 target["model.embed_tokens.weight"],
                 tensors["lm_head.weight"],
             )
@@ -248,6 +248,8 @@ def run_args(plan: BuildPlan) -> list[str]:
     """Extra arguments of TensorRT-LLM 1.2's examples/run.py for this drafter (flags of examples/utils.py
     add_common_args; the checks quoted are run.py's own)."""
     tree = plan.draft.static_tree
+    # A medusa / eagle drafter with prompt lookup merged in runs here as the model drafter alone: TensorRT-LLM has no
+    # such merge (the merge is spectree's runtime's).
     if plan.draft.kind == "medusa":
         assert tree is not None
         # run.py asserts `args.temperature == 1.0, "Medusa should use temperature == 1.0"`; greedy is top-k 1 (its

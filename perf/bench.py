@@ -287,10 +287,12 @@ def describe_drafter(drafter: Any) -> dict[str, Any]:
     """The tree a drafter drafts, for the report: static (nodes, depth) or how it is built per step."""
     spec = drafter.spec
     shape = {"tree_nodes": spec.draft_nodes + 1, "tree_depth": spec.max_tree_depth}
+    # prompt lookup merged into a model drafter's trees: its options beside the model drafter's tree
+    merged = {"merged_lookup": dataclasses.asdict(spec.lookup)} if spec.merges_lookup else {}
     if spec.static_tree is not None:
-        return {"tree": "static", **shape, "choices": [list(c) for c in spec.static_tree.choices]}
+        return {"tree": "static", **shape, "choices": [list(c) for c in spec.static_tree.choices], **merged}
     if spec.tree == DYNAMIC:
-        return {"tree": "dynamic", **shape, "options": dataclasses.asdict(spec.dynamic)}
+        return {"tree": "dynamic", **shape, "options": dataclasses.asdict(spec.dynamic), **merged}
     if spec.lookup is not None:
         return {"tree": "lookup", **shape, "options": dataclasses.asdict(spec.lookup)}
     return {"tree": "root-only", **shape}

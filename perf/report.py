@@ -55,8 +55,9 @@ def _tree_cell(v: dict[str, Any]) -> str:
         return f"{v.get('method', '')} {tree} ≤{v['tree_nodes']}".strip()
     mean = v.get("mean_tree_nodes")
     limit = v.get("tree_nodes")
-    bound = "≤" if tree in ("dynamic", "lookup") else ""
-    return f"{tree} {bound}{limit} (mean {_num(mean, '.1f')})"
+    merged = "merged_lookup" in v  # prompt lookup merged in: the tree size varies per step
+    bound = "≤" if tree in ("dynamic", "lookup") or merged else ""
+    return f"{tree}{' + lookup' if merged else ''} {bound}{limit} (mean {_num(mean, '.1f')})"
 
 
 def label(v: dict[str, Any]) -> str:

@@ -132,7 +132,8 @@ def load(
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
     dtype        float32 | bfloat16 | float16 (default: the checkpoint's)
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
-    draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; lookup: max_ngram, ...)
+    draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; lookup: max_ngram, ...; lookup's on
+                 medusa / eagle merge prompt lookup into their trees)
     """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")

@@ -13,7 +13,8 @@ Fields:
     tree           a static `Tree`, DYNAMIC (EAGLE-2's dynamic tree), or None: the drafter's default (Medusa:
                    mc_sim_7b_63, or a chain as deep as its heads when it has fewer; EAGLE: the dynamic tree)
     dynamic        DynamicTreeOptions of the dynamic tree (None: the defaults); setting them makes tree DYNAMIC
-    lookup         LookupOptions (None: the defaults)
+    lookup         LookupOptions: drafter lookup's own (None: the defaults); on medusa / eagle, prompt-lookup
+                   continuations merged into each step's model-drafted tree (None: no merge)
     max_draft_len  most draft nodes per step, root excluded (TensorRT-LLM's meaning); None: the caller's limit
 
 A front end may leave path, tree, options and max_draft_len unset and fill them from a configured drafter (its
@@ -23,8 +24,9 @@ own policy, e.g. `LoadConfig.draft_spec`); `load_drafter` needs only the weights
 The rules, written here only (`DraftSpec.__post_init__`, `with_options`, `require_weights`): the kind is one of
 KINDS; only medusa / eagle have weights, and need them to load; lookup takes no tree (it builds its trees from
 matches) and none only a root-only one; the dynamic tree and its options are EAGLE's only and never go with a
-static tree; lookup options are lookup's only. Errors are `DraftSpecError`s naming the field, so each front end
-names its own key for it (`field_names`).
+static tree; lookup options go with lookup (its own) or with medusa / eagle (continuations merged into their trees),
+never with none. Errors are `DraftSpecError`s naming the field, so each front end names its own key for it
+(`field_names`).
 """
 
 from __future__ import annotations
@@ -119,13 +121,16 @@ class LookupOptions:
         return self.num_draft_tokens if self.max_depth is None else min(self.max_depth, self.num_draft_tokens)
 
 
-OPTIONS: dict[str, type] = {"eagle": DynamicTreeOptions, "lookup": LookupOptions}  # the kinds that take options
+OPTIONS: dict[str, type] = {"dynamic": DynamicTreeOptions, "lookup": LookupOptions}  # DraftSpec field -> its type
+# The option sets each kind takes (DraftSpec fields); their field names never overlap, so KEY=VALUE options are
+# routed to their set by name.
+KIND_OPTIONS: dict[str, tuple[str, ...]] = {"eagle": ("dynamic", "lookup"), "medusa": ("lookup",),
+                                            "lookup": ("lookup",)}
 
 
 def option_names(kind: str) -> tuple[str, ...]:
-    """The KEY=VALUE options drafter `kind` takes (its options dataclass's fields)."""
-    cls = OPTIONS.get(kind)
-    return () if cls is None else tuple(f.name for f in dataclasses.fields(cls))
+    """The KEY=VALUE options drafter `kind` takes (the fields of its option sets)."""
+    return tuple(f.name for name in KIND_OPTIONS.get(kind, ()) for f in dataclasses.fields(OPTIONS[name]))
 
 
 # ---- trees ------------------------------------------------------------------------------------------------------
@@ -209,8 +214,9 @@ class DraftSpec:
         if kind == "none" and isinstance(tree, Tree) and tree.num_nodes != 1:
             raise DraftSpecError("tree", f"drafter 'none' drafts root-only trees; got a tree with {tree.num_nodes} "
                                          "nodes")
-        if self.lookup is not None and kind != "lookup":
-            raise DraftSpecError("lookup", f"lookup options apply to drafter 'lookup' only, not {kind!r}")
+        if self.lookup is not None and "lookup" not in KIND_OPTIONS.get(kind, ()):
+            raise DraftSpecError("lookup", f"lookup options apply to drafter 'lookup', or to medusa / eagle (prompt-"
+                                           f"lookup continuations merged into their trees), not {kind!r}")
         m = self.max_draft_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise DraftSpecError("max_draft_len", f"got {m!r}, expected an integer >= 0")
@@ -229,7 +235,8 @@ class DraftSpec:
     ) -> DraftSpec:
         """From loose values: `tree` a Tree, a preset name ("mc_sim_7b_63", "chain-4"), JSON choice paths, a list
         of choice paths or "dynamic"; `options` the kind's options by name (eagle: total_tokens, depth, top_k;
-        lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches)."""
+        lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches; medusa / eagle also take lookup's,
+        which merge prompt-lookup continuations into their trees)."""
         spec = cls(kind, path=path, tree=_tree(tree), max_draft_len=max_draft_len)
         return spec.with_options(options or {})
 
@@ -243,22 +250,29 @@ class DraftSpec:
         if unknown:
             raise DraftSpecError("options", f"unknown option(s) {unknown} for drafter {self.kind!r}; accepted: "
                                             f"{sorted(allowed) if allowed else 'none'}")
-        if self.kind == "eagle" and isinstance(self.tree, Tree):
-            raise DraftSpecError("options", f"options {sorted(options)} apply to the dynamic EAGLE-2 tree only; "
-                                            "got a static tree too")
-        current = self.dynamic if self.kind == "eagle" else self.lookup
-        try:
-            typed = dataclasses.replace(current if current is not None else OPTIONS[self.kind](), **options)
-        except ConfigError as exc:
-            raise DraftSpecError("options", str(exc)) from exc
-        return dataclasses.replace(self, **{"dynamic" if self.kind == "eagle" else "lookup": typed})
+        changes: dict[str, Any] = {}
+        for name in KIND_OPTIONS[self.kind]:
+            cls = OPTIONS[name]
+            mine = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(cls)}}
+            if not mine:
+                continue
+            if name == "dynamic" and isinstance(self.tree, Tree):
+                raise DraftSpecError("options", f"options {sorted(mine)} apply to the dynamic EAGLE-2 tree only; "
+                                                "got a static tree too")
+            current = getattr(self, name)
+            try:
+                changes[name] = dataclasses.replace(current if current is not None else cls(), **mine)
+            except ConfigError as exc:
+                raise DraftSpecError("options", str(exc)) from exc
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def parse(cls, text: str) -> DraftSpec:
         """KIND[:TREE][+KEY=VALUE...], as `python -m perf` takes drafters: KIND one of KINDS; TREE a preset
         (mc_sim_7b_63, chain-K), JSON choice paths ([[0],[0,0],[1]]) or "dynamic" (EAGLE-2); KEY=VALUE the kind's
         options (`option_names`) or max_draft_len, a value JSON, else text. E.g. "medusa:mc_sim_7b_63",
-        "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4", "medusa:chain-1+max_draft_len=1"."""
+        "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4", "medusa:chain-1+max_draft_len=1",
+        "eagle:chain-3+num_draft_tokens=6" (an EAGLE chain with up to 6 prompt-lookup nodes merged in)."""
         raw = text.strip()
         if not raw:
             raise DraftSpecError("kind", f"got an empty string, expected {GRAMMAR}")
@@ -311,9 +325,8 @@ class DraftSpec:
                     "num_nodes": self.tree.num_nodes, "max_depth": self.tree.max_depth}
         elif self.tree == DYNAMIC:
             tree = {"kind": DYNAMIC, **({} if self.dynamic is None else dataclasses.asdict(self.dynamic))}
-        options = self.dynamic if self.dynamic is not None else self.lookup
-        d: dict[str, Any] = {"method": self.kind, "path": self.path, "tree": tree,
-                             "options": {} if options is None else dataclasses.asdict(options)}
+        options = {k: v for o in (self.dynamic, self.lookup) if o is not None for k, v in dataclasses.asdict(o).items()}
+        d: dict[str, Any] = {"method": self.kind, "path": self.path, "tree": tree, "options": options}
         if self.max_draft_len is not None:
             d["max_draft_len"] = self.max_draft_len
         return d
@@ -330,7 +343,7 @@ class DraftSpec:
         elif self.kind in WEIGHTED_KINDS:
             parts.append("the drafter's default tree")
         if self.lookup is not None:
-            parts.append(_pairs(self.lookup))
+            parts.append(_pairs(self.lookup) if self.kind == "lookup" else f"merged prompt lookup: {_pairs(self.lookup)}")
         if self.max_draft_len is not None:
             parts.append(f"max_draft_len {self.max_draft_len}")
         return self.kind + (f" ({', '.join(parts)})" if parts else "")
@@ -339,6 +352,16 @@ class DraftSpec:
     def static_tree(self) -> Tree | None:
         """The static tree, or None (dynamic, lookup, root-only or the drafter's default)."""
         return self.tree if isinstance(self.tree, Tree) else None
+
+    @property
+    def merges_lookup(self) -> bool:
+        """Whether prompt-lookup continuations are merged into a model drafter's trees (medusa / eagle + lookup)."""
+        return self.kind in WEIGHTED_KINDS and self.lookup is not None
+
+    @property
+    def model_only(self) -> DraftSpec:
+        """This spec without the merged prompt lookup: the model drafter alone (what TensorRT-LLM can run)."""
+        return dataclasses.replace(self, lookup=None) if self.merges_lookup else self
 
     def require_weights(self) -> None:
         """DraftSpecError unless the weights a drafter of this kind loads are given."""
@@ -357,6 +380,10 @@ class DraftSpec:
 
     def _shape(self) -> tuple[int, int]:
         """(most tree nodes, root included; deepest node)."""
+        if self.merges_lookup:
+            nodes, depth = self.model_only._shape()
+            lk = self.lookup
+            return nodes + lk.num_draft_tokens, max(depth, lk.depth_limit)
         if isinstance(self.tree, Tree):
             return self.tree.num_nodes, self.tree.max_depth
         if self.kind == "eagle":
@@ -380,6 +407,6 @@ def option_value(text: str) -> Any:
 
 
 __all__ = [
-    "KINDS", "WEIGHTED_KINDS", "DYNAMIC", "GRAMMAR", "OPTIONS", "DraftSpec", "DraftSpecError", "DynamicTreeOptions",
+    "KINDS", "WEIGHTED_KINDS", "DYNAMIC", "GRAMMAR", "KIND_OPTIONS", "OPTIONS", "DraftSpec", "DraftSpecError", "DynamicTreeOptions",
     "LookupOptions", "as_tree", "field_names", "option_names", "option_value",
 ]

@@ -3,6 +3,7 @@ sampled output distributed exactly as the target, stop conditions, limits and st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -358,6 +359,59 @@ def test_sampled_distribution_with_reduced_draft_vocabulary(ckpts, tmp_path, kw)
     out = dec.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True, seed=0, **kw))
     assert out.stats.drafted_tokens > 0
     assert any(set(seq) - set(keep) for seq in counts)
+
+
+def _echo_prompt(model: TargetModel) -> list[int]:
+    """PROMPTS[1], the target's greedy continuation of it, then PROMPTS[1] again: what follows repeats what followed
+    the first time often enough that prompt lookup proposes likely tokens."""
+    base = PROMPTS[1]
+    return base + greedy_reference(model, base, 6) + base
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
+                         ids=["T1.0", "T0.7"])
+def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw):
+    """An EAGLE tree with prompt-lookup continuations merged in (runtime/drafters/merged.py) leaves the output
+    distribution exact. The prompt echoes itself (`_echo_prompt`), so the merged trees really are larger than the
+    head's own (checked) and their lookup branches are accepted and rejected in turn."""
+    from tests.heads import write_eagle_head
+
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    prompt = _echo_prompt(model)
+    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3)
+    tree = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])
+    spec = DraftSpec.create("eagle", path=head, tree=tree, options=dict(num_draft_tokens=5, max_branches=2))
+    drafter = load_drafter(spec, model)
+    assert drafter.spec == dataclasses.replace(spec, path=None)
+    hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))[1][0]
+    session = drafter.start(torch.tensor(prompt), hidden, spec.draft_nodes + 1)
+    echoed = prompt[len(PROMPTS[1])]  # the token that followed PROMPTS[1] the first time
+    assert session.draft(echoed, None, None).tree.num_nodes > tree.num_nodes
+    dec = SpecDecoder(model, None, drafter, spec.draft_nodes + 1)
+    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
+    trials = 1500
+    counts = sample_counts(dec, prompt, kw, 3, trials)
+    stat, df = chi2_stat(counts, exact, trials)
+    assert stat < chi2_threshold(df), (stat, df)
+
+
+def test_merged_lookup_distribution_test_catches_lossy_acceptance(ckpts, tmp_path, monkeypatch):
+    """Negative control: the same merged drafter and prompt under a lossy acceptance rule fail the statistic."""
+    import runtime.decode as decode_mod
+    from tests.heads import write_eagle_head
+
+    monkeypatch.setattr(decode_mod, "verify", lossy_verify)
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    prompt = _echo_prompt(model)
+    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3)
+    spec = DraftSpec.create("eagle", path=head, tree=Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]]),
+                            options=dict(num_draft_tokens=5, max_branches=2))
+    dec = SpecDecoder(model, None, load_drafter(spec, model), spec.draft_nodes + 1)
+    kw = dict(temperature=1.0, top_k=4)
+    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
+    counts = sample_counts(dec, prompt, kw, 3, 1500)
+    stat, df = chi2_stat(counts, exact, 1500)
+    assert stat > chi2_threshold(df), (stat, df)
 
 
 def test_reduced_vocabulary_distribution_test_catches_a_restricted_target(ckpts, tmp_path, monkeypatch):

@@ -35,6 +35,11 @@ from runtime.tree import Tree
     ("eagle:dynamic+total_tokens=30+depth=4", DraftSpec("eagle", dynamic=DynamicTreeOptions(30, 4))),
     ("lookup+max_ngram=4+max_depth=null", DraftSpec("lookup", lookup=LookupOptions(max_ngram=4, max_depth=None))),
     (" medusa : chain-1 + max_draft_len=1 ", DraftSpec("medusa", tree=Tree.chain(1), max_draft_len=1)),
+    # prompt lookup merged into a model drafter's trees: lookup's options on medusa / eagle, routed by name
+    ("eagle:chain-2+num_draft_tokens=4", DraftSpec("eagle", tree=Tree.chain(2), lookup=LookupOptions(num_draft_tokens=4))),
+    ("eagle:dynamic+top_k=4+max_branches=1", DraftSpec("eagle", dynamic=DynamicTreeOptions(top_k=4),
+                                                       lookup=LookupOptions(max_branches=1))),
+    ("medusa:chain-3+max_ngram=2", DraftSpec("medusa", tree=Tree.chain(3), lookup=LookupOptions(max_ngram=2))),
 ])
 def test_grammar(text, expected):
     spec = DraftSpec.parse(text)
@@ -53,7 +58,8 @@ def test_grammar(text, expected):
     ("lookup:dynamic", "tree", "the dynamic tree is EAGLE-2's, not drafter 'lookup''s"),
     ("none:chain-2", "tree", "drafter 'none' drafts root-only trees; got a tree with 3 nodes"),
     ("eagle:chain-2+top_k=3", "options", "apply to the dynamic EAGLE-2 tree only"),
-    ("medusa+top_k=3", "options", "unknown option(s) ['top_k'] for drafter 'medusa'; accepted: none"),
+    ("medusa+top_k=3", "options", "unknown option(s) ['top_k'] for drafter 'medusa'; accepted: ['max_branches', "),
+    ("none+num_draft_tokens=3", "options", "unknown option(s) ['num_draft_tokens'] for drafter 'none'; accepted: none"),
     ("lookup+ngram=3", "options", "unknown option(s) ['ngram'] for drafter 'lookup'"),
     ("lookup+max_ngram=0", "options", "lookup.max_ngram: got 0, expected an integer >= 1"),
     ("lookup+max_ngram", "options", "must look like KEY=VALUE"),
@@ -74,7 +80,8 @@ def test_rules_on_typed_fields():
         DraftSpec("medusa", tree=DYNAMIC, dynamic=DynamicTreeOptions())
     with pytest.raises(DraftSpecError, match="dynamic: options apply to the dynamic EAGLE-2 tree only"):
         DraftSpec("eagle", tree=Tree.chain(2), dynamic=DynamicTreeOptions())
-    with pytest.raises(DraftSpecError, match="lookup: lookup options apply to drafter 'lookup' only, not 'none'"):
+    with pytest.raises(DraftSpecError, match="lookup: lookup options apply to drafter 'lookup', or to medusa / eagle "
+                                             r"\(prompt-lookup continuations merged into their trees\), not 'none'"):
         DraftSpec("none", lookup=LookupOptions())
     with pytest.raises(DraftSpecError, match="tree: expected a Tree"):
         DraftSpec("medusa", tree="chain-2")  # text is parsed by create / parse, not the constructor
@@ -121,6 +128,13 @@ def test_describe_and_tree_shape():
     lookup = DraftSpec("lookup", lookup=LookupOptions(num_draft_tokens=7, max_depth=4))
     assert (lookup.draft_nodes, lookup.max_tree_depth) == (7, 4)
     assert (DraftSpec().draft_nodes, DraftSpec().max_tree_depth) == (0, 0)
+    merged = DraftSpec("eagle", path="h", tree=Tree.chain(3), lookup=LookupOptions(num_draft_tokens=5, max_depth=4))
+    assert (merged.draft_nodes, merged.max_tree_depth) == (3 + 5, 4)  # the head's nodes plus lookup's, deepest of both
+    assert merged.merges_lookup and not merged.model_only.merges_lookup
+    assert merged.model_only == DraftSpec("eagle", path="h", tree=Tree.chain(3))
+    assert (merged.model_only.draft_nodes, merged.model_only.max_tree_depth) == (3, 3)
+    assert not DraftSpec("lookup", lookup=LookupOptions()).merges_lookup
+    assert "merged prompt lookup: max_ngram 3" in merged.describe()
     with pytest.raises(ConfigError, match="loaded drafter's spec"):
         DraftSpec("medusa").draft_nodes  # noqa: B018
 

@@ -5,6 +5,7 @@
         eagle    EAGLE-1 head; static tree, or EAGLE-2's dynamic tree                    (eagle.py)
         lookup   prompt lookup (n-gram copy), no weights                                 (lookup.py)
         none     root-only trees: plain autoregressive decoding                          (none.py)
+    medusa / eagle with lookup options: prompt-lookup continuations merged into each tree  (merged.py)
 
 Every drafter proposes top-k / fixed candidates (Proposal.DETERMINISTIC) and returns Draft.tokens as a CPU int64
 tensor (node 0 = the root); sessions never return more than the `max_nodes` given to `Drafter.start`. A loaded
@@ -29,10 +30,16 @@ def load_drafter(spec: DraftSpec, model: Any) -> Drafter:
 
     Defaults for what the spec leaves unset: Medusa's tree is mc_sim_7b_63 when it has at least as many heads as
     that tree is deep, else a chain as deep as its heads; EAGLE without a static tree drafts the dynamic (EAGLE-2)
-    tree with `spec.dynamic` or the default options; lookup uses `spec.lookup` or the default options.
+    tree with `spec.dynamic` or the default options; lookup uses `spec.lookup` or the default options; medusa /
+    eagle with `spec.lookup` merge prompt lookup into their trees (`MergedDrafter`).
     spec.max_draft_len is not the drafter's: the decoder bounds each step's tree with it.
     """
     spec.require_weights()
+    if spec.merges_lookup:
+        from runtime.drafters.lookup import LookupDrafter
+        from runtime.drafters.merged import MergedDrafter
+
+        return MergedDrafter(load_drafter(spec.model_only, model), LookupDrafter(spec.lookup))
     if spec.kind == "none":
         from runtime.drafters.none import NoneDrafter
 

@@ -1,0 +1,159 @@
+"""Prompt lookup merged into a model drafter's trees (runtime/drafters/merged.py): the trie merge itself, and greedy
+output through runtime.load and an engine directory identical to plain decoding. Sampled output stays exactly
+distributed: tests/test_decode.py::test_sampled_distribution_with_merged_prompt_lookup (+ its negative control)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import runtime
+from runtime.draft_spec import DraftSpec, LookupOptions
+from runtime.drafters import load_drafter
+from runtime.drafters.merged import MergedDrafter, merge_drafts
+from runtime.errors import ConfigError
+from runtime.model import TargetModel
+from runtime.protocol import Draft, Proposal
+from runtime.tree import Tree
+from tests.heads import write_eagle_head, write_medusa_head
+from tests.tiny import make_checkpoint
+
+
+def _draft(choices, tokens) -> Draft:
+    tree = Tree.from_choices(choices) if choices else Tree.root_only()
+    order = {tuple(c): i + 1 for i, c in enumerate(choices)}  # tokens given in `choices` order
+    toks = [tokens[0]] + [tokens[order[c]] for c in tree.choices]
+    return Draft(tree, torch.tensor(toks))
+
+
+def _paths(draft: Draft) -> set[tuple[int, ...]]:
+    """Every node as its token path from the root (root excluded)."""
+    toks, parents = draft.tokens.tolist(), draft.tree.parent_list
+    out = set()
+    for node in range(1, draft.tree.num_nodes):
+        path, n = [], node
+        while n:
+            path.append(toks[n])
+            n = parents[n]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def test_shared_prefixes_are_shared_and_new_branches_added():
+    head = _draft([[0], [1], [0, 0]], [5, 7, 8, 9])  # 5 -> 7 -> 9, 5 -> 8
+    look = _draft([[0], [0, 0], [0, 0, 0]], [5, 7, 9, 4])  # 5 -> 7 -> 9 -> 4
+    merged = merge_drafts(head, look, 16)
+    assert _paths(merged) == {(7,), (8,), (7, 9), (7, 9, 4)}
+    assert merged.tree.num_nodes == 5 and merged.proposal is Proposal.DETERMINISTIC
+    other = merge_drafts(head, _draft([[0], [0, 0]], [5, 8, 1]), 16)  # grafted under the head's 8
+    assert _paths(other) == {(7,), (8,), (7, 9), (8, 1)}
+
+
+def test_budget_and_nothing_new():
+    head = _draft([[0], [1]], [5, 7, 8])
+    look = _draft([[0], [0, 0], [0, 0, 0], [1]], [5, 3, 4, 6, 2])
+    # lookup's nodes in its own order (parents first: 3, 2, 3->4, 3->4->6) until the tree has 5 nodes
+    assert _paths(merge_drafts(head, look, 5)) == {(7,), (8,), (3,), (2,)}
+    assert merge_drafts(head, look, 3) is head  # no room
+    assert merge_drafts(head, _draft([[0]], [5, 8]), 16) is head  # everything already there
+
+
+def test_random_merges_keep_every_path_and_distinct_siblings():
+    rng = random.Random(0)
+    for _ in range(200):
+        def rand(n):
+            choices, tokens = [], [1]
+            for _ in range(n):
+                parent = rng.choice([()] + [tuple(c) for c in choices])
+                rank = sum(1 for c in choices if tuple(c[:-1]) == parent)
+                choices.append(list(parent) + [rank])
+            # distinct sibling tokens, as drafters give them
+            toks = {}
+            for c in choices:
+                used = {toks[tuple(o)] for o in choices if tuple(o) in toks and o[:-1] == c[:-1]}
+                toks[tuple(c)] = rng.choice([t for t in range(2, 9) if t not in used])
+            return _draft(choices, [1] + [toks[tuple(c)] for c in choices])
+
+        head, look = rand(rng.randint(0, 6)), rand(rng.randint(1, 6))
+        budget = rng.randint(1, 14)
+        merged = merge_drafts(head, look, budget)
+        assert _paths(head) <= _paths(merged) <= _paths(head) | _paths(look)
+        assert merged.tree.num_nodes <= max(budget, head.tree.num_nodes)
+        if head.tree.num_nodes + len(_paths(look) - _paths(head)) <= budget:
+            assert _paths(merged) == _paths(head) | _paths(look)
+        toks, parents = merged.tokens.tolist(), merged.tree.parent_list
+        for node in range(merged.tree.num_nodes):
+            kids = [toks[c] for c in merged.tree.children(node)]
+            assert len(kids) == len(set(kids))
+        assert all(parents[n] < n for n in range(1, merged.tree.num_nodes))
+
+
+def test_merge_refuses_sampled_proposals_and_other_roots():
+    head = _draft([[0]], [5, 7])
+    with pytest.raises(ConfigError, match="roots differ"):
+        merge_drafts(head, _draft([[0]], [6, 7]), 8)
+    sampled = Draft(head.tree, head.tokens, Proposal.IID, draft_probs=torch.full((2, 4), 0.25))
+    with pytest.raises(ConfigError, match="DETERMINISTIC"):
+        merge_drafts(sampled, head, 8)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("merged") / "llama3", "llama3")
+
+
+# The prompt repeats itself, so prompt lookup finds continuations at most steps.
+PROMPT = [0, 40, 41, 42, 43, 44, 40, 41, 42, 50, 51, 40, 41, 42, 43]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_greedy_output_identical_to_plain_decoding(target, tmp_path, kind):
+    model = TargetModel.from_pretrained(target)
+    if kind == "eagle":
+        heads = write_eagle_head(tmp_path / "eagle", target, seed=1)
+    else:
+        heads = write_medusa_head(tmp_path / "medusa", model.config.hidden_size, model.config.vocab_size, num_heads=2)
+    plain = runtime.load(str(target), draft="none").generate(PROMPT, max_tokens=40, ignore_eos=True)
+    dec = runtime.load(str(target), draft=kind, draft_model=str(heads), tree="chain-2",
+                       num_draft_tokens=6, max_branches=2)
+    assert isinstance(dec.drafter, MergedDrafter)
+    assert dec.drafter.spec.lookup == LookupOptions(num_draft_tokens=6, max_branches=2)
+    out = dec.generate(PROMPT, max_tokens=40, ignore_eos=True)
+    assert out.token_ids == plain.token_ids
+    # lookup nodes really were drafted: more than the chain's 2 per step
+    assert out.stats.drafted_tokens > 2 * out.stats.steps
+
+
+def test_engine_keeps_the_merge(target, tmp_path):
+    from builder.build import build_engine
+    from builder.config import load_config, plan_build
+
+    heads = write_eagle_head(tmp_path / "eagle", target, seed=1)
+    cfg = tmp_path / "eagle.yaml"
+    cfg.write_text(f"model: {{checkpoint: {target}}}\n"
+                   f"draft: {{method: eagle, checkpoint: {heads}, tree: {{preset: chain-2}},\n"
+                   f"        lookup: {{num_draft_tokens: 4, max_branches: 1}}}}\n"
+                   f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false, max_draft_len: 6}}\n")
+    result = build_engine(load_config(cfg))
+    assert result.manifest["draft"]["options"]["num_draft_tokens"] == 4
+    dec = runtime.load(str(result.output))
+    assert isinstance(dec.drafter, MergedDrafter) and dec.drafter.spec.lookup.num_draft_tokens == 4
+    plain = runtime.load(str(target), draft="none").generate(PROMPT, max_tokens=24, ignore_eos=True)
+    assert dec.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
+    # the node budget covers the head's tree plus lookup's nodes
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("max_draft_len: 6", "max_draft_len: 5"))
+    with pytest.raises(ConfigError, match=r"draft.tree \+ draft.lookup.num_draft_tokens: 6 draft nodes per step"):
+        plan_build(load_config(bad))
+
+
+def test_drafter_is_built_from_the_spec(target, tmp_path):
+    model = TargetModel.from_pretrained(target)
+    heads = write_eagle_head(tmp_path / "eagle", target, seed=1)
+    spec = DraftSpec.create("eagle", path=heads, tree="chain-2", options={"num_draft_tokens": 3})
+    drafter = load_drafter(spec, model)
+    assert isinstance(drafter, MergedDrafter) and drafter.name == "eagle"
+    assert drafter.head is drafter.primary.head  # the model drafter's attributes stay reachable
+    assert not isinstance(load_drafter(spec.model_only, model), MergedDrafter)
