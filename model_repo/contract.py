@@ -1,5 +1,5 @@
 """The served models' I/O contract: every input and output of preprocessing, spec_decode and the ensemble (entry)
-model, declared once (model_repo.schema types; model_repo.render writes them into config.pbtxt, model_repo.request
+model, declared once (model_repo.model_config types; model_repo.render writes them into config.pbtxt, model_repo.request
 reads requests by them, model_repo.responses writes responses by them).
 
 The interface follows the Triton LLM conventions of tensorrtllm_backend / vllm_backend (reference-facts section 8),
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from model_repo.schema import DataType, ModelInput, ModelOutput
+from model_repo.model_config import DataType, ModelInput, ModelOutput
 
 # Every input is declared optional, text_input and max_tokens included, and the models enforce what is
 # required with an error naming the input. Measured on tritonserver 2.51: the gRPC streaming path does not

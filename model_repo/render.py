@@ -15,7 +15,7 @@
       spectree-repo.json           the RepoOptions this repository was rendered from (Triton ignores files at
                                    the repository root)
 
-Every config.pbtxt is rendered from `model_repo.schema` dataclasses by `model_repo.pbtxt` and parsed back
+Every config.pbtxt is rendered from `model_repo.model_config` dataclasses by `model_repo.pbtxt` and parsed back
 before it is written. spec_decode also takes text_input or messages directly (vllm_backend's single-model
 style). The entry model is named `ensemble` (tensorrtllm_backend's name, which clients use) but is not a Triton
 ensemble (platform "ensemble"): tritonserver 2.51's ensembles do not pass a client's cancellation on to a
@@ -36,7 +36,7 @@ from typing import Any
 
 from model_repo import contract, engines
 from model_repo.pbtxt import dumps, loads
-from model_repo.schema import (
+from model_repo.model_config import (
     InstanceGroup,
     Kind,
     ModelConfig,

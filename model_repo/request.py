@@ -22,7 +22,7 @@ from model_repo.contract import (
     TEXT_INPUT,
     Inputs,
 )
-from model_repo.schema import DataType, ModelInput
+from model_repo.model_config import DataType, ModelInput
 from runtime.errors import ConfigError, RequestError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import ChatMessage, chat_messages

@@ -14,7 +14,7 @@ lossless verification stage.
       spectree_verify/    python: our lossless verification stage (below)
       spectree-repo.json  the options it was rendered from
 
-Every config.pbtxt comes from `model_repo.schema` dataclasses written by `model_repo.pbtxt`; its parameter keys
+Every config.pbtxt comes from `model_repo.model_config` dataclasses written by `model_repo.pbtxt`; its parameter keys
 are the public templates' keys (tests/fixtures/tensorrtllm_templates.json records them with their source
 commits). A parameter we do not set carries the templates' unfilled placeholder `${key}`, which the backend reads
 as unset (its model_instance_state.cc compares against that placeholder or fails to parse it and keeps the
@@ -48,7 +48,7 @@ import torch
 
 from model_repo.pbtxt import loads
 from model_repo.render import adapter_module, write_repo
-from model_repo.schema import (
+from model_repo.model_config import (
     DataType,
     DynamicBatching,
     EnsembleScheduling,

@@ -16,7 +16,7 @@ from model_repo.metrics import SpecMetrics
 from model_repo.render import RepoOptions, model_configs
 from model_repo.request import RequestLimits, parse_generate_request, split_batch
 from model_repo.responses import batch_row_outputs
-from model_repo.schema import DataType
+from model_repo.model_config import DataType
 from runtime.batching import SchedulerConfig
 from runtime.errors import RequestError
 from runtime.sampling import SamplingParams

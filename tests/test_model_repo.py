@@ -12,7 +12,7 @@ from model_repo.__main__ import main
 from model_repo.contract import MESSAGES
 from model_repo.pbtxt import dumps, loads, parse
 from model_repo.render import RepoOptions, read_repo, render
-from model_repo.schema import (
+from model_repo.model_config import (
     DataType,
     EnsembleScheduling,
     EnsembleStep,
