@@ -300,7 +300,10 @@ def _draft_section(plan: BuildPlan, drafter: Any, draft_path: str | None) -> dic
                "own_embedding": head.embed_tokens is not None, "head": model_config_dict(head.config),
                "draft_vocab_size": None if head.vocab is None else head.vocab.size}
     d = dataclasses.replace(plan.draft, path=draft_path, max_draft_len=None).to_dict()  # "limits" holds the max
-    return {"method": d["method"], "path": d["path"], "config": cfg, "tree": d["tree"], "options": d["options"]}
+    out = {"method": d["method"], "path": d["path"], "config": cfg, "tree": d["tree"], "options": d["options"]}
+    if "quantization" in d:
+        out["quantization"] = d["quantization"]
+    return out
 
 
 def _onnx_stage(tmp: Path, plan: BuildPlan, model: Any, progress: Progress, record) -> dict[str, Any]:

@@ -8,6 +8,7 @@
       tree: {preset: mc_sim_7b_63}               # or {choices: [[0], [0, 0], [1]]}
                                                  # or {dynamic: {total_tokens: 60, depth: 5, top_k: 10}} (eagle)
       lookup: {max_ngram: 3, num_draft_tokens: 10}   # lookup; on medusa / eagle: merged into their trees
+      quantization: int8                         # eagle: its head's weights as drafting reads them (CPU)
     build:
       dtype: float16                             # float32 | bfloat16 | float16 (default: the checkpoint's)
       tp_size: 1
@@ -97,7 +98,8 @@ class TreeSection:
 
 # DraftSpec's fields as the YAML names them.
 DRAFT_KEYS = {"kind": "draft.method", "path": "draft.checkpoint", "tree": "draft.tree",
-              "dynamic": "draft.tree.dynamic", "lookup": "draft.lookup", "max_draft_len": "build.max_draft_len"}
+              "dynamic": "draft.tree.dynamic", "lookup": "draft.lookup", "max_draft_len": "build.max_draft_len",
+              "quantization": "draft.quantization"}
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class DraftSection:
     tree: TreeSection | None = None  # default: the drafter's own (Medusa: mc_sim_7b_63 / chain; EAGLE: dynamic)
     # prompt-lookup bounds: method lookup's own, or (medusa / eagle) continuations merged into each step's tree
     lookup: LookupOptions | None = None
+    quantization: str | None = None  # "int8": the head's weights as drafting reads them (eagle, CPU)
 
     def __post_init__(self) -> None:
         with field_names(DRAFT_KEYS, BuildConfigError):
@@ -119,7 +122,7 @@ class DraftSection:
         with field_names(DRAFT_KEYS, BuildConfigError):
             return DraftSpec(self.method, path=self.checkpoint, tree=None if self.tree is None else self.tree.draft_tree,
                              dynamic=None if self.tree is None else self.tree.dynamic, lookup=self.lookup,
-                             max_draft_len=max_draft_len)
+                             max_draft_len=max_draft_len, quantization=self.quantization)
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ def _drafter_with_tree(drafter, model: TargetModel, tree: Tree):
     if isinstance(drafter, MedusaDrafter):
         return MedusaDrafter(drafter.heads, tree)
     if isinstance(drafter, EagleDrafter):
-        return EagleDrafter(drafter.head, model, tree=tree)
+        return EagleDrafter(drafter.head, model, tree=tree, int8=drafter.quantization == "int8")
     raise BuildConfigError(f"tune-tree tunes static trees of medusa / eagle drafters, not {drafter.name!r}")
 
 
@@ -288,7 +288,9 @@ def tune(
         raise BuildConfigError("no calibration prompts")
     model = TargetModel.from_pretrained(config.model.checkpoint, dtype=config.build.dtype)
     tokenizer = Tokenizer.from_dir(config.model.checkpoint)
-    base = load_drafter(DraftSpec(d.method, path=d.checkpoint, tree=Tree.chain(1)), model)
+    # The head as the config runs it (its quantization: drafting costs depend on it), without a merged prompt lookup:
+    # the tree is tuned for what the head drafts.
+    base = load_drafter(DraftSpec(d.method, path=d.checkpoint, tree=Tree.chain(1), quantization=d.quantization), model)
     if d.method == "medusa":
         depth = min(depth, base.heads.config.num_heads)
     max_nodes = min(max_nodes, config.build.max_draft_len + 1)

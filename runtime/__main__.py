@@ -11,7 +11,7 @@ import sys
 from typing import Sequence
 
 from runtime.api import LoadConfig, build
-from runtime.draft_spec import KINDS, option_value
+from runtime.draft_spec import KINDS, QUANTIZATIONS, option_value
 from runtime.errors import SpectreeError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import single_turn
@@ -64,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(LoadConfig, "dtype"))
     g.add_argument("--max-draft-len", type=int, default=_default(LoadConfig, "max_draft_len"))
     g.add_argument("--device", default=_default(LoadConfig, "device"), help="torch device: cpu, cuda, cuda:1, ...")
+    g.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=_default(LoadConfig, "draft_quantization"),
+                   help="the EAGLE head's weights as drafting reads them (int8: weight-only, CPU)")
     g.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, e.g. total_tokens=60 (eagle) or max_ngram=4 (lookup); repeatable")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
@@ -92,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             LoadConfig(
                 model=args.model, draft=args.draft, draft_model=args.draft_model, tree=args.tree, dtype=args.dtype,
                 max_draft_len=args.max_draft_len, device=args.device, draft_options=_options(args.draft_option),
+                draft_quantization=args.draft_quantization,
             )
         )
         prompt = _prompt(args)

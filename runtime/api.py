@@ -20,7 +20,8 @@ from runtime.tokenizer import Tokenizer
 
 # DraftSpec's fields as LoadConfig (runtime.load's keywords, python -m runtime's flags) names them.
 DRAFT_KEYS = {"kind": "draft", "path": "draft_model", "tree": "tree", "dynamic": "draft_options",
-              "lookup": "draft_options", "options": "draft_options", "max_draft_len": "max_draft_len"}
+              "lookup": "draft_options", "options": "draft_options", "max_draft_len": "max_draft_len",
+              "quantization": "draft_quantization"}
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,16 @@ class LoadConfig:
     max_draft_len: int = 63  # most draft nodes per step (root excluded), as TensorRT-LLM's max_draft_len
     device: str = "cpu"  # torch device for the target and drafter weights: "cpu", "cuda", "cuda:1", ...
     draft_options: dict[str, Any] = field(default_factory=dict)  # the drafter's options (DraftSpec.with_options)
+    # "int8": the draft head's weights as drafting reads them (DraftSpec.quantization); None: an engine's own choice,
+    # else the weights' dtype
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         with field_names(DRAFT_KEYS):  # DraftSpec's rules, errors naming these fields
             DraftSpec(max_draft_len=self.max_draft_len)
             if self.draft is not None:
-                DraftSpec.create(self.draft, path=self.draft_model, tree=self.tree, options=self.draft_options)
+                DraftSpec.create(self.draft, path=self.draft_model, tree=self.tree, options=self.draft_options,
+                                 quantization=self.draft_quantization)
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         try:
@@ -63,11 +68,14 @@ class LoadConfig:
                 max_draft_len = min(max_draft_len, engine.limits.max_draft_len)
                 if kind is None or (kind == engine.draft.kind and self.draft_model is None):
                     own = engine.own_draft()
+                    quantization = self.draft_quantization or own.quantization
                     if self.tree is None:
-                        return dataclasses.replace(own.with_options(self.draft_options), max_draft_len=max_draft_len)
+                        return dataclasses.replace(own.with_options(self.draft_options), max_draft_len=max_draft_len,
+                                                   quantization=quantization)
                     return DraftSpec.create(own.kind, path=own.path, tree=self.tree, options=self.draft_options,
-                                            max_draft_len=max_draft_len)
+                                            max_draft_len=max_draft_len, quantization=quantization)
             return DraftSpec.create(kind or "none", path=self.draft_model, tree=self.tree, options=self.draft_options,
+                                    quantization=self.draft_quantization,
                                     max_draft_len=max_draft_len)
 
 
@@ -120,6 +128,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     max_draft_len: int = LoadConfig.max_draft_len,
     device: str | torch.device = LoadConfig.device,
+    draft_quantization: str | None = LoadConfig.draft_quantization,
     **draft_options: Any,
 ) -> SpecDecoder:
     """Load a checkpoint directory with a drafter; returns a SpecDecoder (`generate`, `stream`), whose prompt is
@@ -132,6 +141,8 @@ def load(
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
     dtype        float32 | bfloat16 | float16 (default: the checkpoint's)
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
+    draft_quantization  "int8": the EAGLE head runs on int8 copies of its weights (CPU; drafts change slightly,
+                 the output never)
     draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; lookup: max_ngram, ...; lookup's on
                  medusa / eagle merge prompt lookup into their trees)
     """
@@ -147,6 +158,7 @@ def load(
             max_draft_len=max_draft_len,
             device=str(device),
             draft_options=dict(draft_options),
+            draft_quantization=draft_quantization,
         )
     )
 

@@ -16,6 +16,9 @@ Fields:
     lookup         LookupOptions: drafter lookup's own (None: the defaults); on medusa / eagle, prompt-lookup
                    continuations merged into each step's model-drafted tree (None: no merge)
     max_draft_len  most draft nodes per step, root excluded (TensorRT-LLM's meaning); None: the caller's limit
+    quantization   the draft head's weights as drafting reads them: None (their own dtype) or "int8" (weight-only,
+                   per-row scales, CPU; eagle only): drafting reads a few rows per call, so their bytes are its cost;
+                   only what is drafted changes, never the output
 
 A front end may leave path, tree, options and max_draft_len unset and fill them from a configured drafter (its
 own policy, e.g. `LoadConfig.draft_spec`); `load_drafter` needs only the weights of medusa / eagle
@@ -25,7 +28,7 @@ The rules, written here only (`DraftSpec.__post_init__`, `with_options`, `requir
 KINDS; only medusa / eagle have weights, and need them to load; lookup takes no tree (it builds its trees from
 matches) and none only a root-only one; the dynamic tree and its options are EAGLE's only and never go with a
 static tree; lookup options go with lookup (its own) or with medusa / eagle (continuations merged into their trees),
-never with none. Errors are `DraftSpecError`s naming the field, so each front end names its own key for it
+never with none; quantization is one of QUANTIZATIONS, for QUANTIZED_KINDS only. Errors are `DraftSpecError`s naming the field, so each front end names its own key for it
 (`field_names`).
 """
 
@@ -45,6 +48,8 @@ from runtime.schema import setting
 from runtime.tree import Tree
 
 KINDS = ("medusa", "eagle", "lookup", "none")
+QUANTIZATIONS = ("int8",)  # DraftSpec.quantization values (None: the weights' own dtype)
+QUANTIZED_KINDS = ("eagle",)  # the kinds whose head runs quantized
 WEIGHTED_KINDS = ("medusa", "eagle")  # the kinds with head weights
 DYNAMIC: Literal["dynamic"] = "dynamic"  # the tree of EAGLE-2: chosen every step from the head's scores
 GRAMMAR = "KIND[:TREE][+KEY=VALUE...]"
@@ -179,6 +184,7 @@ class DraftSpec:
     dynamic: DynamicTreeOptions | None = None
     lookup: LookupOptions | None = None
     max_draft_len: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         kind, tree = self.kind, self.tree
@@ -220,6 +226,13 @@ class DraftSpec:
         m = self.max_draft_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise DraftSpecError("max_draft_len", f"got {m!r}, expected an integer >= 0")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise DraftSpecError("quantization", f"got {self.quantization!r}, expected one of "
+                                                     f"{', '.join(QUANTIZATIONS)} (or none: the weights' own dtype)")
+            if kind not in QUANTIZED_KINDS:
+                raise DraftSpecError("quantization", f"drafter {kind!r} runs its weights as they are; quantized draft "
+                                                     f"weights are {', '.join(QUANTIZED_KINDS)}'s")
 
     # ---- making one ---------------------------------------------------------------------------------------------
 
@@ -232,12 +245,13 @@ class DraftSpec:
         tree: Tree | str | Sequence[Sequence[int]] | None = None,
         options: Mapping[str, Any] | None = None,
         max_draft_len: int | None = None,
+        quantization: str | None = None,
     ) -> DraftSpec:
         """From loose values: `tree` a Tree, a preset name ("mc_sim_7b_63", "chain-4"), JSON choice paths, a list
         of choice paths or "dynamic"; `options` the kind's options by name (eagle: total_tokens, depth, top_k;
         lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches; medusa / eagle also take lookup's,
         which merge prompt-lookup continuations into their trees)."""
-        spec = cls(kind, path=path, tree=_tree(tree), max_draft_len=max_draft_len)
+        spec = cls(kind, path=path, tree=_tree(tree), max_draft_len=max_draft_len, quantization=quantization)
         return spec.with_options(options or {})
 
     def with_options(self, options: Mapping[str, Any]) -> DraftSpec:
@@ -270,7 +284,7 @@ class DraftSpec:
     def parse(cls, text: str) -> DraftSpec:
         """KIND[:TREE][+KEY=VALUE...], as `python -m perf` takes drafters: KIND one of KINDS; TREE a preset
         (mc_sim_7b_63, chain-K), JSON choice paths ([[0],[0,0],[1]]) or "dynamic" (EAGLE-2); KEY=VALUE the kind's
-        options (`option_names`) or max_draft_len, a value JSON, else text. E.g. "medusa:mc_sim_7b_63",
+        options (`option_names`), max_draft_len or quantization, a value JSON, else text. E.g. "medusa:mc_sim_7b_63",
         "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4", "medusa:chain-1+max_draft_len=1",
         "eagle:chain-3+num_draft_tokens=6" (an EAGLE chain with up to 6 prompt-lookup nodes merged in)."""
         raw = text.strip()
@@ -290,13 +304,15 @@ class DraftSpec:
                 raise DraftSpecError("options", f"option {key!r} is given twice")
             options[key] = option_value(value.strip())
         max_draft_len = options.pop("max_draft_len", None)
+        quantization = options.pop("quantization", None)
         return cls.create(kind.strip(), tree=tree.strip() if sep else None, options=options,
-                          max_draft_len=max_draft_len)
+                          max_draft_len=max_draft_len, quantization=quantization)
 
     @classmethod
     def from_mapping(cls, data: Any) -> DraftSpec:
         """engine.json's "draft" record (the inverse of `to_dict`): method, path, tree ({"kind": "static", "choices":
-        [...]}, {"kind": "dynamic", ...} or null), options (the kind's, by name), and max_draft_len when recorded."""
+        [...]}, {"kind": "dynamic", ...} or null), options (the kind's, by name), and max_draft_len / quantization
+        when recorded."""
         if not isinstance(data, Mapping):
             raise DraftSpecError("kind", f"expected a mapping with keys method, path, tree, options, got {data!r}")
         if "method" not in data:
@@ -313,7 +329,7 @@ class DraftSpec:
         if not isinstance(options, Mapping):
             raise DraftSpecError("options", f"expected a mapping of option names to values, got {options!r}")
         return cls.create(data["method"], path=data.get("path"), tree=tree, options=options,
-                          max_draft_len=data.get("max_draft_len"))
+                          max_draft_len=data.get("max_draft_len"), quantization=data.get("quantization"))
 
     # ---- reading one ------------------------------------------------------------------------------------------
 
@@ -329,6 +345,8 @@ class DraftSpec:
         d: dict[str, Any] = {"method": self.kind, "path": self.path, "tree": tree, "options": options}
         if self.max_draft_len is not None:
             d["max_draft_len"] = self.max_draft_len
+        if self.quantization is not None:
+            d["quantization"] = self.quantization
         return d
 
     def describe(self) -> str:
@@ -346,6 +364,8 @@ class DraftSpec:
             parts.append(_pairs(self.lookup) if self.kind == "lookup" else f"merged prompt lookup: {_pairs(self.lookup)}")
         if self.max_draft_len is not None:
             parts.append(f"max_draft_len {self.max_draft_len}")
+        if self.quantization is not None:
+            parts.append(f"{self.quantization} draft weights")
         return self.kind + (f" ({', '.join(parts)})" if parts else "")
 
     @property
@@ -407,6 +427,6 @@ def option_value(text: str) -> Any:
 
 
 __all__ = [
-    "KINDS", "WEIGHTED_KINDS", "DYNAMIC", "GRAMMAR", "KIND_OPTIONS", "OPTIONS", "DraftSpec", "DraftSpecError", "DynamicTreeOptions",
+    "KINDS", "QUANTIZATIONS", "QUANTIZED_KINDS", "WEIGHTED_KINDS", "DYNAMIC", "GRAMMAR", "KIND_OPTIONS", "OPTIONS", "DraftSpec", "DraftSpecError", "DynamicTreeOptions",
     "LookupOptions", "as_tree", "field_names", "option_names", "option_value",
 ]

@@ -67,6 +67,8 @@ class _Fused(nn.Module):
     """
 
     _fused_names: tuple[str, ...] = ()
+    _out_name: str = ""
+    int8: tuple[Int8Weight, Int8Weight] | None = None  # (fused, out) when quantize_int8() was called
 
     def _setup_fusion(self) -> None:
         self.register_load_state_dict_post_hook(lambda module, _keys: module._fuse())
@@ -81,6 +83,7 @@ class _Fused(nn.Module):
         self.register_buffer("fused_weight", weight, persistent=False)
         self.register_buffer("fused_bias", bias, persistent=False)
         self.fused_sizes = [m.weight.shape[0] for m in mods]
+        self.int8 = None  # int8 copies describe the old weights
         start = 0
         for m, size in zip(mods, self.fused_sizes):
             m.weight = nn.Parameter(weight[start:start + size], requires_grad=m.weight.requires_grad)
@@ -95,11 +98,23 @@ class _Fused(nn.Module):
 
     def fused(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x # [..., in] -> each projection's output, from one matmul."""
-        return linear(x, self.fused_weight, self.fused_bias).split(self.fused_sizes, dim=-1)
+        weight = self.fused_weight if self.int8 is None else self.int8[0]
+        return linear(x, weight, self.fused_bias).split(self.fused_sizes, dim=-1)
+
+    def out(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection that reads what the fused ones produced (o_proj / down_proj): x # [..., in] -> [..., H]."""
+        proj = getattr(self, self._out_name)
+        return linear(x, proj.weight if self.int8 is None else self.int8[1], proj.bias)
+
+    def quantize_int8(self) -> None:
+        """Run this module's matmuls on int8 copies of its weights (`Int8Weight`; draft heads on CPU). Undone by any
+        change of the weights (a load, a move), which re-fuses them."""
+        self.int8 = (Int8Weight.of(self.fused_weight), Int8Weight.of(getattr(self, self._out_name).weight))
 
 
 class Attention(_Fused):
     _fused_names = ("q_proj", "k_proj", "v_proj")
+    _out_name = "o_proj"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -134,8 +149,7 @@ class Attention(_Fused):
             out = cache.attend(cache_layer, q, k, v, self.scale)
         else:
             out = attend(cache, cache_layer, q, k, v, tree_mask, self.scale)  # [B, Hq, N, D]
-        o = self.o_proj
-        return linear(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), o.weight, o.bias)
+        return self.out(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
 
 def attend(
@@ -181,12 +195,50 @@ def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float64 if batch_invariant(dtype, device) else dtype
 
 
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight stored as int8 with one float scale per output row (symmetric, weight-only), multiplied by torch's
+    packed CPU kernel (`aten._weight_int8pack_mm`; activations stay in their dtype). For draft heads on CPU: they
+    run on a handful of rows per call, so reading their weights is the cost, and int8 halves the bytes of bf16.
+    Only what is drafted changes (slightly): verification reads the target's own weights."""
+
+    q: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out], the activations' dtype
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Int8Weight:  # weight [out, in]
+        w = weight.detach().float()
+        # The scale as the kernel will read it (in the activations' dtype), nudged up by one rounding step so that
+        # rounding it cannot push the row's largest weight past 127 steps: every weight is then within half a step.
+        amax = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
+        scales = (amax / 127.0 * (1.0 + torch.finfo(weight.dtype).eps)).to(weight.dtype)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scales)
+
+    @staticmethod
+    def supported(dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the packed int8 kernel runs for activations of `dtype` on `device`."""
+        return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(*x.shape[:-1], self.q.shape[0])
+
+
 def linear(
     x: torch.Tensor,  # [..., in]
-    weight: torch.Tensor,  # [out, in]
+    weight: torch.Tensor | Int8Weight,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out]
-    """F.linear, in blocks of INVARIANT_ROWS rows when the weights run batch-invariant."""
+    """F.linear, in blocks of INVARIANT_ROWS rows when the weights run batch-invariant; an Int8Weight by its kernel
+    (draft heads only: nothing verified reads one, so it needs no batch invariance)."""
+    if isinstance(weight, Int8Weight):
+        out = weight.matmul(x)
+        return out if bias is None else out + bias
     # Static tests first (no guard on traced shapes); an exported or compiled graph (the ONNX model TensorRT builds
     # from) runs other kernels: the blocks are for the eager CPU runtime.
     if not batch_invariant(weight.dtype, weight.device) or torch.compiler.is_compiling():
@@ -246,6 +298,7 @@ class MLP(_Fused):
     """down(silu(gate(x)) * up(x))."""
 
     _fused_names = ("gate_proj", "up_proj")
+    _out_name = "down_proj"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -257,7 +310,7 @@ class MLP(_Fused):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused(x)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return self.out(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

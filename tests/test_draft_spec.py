@@ -40,6 +40,7 @@ from runtime.tree import Tree
     ("eagle:dynamic+top_k=4+max_branches=1", DraftSpec("eagle", dynamic=DynamicTreeOptions(top_k=4),
                                                        lookup=LookupOptions(max_branches=1))),
     ("medusa:chain-3+max_ngram=2", DraftSpec("medusa", tree=Tree.chain(3), lookup=LookupOptions(max_ngram=2))),
+    ("eagle:chain-2+quantization=int8", DraftSpec("eagle", tree=Tree.chain(2), quantization="int8")),
 ])
 def test_grammar(text, expected):
     spec = DraftSpec.parse(text)
@@ -65,6 +66,8 @@ def test_grammar(text, expected):
     ("lookup+max_ngram", "options", "must look like KEY=VALUE"),
     ("lookup+max_ngram=2+max_ngram=3", "options", "'max_ngram' is given twice"),
     ("lookup+max_draft_len=-1", "max_draft_len", "got -1, expected an integer >= 0"),
+    ("eagle+quantization=int4", "quantization", "got 'int4', expected one of int8 (or none: the weights' own dtype)"),
+    ("medusa:chain-2+quantization=int8", "quantization", "drafter 'medusa' runs its weights as they are"),
 ])
 def test_rules_name_the_field(text, field, message):
     with pytest.raises(DraftSpecError) as info:

@@ -47,7 +47,7 @@ from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
-from runtime.model import DecoderLayer, causal_mask
+from runtime.model import DecoderLayer, Int8Weight, causal_mask, linear
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree, expand_frontier, select_dynamic_tree
 
@@ -67,6 +67,8 @@ class DraftStateError(SpectreeError, RuntimeError):
 class EagleHead(nn.Module):
     """fc + decoder layer(s); state-dict names are the EAGLE checkpoint's (fc.*, layers.{i}.*, embed_tokens.*)."""
 
+    fc_int8: Int8Weight | None = None  # set by quantize_int8()
+
     def __init__(self, config: ModelConfig, fc_bias: bool, own_embedding: bool,
                  vocab: DraftVocab | None = None) -> None:
         super().__init__()
@@ -77,6 +79,19 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         # EAGLE's layer 0 feeds the fused input straight to attention (no input_layernorm); later layers have it.
         self.layers = nn.ModuleList(DecoderLayer(config, i, input_norm=i > 0) for i in range(config.num_hidden_layers))
+        self.register_load_state_dict_post_hook(lambda module, _keys: setattr(module, "fc_int8", None))
+
+    def quantize_int8(self) -> None:
+        """Run every matmul of the head on int8 copies of its weights (`runtime.model.Int8Weight`): drafting reads
+        them for a few rows per call, so their bytes are its cost. Undone by any later move of the weights."""
+        self.fc_int8 = Int8Weight.of(self.fc.weight)
+        for layer in self.layers:
+            layer.self_attn.quantize_int8()
+            layer.mlp.quantize_int8()
+
+    def _apply(self, fn, recurse=True):
+        self.fc_int8 = None
+        return super()._apply(fn, recurse)
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config
@@ -92,7 +107,8 @@ class EagleHead(nn.Module):
         cache: KVCache,
         tree_mask: torch.Tensor,  # [1, N, ceil(N / 32)] int32 packed
     ) -> torch.Tensor:  # [1, N, H]: predicted features f'_{t+1}
-        x = self.fc(torch.cat([embeds, features], dim=-1))
+        x = linear(torch.cat([embeds, features], dim=-1), self.fc.weight if self.fc_int8 is None else self.fc_int8,
+                   self.fc.bias)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, cache, i, tree_mask)
         return x
@@ -289,8 +305,10 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(
-        self, head: EagleHead, model: Any, tree: Tree | None = None, dynamic: DynamicTreeOptions | None = None
+        self, head: EagleHead, model: Any, tree: Tree | None = None, dynamic: DynamicTreeOptions | None = None,
+        int8: bool = False,
     ) -> None:
+        """int8: the head and its draft output layer run on int8 copies of their weights (`Int8Weight`; CPU)."""
         if (tree is None) == (dynamic is None):
             raise ConfigError("EagleDrafter needs exactly one of tree= (static) or dynamic= (EAGLE-2 options)")
         if head.config.hidden_size != model.config.hidden_size:
@@ -309,15 +327,24 @@ class EagleDrafter:
         # each drafting step reads K x H instead of V x H).
         weight = model.lm_head_weight
         self.lm_weight = weight if head.vocab is None else weight[head.vocab.target_ids.to(weight.device)].contiguous()
+        self.lm_int8 = None
+        self.quantization = "int8" if int8 else None
+        if int8 and weight.device.type != "meta":  # a build plans on meta tensors: nothing to quantize there
+            if not Int8Weight.supported(weight.dtype, weight.device):
+                raise ConfigError(f"int8 draft weights run on CPU in bfloat16 / float32, not {weight.dtype} on "
+                                  f"{weight.device.type}")
+            head.quantize_int8()
+            self.lm_int8 = Int8Weight.of(self.lm_weight)
 
     @property
     def spec(self) -> DraftSpec:
         """What it drafts: its static tree, or the dynamic tree and its options (the weights path is not kept)."""
-        return DraftSpec("eagle", tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic)
+        return DraftSpec("eagle", tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic,
+                         quantization=self.quantization)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""
-        return torch.nn.functional.linear(features, self.lm_weight).float()
+        return linear(features, self.lm_weight if self.lm_int8 is None else self.lm_int8).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids # [...] -> target ids # [...]."""

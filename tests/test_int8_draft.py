@@ -1,0 +1,118 @@
+"""Weight-only int8 draft weights (runtime.model.Int8Weight): the kernel against a float matmul, the int8 switch of
+the fused projections (undone by any change of the weights), and an int8 EAGLE drafter: its drafts close to the
+float head's, greedy output identical to plain decoding (only drafting reads int8 weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import runtime
+from runtime.drafters.eagle import EagleDrafter, load_eagle_head
+from runtime.errors import ConfigError
+from runtime.model import Int8Weight, TargetModel, linear
+from tests.heads import write_eagle_head
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("int8") / "llama3", "llama3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matmul_matches_the_float_weights(dtype):
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=gen) * 0.05).to(dtype)  # [out, in]
+    x = torch.randn(2, 3, 64, generator=gen).to(dtype)  # [..., in]
+    bias = torch.randn(96, generator=gen).to(dtype)
+    q = Int8Weight.of(w)
+    assert q.q.dtype == torch.int8 and q.scales.dtype == dtype and q.shape == w.shape
+    # the quantised weight is within half a step of the original, row by row
+    step = q.scales.float()[:, None]
+    assert bool(((q.q.float() * step - w.float()).abs() <= step / 2 + 1e-6).all())
+    got = linear(x, q, bias)  # [2, 3, 96]
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    assert got.shape == (2, 3, 96) and got.dtype == dtype
+    rel = (got.float() - want).norm() / want.norm()
+    assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-2), rel
+    assert Int8Weight.supported(torch.bfloat16, torch.device("cpu"))
+    assert not Int8Weight.supported(torch.float16, torch.device("cpu"))
+
+
+def test_fused_projections_switch_to_int8_until_the_weights_change(target_dir):
+    layer = TargetModel.from_pretrained(target_dir).model.layers[0]
+    mlp, attn = layer.mlp, layer.self_attn
+    x = torch.randn(3, mlp.down_proj.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    want = mlp(x)
+    mlp.quantize_int8()
+    assert mlp.int8 is not None
+    got = mlp(x)
+    assert not torch.equal(got, want)  # it really runs the int8 copies
+    assert (got - want).norm() / want.norm() < 2e-2
+    mlp.load_state_dict(mlp.state_dict())
+    assert mlp.int8 is None and torch.equal(mlp(x), want)
+    attn.quantize_int8()
+    attn.to(torch.float64)
+    assert attn.int8 is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_eagle_drafter(target_dir, tmp_path, dtype):
+    model = TargetModel.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+    heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
+    tree = runtime.tree.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    float_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree)
+    int8_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree, int8=True)
+    assert int8_drafter.lm_int8 is not None and int8_drafter.head.fc_int8 is not None
+    prompt = [0, 5, 9, 33, 7, 5, 9, 33, 12, 40]
+    logits, hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
+    root = int(logits[0, -1].argmax())
+    feats = float_drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None],
+                               hidden[:, :], torch.arange(len(prompt))[None], float_drafter.head.new_cache(32),
+                               runtime.model.causal_mask(len(prompt)))
+    feats8 = int8_drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None],
+                               hidden[:, :], torch.arange(len(prompt))[None], int8_drafter.head.new_cache(32),
+                               runtime.model.causal_mask(len(prompt)))
+    assert (feats8.float() - feats.float()).norm() / feats.float().norm() < 5e-2
+    # greedy output through the int8 drafter is plain decoding's
+    plain = runtime.load(str(target_dir), draft="none", dtype=dtype).generate(prompt, max_tokens=32, ignore_eos=True)
+    dec = runtime.decode.SpecDecoder(model, None, int8_drafter, tree.num_nodes)
+    out = dec.generate(prompt, runtime.sampling.SamplingParams(max_tokens=32, ignore_eos=True))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted_tokens > 0
+
+
+def test_int8_needs_a_cpu_kernel(target_dir, tmp_path):
+    model = TargetModel.from_pretrained(target_dir, dtype=torch.float16)
+    heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
+    with pytest.raises(ConfigError, match="int8 draft weights run on CPU in bfloat16 / float32, not torch.float16"):
+        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), int8=True)
+
+
+def test_int8_from_every_front_end(target_dir, tmp_path):
+    """runtime.load's draft_quantization, and the YAML's draft.quantization recorded in engine.json: the loaded
+    EAGLE drafter runs int8 and says so in its spec; greedy output stays plain decoding's."""
+    from builder.build import build_engine
+    from builder.config import load_config
+
+    heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
+    prompt = [0, 5, 9, 33, 7, 5, 9, 33, 12, 40]
+    plain = runtime.load(str(target_dir), draft="none").generate(prompt, max_tokens=24, ignore_eos=True)
+    dec = runtime.load(str(target_dir), draft="eagle", draft_model=str(heads), tree="chain-3",
+                       draft_quantization="int8")
+    assert dec.drafter.lm_int8 is not None and dec.drafter.spec.quantization == "int8"
+    assert dec.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
+    cfg = tmp_path / "eagle.yaml"
+    cfg.write_text(f"model: {{checkpoint: {target_dir}}}\n"
+                   f"draft: {{method: eagle, checkpoint: {heads}, tree: {{preset: chain-3}}, quantization: int8}}\n"
+                   f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false}}\n")
+    result = build_engine(load_config(cfg))
+    assert result.manifest["draft"]["quantization"] == "int8"
+    engine = runtime.load(str(result.output))
+    assert engine.drafter.lm_int8 is not None
+    assert engine.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("quantization: int8", "quantization: int4"))
+    with pytest.raises(ConfigError, match="draft.quantization: got 'int4', expected one of int8"):
+        load_config(bad)
