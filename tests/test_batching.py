@@ -165,10 +165,13 @@ DRAFTERS = [
     ("medusa", "mc_sim_7b_63", {}),
     ("eagle", None, {"total_tokens": 12, "depth": 3, "top_k": 4}),  # EAGLE-2 dynamic trees: ragged by nature
     ("eagle", "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]", {}),
+    # int8 head, prompt lookup merged into its trees (per-request tree sizes vary step by step)
+    ("eagle", "[[0], [1], [0, 0]]", {"num_draft_tokens": 4, "max_branches": 2, "draft_quantization": "int8"}),
 ]
 
 
-@pytest.mark.parametrize("kind,tree,opts", DRAFTERS, ids=["none", "lookup", "medusa", "eagle2", "eagle-static"])
+@pytest.mark.parametrize("kind,tree,opts", DRAFTERS,
+                         ids=["none", "lookup", "medusa", "eagle2", "eagle-static", "eagle-int8-merged-lookup"])
 def test_greedy_batch_equals_plain_decoding(ckpt, heads, references, kind, tree, opts):
     """Five requests with different prompt lengths and budgets through a batch of 3: requests join as others
     leave, and every output equals its plain greedy decoding."""
