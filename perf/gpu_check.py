@@ -303,6 +303,8 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     limit, dtype = build.build.max_draft_len, build.build.dtype
     draft = (DraftSpec.create(config.e2e_draft, max_draft_len=limit) if config.e2e_draft is not None
              else build.draft.spec(max_draft_len=limit))
+    if config.device.type != "cpu":  # int8 draft weights are a CPU kernel's: on the GPU the head runs as stored
+        draft = dataclasses.replace(draft, quantization=None)
     model = TargetModel.from_pretrained(path, dtype=dtype, device=config.device)  # shared by both decoders
     target = Target("checkpoint", path, model, Tokenizer.from_dir(path), draft)
     plain, _ = build_decoder(target, None)
