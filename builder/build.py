@@ -300,10 +300,7 @@ def _draft_section(plan: BuildPlan, drafter: Any, draft_path: str | None) -> dic
                "own_embedding": head.embed_tokens is not None, "head": model_config_dict(head.config),
                "draft_vocab_size": None if head.vocab is None else head.vocab.size}
     d = dataclasses.replace(plan.draft, path=draft_path, max_draft_len=None).to_dict()  # "limits" holds the max
-    out = {"method": d["method"], "path": d["path"], "config": cfg, "tree": d["tree"], "options": d["options"]}
-    if "quantization" in d:
-        out["quantization"] = d["quantization"]
-    return out
+    return {"method": d.pop("method"), "path": d.pop("path"), "config": cfg, **d}
 
 
 def _onnx_stage(tmp: Path, plan: BuildPlan, model: Any, progress: Progress, record) -> dict[str, Any]:

@@ -267,7 +267,8 @@ class DraftSpec:
         changes: dict[str, Any] = {}
         for name in KIND_OPTIONS[self.kind]:
             cls = OPTIONS[name]
-            mine = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(cls)}}
+            fields = {f.name for f in dataclasses.fields(cls)}
+            mine = {k: v for k, v in options.items() if k in fields}
             if not mine:
                 continue
             if name == "dynamic" and isinstance(self.tree, Tree):

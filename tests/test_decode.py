@@ -368,25 +368,30 @@ def _echo_prompt(model: TargetModel) -> list[int]:
     return base + greedy_reference(model, base, 6) + base
 
 
+def _merged_lookup_spec(ckpt, tmp_path) -> DraftSpec:
+    """A random EAGLE head's 6-node tree with up to 5 prompt-lookup nodes (two continuations) merged in."""
+    from tests.heads import write_eagle_head
+
+    head = write_eagle_head(tmp_path / "eagle", ckpt, seed=3)
+    return DraftSpec.create("eagle", path=head, tree=Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]]),
+                            options=dict(num_draft_tokens=5, max_branches=2))
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
                          ids=["T1.0", "T0.7"])
 def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw):
     """An EAGLE tree with prompt-lookup continuations merged in (runtime/drafters/merged.py) leaves the output
     distribution exact. The prompt echoes itself (`_echo_prompt`), so the merged trees really are larger than the
     head's own (checked) and their lookup branches are accepted and rejected in turn."""
-    from tests.heads import write_eagle_head
-
     model = TargetModel.from_pretrained(ckpts["llama3"])
     prompt = _echo_prompt(model)
-    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3)
-    tree = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])
-    spec = DraftSpec.create("eagle", path=head, tree=tree, options=dict(num_draft_tokens=5, max_branches=2))
+    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path)
     drafter = load_drafter(spec, model)
     assert drafter.spec == dataclasses.replace(spec, path=None)
     hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))[1][0]
     session = drafter.start(torch.tensor(prompt), hidden, spec.draft_nodes + 1)
     echoed = prompt[len(PROMPTS[1])]  # the token that followed PROMPTS[1] the first time
-    assert session.draft(echoed, None, None).tree.num_nodes > tree.num_nodes
+    assert session.draft(echoed, None, None).tree.num_nodes > spec.static_tree.num_nodes
     dec = SpecDecoder(model, None, drafter, spec.draft_nodes + 1)
     exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
     trials = 1500
@@ -398,14 +403,11 @@ def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw):
 def test_merged_lookup_distribution_test_catches_lossy_acceptance(ckpts, tmp_path, monkeypatch):
     """Negative control: the same merged drafter and prompt under a lossy acceptance rule fail the statistic."""
     import runtime.decode as decode_mod
-    from tests.heads import write_eagle_head
 
     monkeypatch.setattr(decode_mod, "verify", lossy_verify)
     model = TargetModel.from_pretrained(ckpts["llama3"])
     prompt = _echo_prompt(model)
-    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3)
-    spec = DraftSpec.create("eagle", path=head, tree=Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]]),
-                            options=dict(num_draft_tokens=5, max_branches=2))
+    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path)
     dec = SpecDecoder(model, None, load_drafter(spec, model), spec.draft_nodes + 1)
     kw = dict(temperature=1.0, top_k=4)
     exact = exact_joint(model, prompt, SamplingParams(**kw), 3)

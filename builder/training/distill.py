@@ -176,8 +176,7 @@ def features(target_dir: str | Path, data_dir: str | Path, convs: Sequence[dict]
     del old_hidden
     # Batch conversations of similar length together, padded on the right (causal: padding never reaches a real row).
     order = sorted(range(done, len(seqs)), key=lambda i: len(seqs[i]))
-    bar = tqdm(total=int(tokens.shape[0] - (starts[done] if done else 0)), desc="target features", unit="tok",
-               disable=quiet)
+    bar = tqdm(total=int(tokens.shape[0] - starts[done]), desc="target features", unit="tok", disable=quiet)
     i = 0
     while i < len(order):
         j = i

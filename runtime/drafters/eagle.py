@@ -333,7 +333,8 @@ class EagleDrafter:
             if not Int8Weight.supported(weight.dtype, weight.device):
                 raise ConfigError(f"int8 draft weights run on CPU in bfloat16 / float32, not {weight.dtype} on "
                                   f"{weight.device.type}")
-            head.quantize_int8()
+            if head.fc_int8 is None:  # drafters sharing one head (tune-tree's trees) quantize it once
+                head.quantize_int8()
             self.lm_int8 = Int8Weight.of(self.lm_weight)
 
     @property
