@@ -32,9 +32,12 @@ import time
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.errors import SpectreeError
+
+if TYPE_CHECKING:
+    from deploy.server import TritonServer
 
 
 class _Shutdown(BaseException):
@@ -45,6 +48,21 @@ EXIT_SERVER_LOST = 3  # serve: tritonserver exited, or one of its python backend
 WATCH_INTERVAL_S = 0.5  # how often serve checks the server and its stubs
 LOST_STUB_GRACE_S = 3.0  # SIGTERM -> SIGKILL when a stub died (its in-flight requests would never finish)
 ADMIN_TOKEN_ENV = "SPECTREE_ADMIN_TOKEN"
+
+
+def _server_lost(server: TritonServer) -> str | None:
+    """Why a running server can serve no more (None: it still can): tritonserver exited, or a python
+    backend process died (its model would stay "ready" while its requests hang). Both can happen within one watch
+    interval (a killed stub can take tritonserver down with it), so an exit also names the stubs gone with it."""
+    dead = server.dead_stubs()
+    stubs = ", ".join(f"{d.instance} (pid {d.pid})" for d in dead)
+    if server.process.poll() is not None:
+        return (f"tritonserver exited on its own with status {server.process.returncode}"
+                + (f"; the python backend processes that died with it: {stubs}" if dead else ""))
+    if dead:
+        return (f"the python backend process of {stubs} died; tritonserver 2.51 would keep reporting it ready while "
+                "its requests hang")
+    return None
 
 
 def _default(cls: type, name: str) -> Any:
@@ -151,11 +169,7 @@ def _serve(ns: argparse.Namespace) -> int:
               f"{endpoints_text(config, models)}{openai_line}", flush=True)
         while lost is None:
             time.sleep(WATCH_INTERVAL_S)
-            if server.process.poll() is not None:
-                lost = f"tritonserver exited on its own with status {server.process.returncode}"
-            elif dead := server.dead_stubs():
-                lost = ("the python backend process of " + ", ".join(f"{d.instance} (pid {d.pid})" for d in dead)
-                        + " died; tritonserver 2.51 would keep reporting it ready while its requests hang")
+            lost = _server_lost(server)
     except _Shutdown as sig:
         print(f"shutting down ({sig}) ...", flush=True)
         stop_frontend()

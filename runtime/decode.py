@@ -31,7 +31,7 @@ from runtime.errors import RequestError
 from runtime.kv_cache import KVCache
 from runtime.model import Segment, TargetModel, causal_mask
 from runtime.protocol import Draft, Drafter, DraftSession
-from runtime.sampling import Penalties, SamplingParams, sample, target_probs, token_logprobs
+from runtime.sampling import Penalties, SamplingParams, greedy_tokens, sample, target_probs, token_logprobs
 from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
 from runtime.tree import Tree
 from runtime.verify import verify
@@ -530,7 +530,7 @@ class RequestState:
 def _first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
     """logits # [V] float32 at the last prompt position."""
     if params.greedy:
-        return int(logits.argmax())
+        return int(greedy_tokens(logits))
     return sample(target_probs(logits, params), gen)
 
 

@@ -182,8 +182,13 @@ class KVCache:
         self._written = self._length
 
     def advance(self, num_new: int) -> None:
-        """Keep all of the last num_new written slots (a causal chunk): commit(num_new, arange(num_new))."""
-        self.commit(num_new, torch.arange(num_new))
+        """Keep all of the last num_new written slots (a causal chunk): commit(num_new, arange(num_new)), with
+        nothing to move."""
+        written = self._written - self._length
+        if isinstance(num_new, bool) or not isinstance(num_new, int) or not 0 <= num_new <= written:
+            raise CacheError(f"advance num_new={num_new!r}, but {written} slots were written after the committed ones")
+        self._length += num_new
+        self._written = self._length
 
     def truncate(self, n: int) -> None:
         """Drop committed positions [n, length)."""

@@ -145,7 +145,7 @@ class Attention(_Fused):
         v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        if isinstance(cache, SegmentCaches):
+        if isinstance(cache, AttendingCache):
             out = cache.attend(cache_layer, q, k, v, self.scale)
         else:
             out = attend(cache, cache_layer, q, k, v, tree_mask, self.scale)  # [B, Hq, N, D]
@@ -266,7 +266,22 @@ class Segment:
         return int(self.tokens.shape[0])
 
 
-class SegmentCaches:
+class AttendingCache:
+    """Stands in for a KVCache in a layer's forward and runs the layer's attention itself: stores the N new tokens'
+    K/V and attends their queries over what it holds, under masks of its own (the layer's tree_mask is unused)."""
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [B, Hq, N, D]
+        k: torch.Tensor,  # [B, Hkv, N, D]
+        v: torch.Tensor,  # [B, Hkv, N, D]
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, N, D]
+        raise NotImplementedError
+
+
+class SegmentCaches(AttendingCache):
     """The caches of a ragged forward's segments, standing in for one cache: `attend` splits the packed rows by
     segment and runs the op once per segment against that segment's cache."""
 
@@ -566,6 +581,7 @@ class TargetModel(nn.Module):
             raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {c.vocab_size})")
 
 __all__ = [
-    "RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "Segment", "SegmentCaches", "attend",
+    "RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "Segment", "AttendingCache",
+    "SegmentCaches", "attend",
     "causal_mask", "kv_dtype", "batch_invariant", "linear", "INVARIANT_ROWS",
 ]

@@ -20,7 +20,7 @@ import torch
 
 from runtime.errors import ConfigError
 from runtime.protocol import Draft, Proposal, Verdict
-from runtime.sampling import SamplingParams, sample, target_probs
+from runtime.sampling import SamplingParams, greedy_tokens, sample, target_probs
 
 
 def _check_inputs(draft: Draft, target_logits: torch.Tensor) -> list[int]:
@@ -62,7 +62,7 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
     """
     tokens = torch.tensor(_check_inputs(draft, target_logits), dtype=torch.int64)  # [num_nodes]
     tree = draft.tree
-    argmax = target_logits.argmax(dim=-1).cpu()  # [num_nodes]
+    argmax = greedy_tokens(target_logits).cpu()  # [num_nodes]
     parents = tree.parents  # [num_nodes]
     match = tokens == argmax[parents.clamp(min=0)]  # [num_nodes]: node i's token is its parent's argmax
     match[0] = True

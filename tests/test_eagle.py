@@ -320,6 +320,53 @@ def test_head_cache_grows_past_its_initial_capacity(head_dir, target, hf_target)
     check_static_draft(draft, ReferenceDrafts(ref, seq.hidden(), seq.tokens, root))
 
 
+@pytest.mark.parametrize("spec", [{"tree": "mc_sim_7b_63"}, {"options": {"total_tokens": 12, "depth": 3, "top_k": 3}}])
+def test_drafted_nodes_never_stay_in_the_head_cache(head_dir, target, hf_target, spec, monkeypatch):
+    """A step's drafted nodes live in the head cache only while it drafts, also when drafting fails midway; the
+    next draft is the reference's again."""
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, **spec), target)
+    ref = ReferenceEagle(head_dir, hf_target)
+    seq = Sequence(hf_target, [0, 5, 6, 7, 8])
+    session = drafter.start(torch.tensor(seq.tokens), seq.hidden(), 64)
+    root = seq.next_token([])
+    session.draft(root)
+    assert session.cache.length == len(seq.tokens)  # the committed pairs, the root's last
+    calls = []
+    real = EagleDrafter.draft_logits
+
+    def failing(self, features):
+        calls.append(features.shape[0])
+        if len(calls) == 3:  # after two head forwards of the step
+            raise RuntimeError("boom")
+        return real(self, features)
+
+    monkeypatch.setattr(EagleDrafter, "draft_logits", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        session.draft(root)
+    assert session.cache.length == len(seq.tokens)
+    monkeypatch.setattr(EagleDrafter, "draft_logits", real)
+    draft = session.draft(root)
+    rd = ReferenceDrafts(ref, seq.hidden(), seq.tokens, root)
+    if "tree" in spec:
+        check_static_draft(draft, rd)
+    else:
+        check_dynamic(12, 3, 3)(draft, rd)
+
+
+def test_draft_tree_cache_checks_the_mask_shape(head_dir, target):
+    from runtime.drafters.eagle import DraftTreeCache
+
+    head = load_eagle_head(head_dir, target)
+    step = DraftTreeCache(head, head.new_cache(16))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=r"visible must be \[2, 2\], got \(2, 3\)"):
+        step.forward(x, x, torch.arange(2), torch.ones(2, 3, dtype=torch.bool))
+    step.forward(x, x, torch.arange(2), torch.eye(2, dtype=torch.bool))
+    assert step.drafted == 2
+    step.close()
+    assert step.cache.length == 0
+
+
 # ---- errors ------------------------------------------------------------------------------------------------
 
 

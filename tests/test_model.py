@@ -362,6 +362,14 @@ def test_kv_cache_errors():
     assert cache.length == 3
     with pytest.raises(CacheError, match="0 slots were written"):
         cache.commit(1, torch.tensor([0]))
+    with pytest.raises(CacheError, match="advance num_new=1, but 0 slots were written"):
+        cache.advance(1)
+    cache.write(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+    for bad in (3, -1, True, 1.0):
+        with pytest.raises(CacheError, match=f"advance num_new={bad!r}, but 2 slots were written"):
+            cache.advance(bad)
+    cache.advance(2)
+    assert cache.length == 5
     with pytest.raises(CacheError, match="max_len"):
         KVCache(1, 1, 2, 0)
 

@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from runtime.errors import RequestError
-from runtime.sampling import SamplingParams, sample, target_probs
+from runtime.sampling import SamplingParams, greedy_tokens, sample, target_probs
 
 
 def test_defaults_and_greedy():
@@ -112,6 +112,24 @@ def test_greedy_probs_are_one_hot_first_max():
     logits = torch.tensor([[0.0, 5.0, 5.0, 1.0], [9.0, 0.0, 0.0, 0.0]])
     probs = target_probs(logits, SamplingParams(top_k=1, top_p=0.5))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_tokens_is_argmax_with_its_tie_rule(dtype):
+    """Rows as wide as a real vocabulary (vectorised kernels split them into lanes and blocks), with exact ties placed
+    in different lanes, blocks and orders: the first maximal index wins, as torch.argmax's."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=gen).to(dtype)
+    ties = torch.randint(0, 49152, (64, 3), generator=gen)
+    for row in range(48):  # the last 16 rows keep their (almost surely unique) maximum
+        logits[row, ties[row, : 1 + row % 3]] = 100.0
+    logits[60, :] = 7.0  # a constant row: index 0
+    logits[61, 5] = float("nan")  # NaN propagates as the maximum, like argmax
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and got.tolist() == logits.argmax(-1).tolist()
+    assert got[:48].tolist() == [int(ties[r, : 1 + r % 3].min()) for r in range(48)]
+    assert got[60] == 0 and got[61] == 5
+    assert greedy_tokens(logits[7]).ndim == 0 and int(greedy_tokens(logits[7])) == int(got[7])
 
 
 def test_target_probs_accepts_half_precision_and_minus_inf():

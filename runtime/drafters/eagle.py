@@ -14,10 +14,10 @@ did not yet run as *pending* and runs them, root pair last, in one causal chunk 
 (h_L, x_{L+1}) .. (h_{L+a-2}, x_{L+a-1}) and keeps h_{L+a-1} for the next root. Drafted nodes are never
 committed: their features were guesses, and the accepted ones are re-run with the target's real features.
 
-Tree expansion runs one head forward per depth. The `DecoderLayer` contract makes the committed prefix fully
-visible and masks only the new block, so each depth's forward carries every node forwarded so far this step
-(append-only, ancestors before descendants) plus the new ones, under their ancestor mask; earlier rows are
-recomputed bit-for-bit and only the new rows' outputs are read. Blocks stay small (tens of rows).
+Tree expansion runs one head forward per depth, on that depth's new nodes only. During a step the head cache is
+a `DraftTreeCache`: each forward stores its nodes' K/V after the committed slots and the step's earlier nodes,
+and its rows attend to the committed prefix plus their own ancestors among the drafted nodes (an explicit mask,
+since the tree-attention op masks only the forward's own block); the step's nodes are dropped when it ends.
 
 Checkpoint: a directory with config.json (Llama-style, num_hidden_layers 1; "bias" (default true) says whether
 fc has a bias, "qkv_bias" whether q/k/v do) and pytorch_model.bin (torch.load weights_only=True) or
@@ -38,16 +38,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from plugins.tree_attention.mask import ancestor_mask, pack_mask
 from runtime.config import ModelConfig
 from runtime.draft_spec import DYNAMIC, DraftSpec, DynamicTreeOptions
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
-from runtime.model import DecoderLayer, Int8Weight, causal_mask, linear
+from runtime.model import AttendingCache, DecoderLayer, Int8Weight, causal_mask, linear
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree, expand_frontier, select_dynamic_tree
 
@@ -264,14 +264,14 @@ class Expansion:
 
 @dataclass(frozen=True)
 class Level:
-    """One head forward of static-tree drafting: the nodes forwarded so far this step (ancestors first) plus the
-    new ones of this depth, whose outputs fill their children."""
+    """One head forward of static-tree drafting: the new nodes of one depth (those with children), stored after
+    the step's earlier nodes; their outputs fill their children."""
 
-    block: torch.Tensor  # [B] int64 node indices, ancestors before descendants; the last len(new) are new
-    new: torch.Tensor  # [b] int64 the new nodes (the block's last rows)
-    parents: torch.Tensor  # [B] int64 each block node's parent (its input feature is the parent's output)
-    offsets: torch.Tensor  # [B] int64 depth - 1: position = cache length + offset
-    packed: torch.Tensor  # [1, B, ceil(B / 32)] int32 the block's ancestor-or-self mask
+    new: torch.Tensor  # [b] int64 node indices
+    parents: torch.Tensor  # [b] int64 each node's parent (its input feature is the parent's output)
+    offsets: torch.Tensor  # [b] int64 depth - 1: position = cache length + offset
+    visible: torch.Tensor  # [b, P + b] bool: the step's drafted nodes so far (P, in forward order) and these b
+    #                        that each new node sees: its ancestors and itself
     expand: Expansion
 
 
@@ -282,6 +282,7 @@ class StaticPlan:
 
     root: Expansion
     levels: tuple[Level, ...]
+    forwarded: int  # draft nodes the step's head forwards store
 
     @classmethod
     def of(cls, tree: Tree, device: torch.device) -> StaticPlan:
@@ -292,11 +293,65 @@ class StaticPlan:
             if not new:
                 continue
             block += new
-            sub = tree.mask[block][:, block]  # [B, B] ancestor-or-self among the block
-            levels.append(Level(_ids(block, device), _ids(new, device), _ids([parents[i] for i in block], device),
-                                _ids([depth[i] - 1 for i in block], device), pack_mask(sub)[None].to(device),
+            visible = tree.mask[new][:, block]  # [b, P + b] ancestor-or-self among the forwarded nodes
+            levels.append(Level(_ids(new, device), _ids([parents[i] for i in new], device),
+                                _ids([depth[i] - 1 for i in new], device), visible.to(device),
                                 Expansion.of(tree, new, device)))
-        return cls(Expansion.of(tree, [0], device), tuple(levels))
+        return cls(Expansion.of(tree, [0], device), tuple(levels), len(block))
+
+
+class DraftTreeCache(AttendingCache):
+    """The head's cache during one drafting step. Slots [0, base) hold the committed pairs (the root's last); each
+    `forward` stores its nodes after the step's earlier ones, and its rows attend to every committed slot plus the
+    drafted nodes its `visible` mask names. `close()` drops the step's nodes (drafted features are guesses)."""
+
+    def __init__(self, head: EagleHead, cache: KVCache) -> None:
+        self.head = head
+        self.cache = cache
+        self.base = cache.length
+        self._visible: torch.Tensor | None = None  # [n, drafted + n] bool, for the forward under way
+
+    @property
+    def drafted(self) -> int:
+        """Draft nodes stored so far this step."""
+        return self.cache.length - self.base
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [n, H]
+        features: torch.Tensor,  # [n, H]
+        positions: torch.Tensor,  # [n] int64
+        visible: torch.Tensor,  # [n, drafted + n] bool: ancestor-or-self among the drafted nodes and these
+    ) -> torch.Tensor:  # [n, H]
+        n = embeds.shape[0]
+        if tuple(visible.shape) != (n, self.drafted + n):
+            raise ValueError(f"visible must be [{n}, {self.drafted + n}], got {tuple(visible.shape)}")
+        self._visible = visible
+        try:
+            out = self.head(embeds[None], features[None], positions[None], self, None)[0]
+        finally:
+            self._visible = None
+        self.cache.advance(n)
+        return out
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [1, Hq, n, D]
+        k: torch.Tensor,  # [1, Hkv, n, D]
+        v: torch.Tensor,  # [1, Hkv, n, D]
+        scale: float,
+    ) -> torch.Tensor:  # [1, Hq, n, D]
+        k_all, v_all = self.cache.write(layer, k, v)  # [1, Hkv, base + drafted + n, D]
+        visible = self._visible
+        mask = torch.ones(visible.shape[0], k_all.shape[2], dtype=torch.bool, device=q.device)  # [n, keys]
+        mask[:, self.base:] = visible
+        out = F.scaled_dot_product_attention(q.to(k_all.dtype), k_all, v_all, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k_all.shape[1])
+        return out.to(q.dtype)
+
+    def close(self) -> None:
+        self.cache.truncate(self.base)
 
 
 class EagleDrafter:
@@ -409,17 +464,6 @@ class EagleSession:
             bigger.advance(length)
         self.cache = bigger
 
-    def _forward(
-        self,
-        tokens: torch.Tensor,  # [N] int64
-        features: torch.Tensor,  # [N, H]
-        positions: torch.Tensor,  # [N] int64
-        packed: torch.Tensor,  # [1, N, ceil(N / 32)] int32: the block's ancestor-or-self mask, packed
-    ) -> torch.Tensor:  # [N, H]
-        self._reserve(tokens.shape[0])
-        embeds = self._embed(tokens)
-        return self.head(embeds[None], features[None], positions[None], self.cache, packed)[0]
-
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.head.embed_tokens is not None:
             return self.head.embed_tokens(tokens)
@@ -497,11 +541,16 @@ class EagleSession:
         out = torch.empty(n, root_out.shape[0], dtype=root_out.dtype, device=device)  # [num_nodes, H]
         out[0] = root_out
         self._fill_children(plan.root, out, tokens)
-        base = self.cache.length  # a node at depth d sits at position L - 1 + d = base - 1 + d
-        for level in plan.levels:
-            res = self._forward(tokens[level.block], out[level.parents], base + level.offsets, level.packed)
-            out[level.new] = res[-level.new.shape[0]:]
-            self._fill_children(level.expand, out, tokens)
+        self._reserve(plan.forwarded)
+        step = DraftTreeCache(self.head, self.cache)
+        base = step.base  # a node at depth d sits at position L - 1 + d = base - 1 + d
+        try:
+            for level in plan.levels:
+                out[level.new] = step.forward(self._embed(tokens[level.new]), out[level.parents], base + level.offsets,
+                                              level.visible)
+                self._fill_children(level.expand, out, tokens)
+        finally:
+            step.close()
         return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
 
     def _fill_children(self, expand: Expansion, out: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -518,46 +567,46 @@ class EagleSession:
         if opts.total_tokens == 1:
             return Draft(Tree.root_only(), torch.tensor([root], dtype=torch.int64), Proposal.DETERMINISTIC)
         device = root_out.device
-        base = self.cache.length  # a node at depth d sits at position base - 1 + d
         # A tree of total_tokens - 1 draft nodes is at most that deep: deeper rounds could never be selected.
         rounds = min(opts.depth, opts.total_tokens - 2)
         # The pool, in creation order: parent pool index (-1: the root), token, cumulative log-prob.
         exp = expand_frontier(torch.zeros(1, device=device), self._logprobs(root_out[None]), opts.top_k)
         to_target = self.drafter.to_target
-        pool_parent, pool_tokens, pool_scores = [torch.full_like(exp.tokens, -1)], [to_target(exp.tokens)], [exp.scores]
+        tokens = to_target(exp.tokens)
+        pool_parent, pool_tokens, pool_scores = [torch.full_like(exp.tokens, -1)], [tokens], [exp.scores]
         pool_size = exp.tokens.shape[0]
-        frontier = exp.frontier  # [k] pool indices: the root's children are the first frontier
-        frontier_in = root_out[None].expand(frontier.shape[0], -1)  # [k, H]: input feature = parent's output
-        parent_of = pool_parent[0].tolist()  # pool index -> parent pool index
-        # Nodes forwarded so far this step, in forward order (parents first): pool index, block row of the
-        # parent (-1: the root, which is in the cache), depth, input feature.
-        blk_pool: list[int] = []
-        blk_parent: list[int] = []
-        blk_depth: list[int] = []
-        blk_in: list[torch.Tensor] = []
-        row_of: dict[int, int] = {}
-        for level in range(1, rounds + 1):
-            for p in frontier.tolist():
-                row_of[p] = len(blk_pool)
-                blk_parent.append(row_of.get(parent_of[p], -1))
-                blk_pool.append(p)
-                blk_depth.append(level)
-            blk_in.append(frontier_in)
-            k = frontier.shape[0]
-            all_tokens = torch.cat(pool_tokens)
-            positions = torch.tensor([base - 1 + d for d in blk_depth], device=device)
-            idx = torch.tensor(blk_pool, device=device)
-            packed = pack_mask(ancestor_mask(blk_parent))[None].to(device)
-            out = self._forward(all_tokens[idx], torch.cat(blk_in), positions, packed)[-k:]
-            exp = expand_frontier(torch.cat(pool_scores)[frontier], self._logprobs(out), opts.top_k)
-            new_parent = frontier[exp.parent]  # [k * top_k] pool indices
-            pool_parent.append(new_parent)
-            pool_tokens.append(to_target(exp.tokens))
-            pool_scores.append(exp.scores)
-            parent_of += new_parent.tolist()
-            frontier_in = out[exp.parent[exp.frontier]]
-            frontier = pool_size + exp.frontier
-            pool_size += exp.tokens.shape[0]
+        # The frontier: pool indices, tokens, scores, input features (the parent's output) and, once forwarded,
+        # rows among the step's drafted nodes; the root's children are the first one.
+        frontier = exp.frontier  # [k]
+        front_tokens, front_scores = tokens[frontier], exp.scores[frontier]  # [k] each
+        front_in = root_out[None].expand(frontier.shape[0], -1)  # [k, H]
+        parent_rows = None  # [k] each frontier node's parent's row (None: the root, in the committed cache)
+        forwarded = rounds * opts.top_k  # at most top_k frontier nodes per round
+        anc = torch.zeros(forwarded, forwarded, dtype=torch.bool, device=device)  # ancestor-or-self among rows
+        self._reserve(forwarded)
+        step = DraftTreeCache(self.head, self.cache)
+        base = step.base  # a node at depth d sits at position base - 1 + d
+        try:
+            for level in range(1, rounds + 1):
+                k, r0 = frontier.shape[0], step.drafted
+                rows = torch.arange(r0, r0 + k, device=device)
+                if parent_rows is not None:
+                    anc[rows] = anc[parent_rows]
+                anc[rows, rows] = True
+                positions = torch.full((k,), base - 1 + level, dtype=torch.int64, device=device)
+                out = step.forward(self._embed(front_tokens), front_in, positions, anc[r0 : r0 + k, : r0 + k])
+                exp = expand_frontier(front_scores, self._logprobs(out), opts.top_k)
+                tokens = to_target(exp.tokens)
+                pool_parent.append(frontier[exp.parent])
+                pool_tokens.append(tokens)
+                pool_scores.append(exp.scores)
+                from_row = exp.parent[exp.frontier]  # [k'] the frontier row each next frontier node extends
+                frontier = pool_size + exp.frontier
+                front_tokens, front_scores = tokens[exp.frontier], exp.scores[exp.frontier]
+                front_in, parent_rows = out[from_row], rows[from_row]
+                pool_size += exp.tokens.shape[0]
+        finally:
+            step.close()
         tree, node_tokens = select_dynamic_tree(
             torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores), opts.total_tokens, root_token=root
         )
