@@ -172,7 +172,7 @@ def _drafter_with_tree(drafter, model: TargetModel, tree: Tree):
     if isinstance(drafter, MedusaDrafter):
         return MedusaDrafter(drafter.heads, tree)
     if isinstance(drafter, EagleDrafter):
-        return EagleDrafter(drafter.head, model, tree=tree, int8=drafter.quantization == "int8")
+        return EagleDrafter(drafter.head, model, tree=tree, quantization=drafter.quantization)
     raise BuildConfigError(f"tune-tree tunes static trees of medusa / eagle drafters, not {drafter.name!r}")
 
 

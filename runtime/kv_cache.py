@@ -162,9 +162,7 @@ class KVCache:
 
         keep  # [a] int64, strictly increasing indices in [0, num_new) (for a tree: the accepted path).
         """
-        written = self._written - self._length
-        if isinstance(num_new, bool) or not isinstance(num_new, int) or not 0 <= num_new <= written:
-            raise CacheError(f"commit num_new={num_new!r}, but {written} slots were written after the committed ones")
+        self._check_new("commit", num_new)
         idx = torch.as_tensor(keep).to("cpu")
         if idx.ndim != 1 or idx.dtype not in (torch.int64, torch.int32):
             raise CacheError(f"commit keep must be a 1-D int64 tensor, got shape {tuple(idx.shape)} {idx.dtype}")
@@ -184,11 +182,15 @@ class KVCache:
     def advance(self, num_new: int) -> None:
         """Keep all of the last num_new written slots (a causal chunk): commit(num_new, arange(num_new)), with
         nothing to move."""
-        written = self._written - self._length
-        if isinstance(num_new, bool) or not isinstance(num_new, int) or not 0 <= num_new <= written:
-            raise CacheError(f"advance num_new={num_new!r}, but {written} slots were written after the committed ones")
+        self._check_new("advance", num_new)
         self._length += num_new
         self._written = self._length
+
+    def _check_new(self, op: str, num_new: int) -> None:
+        """CacheError unless num_new is an int in [0, slots written after the committed ones]."""
+        written = self._written - self._length
+        if isinstance(num_new, bool) or not isinstance(num_new, int) or not 0 <= num_new <= written:
+            raise CacheError(f"{op} num_new={num_new!r}, but {written} slots were written after the committed ones")
 
     def truncate(self, n: int) -> None:
         """Drop committed positions [n, length)."""

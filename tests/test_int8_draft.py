@@ -63,7 +63,7 @@ def test_int8_eagle_drafter(target_dir, tmp_path, dtype):
     heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
     tree = runtime.tree.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     float_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree)
-    int8_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree, int8=True)
+    int8_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree, quantization="int8")
     assert int8_drafter.lm_int8 is not None and int8_drafter.head.fc_int8 is not None
     prompt = [0, 5, 9, 33, 7, 5, 9, 33, 12, 40]
     logits, hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
@@ -87,7 +87,9 @@ def test_int8_needs_a_cpu_kernel(target_dir, tmp_path):
     model = TargetModel.from_pretrained(target_dir, dtype=torch.float16)
     heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
     with pytest.raises(ConfigError, match="int8 draft weights run on CPU in bfloat16 / float32, not torch.float16"):
-        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), int8=True)
+        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int8")
+    with pytest.raises(ConfigError, match="quantization must be None or one of int8, got 'int4'"):
+        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int4")
 
 
 def test_int8_from_every_front_end(target_dir, tmp_path):

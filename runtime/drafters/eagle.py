@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.draft_spec import DYNAMIC, DraftSpec, DynamicTreeOptions
+from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DynamicTreeOptions
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
@@ -361,9 +361,10 @@ class EagleDrafter:
 
     def __init__(
         self, head: EagleHead, model: Any, tree: Tree | None = None, dynamic: DynamicTreeOptions | None = None,
-        int8: bool = False,
+        quantization: str | None = None,
     ) -> None:
-        """int8: the head and its draft output layer run on int8 copies of their weights (`Int8Weight`; CPU)."""
+        """quantization: DraftSpec.quantization; "int8": the head and its draft output layer run on int8 copies of
+        their weights (`Int8Weight`; CPU)."""
         if (tree is None) == (dynamic is None):
             raise ConfigError("EagleDrafter needs exactly one of tree= (static) or dynamic= (EAGLE-2 options)")
         if head.config.hidden_size != model.config.hidden_size:
@@ -382,9 +383,12 @@ class EagleDrafter:
         # each drafting step reads K x H instead of V x H).
         weight = model.lm_head_weight
         self.lm_weight = weight if head.vocab is None else weight[head.vocab.target_ids.to(weight.device)].contiguous()
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         self.lm_int8 = None
-        self.quantization = "int8" if int8 else None
-        if int8 and weight.device.type != "meta":  # a build plans on meta tensors: nothing to quantize there
+        self.quantization = quantization
+        # A build plans on meta tensors: nothing to quantize there.
+        if quantization == "int8" and weight.device.type != "meta":
             if not Int8Weight.supported(weight.dtype, weight.device):
                 raise ConfigError(f"int8 draft weights run on CPU in bfloat16 / float32, not {weight.dtype} on "
                                   f"{weight.device.type}")
