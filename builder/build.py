@@ -43,6 +43,7 @@ from runtime.engine import (
     open_engine,
     sha256_file,
 )
+from runtime.drafters.datastore import DATASTORE_FILE
 from runtime.files import remove_stale_work_dirs, work_dir
 
 TOOL = "spectree-builder"
@@ -282,6 +283,8 @@ def _write_draft(out: Path, plan: BuildPlan, drafter: Any) -> str:
         state.update(vocab.state())
     save_file(state, str(out / (MEDUSA_WEIGHTS if plan.draft.kind == "medusa" else EAGLE_WEIGHTS)),
               metadata={"format": "pt"})
+    if (src / DATASTORE_FILE).is_file():  # the head directory's datastore of the target's answers travels with it
+        shutil.copyfile(src / DATASTORE_FILE, out / DATASTORE_FILE)
     return DRAFT_DIR
 
 

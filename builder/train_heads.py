@@ -480,6 +480,35 @@ class ChatData:
     coverage: float  # share of held-out answer tokens inside the draft vocabulary
 
 
+def write_datastores(config: TrainConfig, only: str | None = None) -> list[tuple[Path, int, int]]:
+    """Write each configured head's datastore (runtime/drafters/datastore.py) into its output directory: the
+    target's answers to the training prompts (held-out prompts excluded, as from the heads' training), from the
+    answers train-heads generated in heads.work_dir. Returns (file, answers, tokens) per head."""
+    from builder.training.corpus import is_held_out
+    from builder.training.distill import conversations, prompt_of
+    from runtime.drafters.datastore import DATASTORE_FILE, Datastore
+
+    c, h = config.corpus, config.heads
+    if h is None or c.source != "chat":
+        raise BuildConfigError(f"{config.source}: a datastore holds the target's chat answers: it needs "
+                               f"corpus.source 'chat' and a heads section")
+    kinds = [k for k in WEIGHTED_KINDS if getattr(h, k) is not None and only in (None, k)]
+    if not kinds:
+        raise BuildConfigError(f"{config.source}: heads.{only}: not configured")
+    answers = [conv["response_ids"] for conv in conversations(h.work_dir / "distill")
+               if not is_held_out(prompt_of(conv["id"]), c.held_out)]
+    if not answers:
+        raise BuildConfigError(f"{config.source}: no training answers in {h.work_dir / 'distill'}")
+    store = Datastore.from_answers(answers)
+    written = []
+    for kind in kinds:
+        out = getattr(h, kind).output
+        out.mkdir(parents=True, exist_ok=True)
+        store.save(out / DATASTORE_FILE)
+        written.append((out / DATASTORE_FILE, len(answers), store.size - len(answers)))
+    return written
+
+
 def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool) -> ChatData:
     """Answers (generated once, resumable), cached features, the split by prompt id, the draft vocabulary."""
     from builder.training.corpus import is_held_out
@@ -593,6 +622,7 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
                    "train_tokens": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0])}
         (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)
+    write_datastores(config, only=kinds[0] if len(kinds) == 1 else None)
     return results
 
 

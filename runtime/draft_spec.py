@@ -106,6 +106,11 @@ class LookupOptions:
     num_draft_tokens        draft nodes per tree, root excluded (also bounded by the session's max_nodes).
     max_depth               longest continuation copied from one occurrence (None: num_draft_tokens).
     max_branches            distinct continuations merged into the tree (1: a plain chain, PLD's original form).
+    datastore_tokens        nodes of one more continuation per step, from the datastore of the target's own answers
+                            in the draft head's directory (runtime/drafters/datastore.py; 0: none). Medusa / EAGLE
+                            with lookup only: drafter 'lookup' has no directory to carry one.
+    datastore_min_ngram / datastore_max_ngram   suffix lengths matched against the datastore, longest first.
+    datastore_min_share     the chain grows while its next token follows at least this share of the occurrences.
     """
 
     max_ngram: int = setting(3, ge=1)
@@ -113,13 +118,18 @@ class LookupOptions:
     num_draft_tokens: int = setting(10, ge=1)
     max_depth: int | None = setting(6, ge=1)
     max_branches: int = setting(4, ge=1)
+    datastore_tokens: int = setting(0, ge=0)
+    datastore_min_ngram: int = setting(3, ge=1)
+    datastore_max_ngram: int = setting(5, ge=1)
+    datastore_min_share: float = setting(0.3, ge=0.0, le=1.0)
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError, "lookup")
-        if self.min_ngram > self.max_ngram:
-            raise ConfigError(
-                f"lookup option min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
-            )
+        for low, high in (("min_ngram", "max_ngram"), ("datastore_min_ngram", "datastore_max_ngram")):
+            if getattr(self, low) > getattr(self, high):
+                raise ConfigError(
+                    f"lookup option {low} ({getattr(self, low)}) must not exceed {high} ({getattr(self, high)})"
+                )
 
     @property
     def depth_limit(self) -> int:
@@ -223,6 +233,10 @@ class DraftSpec:
         if self.lookup is not None and "lookup" not in KIND_OPTIONS.get(kind, ()):
             raise DraftSpecError("lookup", f"lookup options apply to drafter 'lookup', or to medusa / eagle (prompt-"
                                            f"lookup continuations merged into their trees), not {kind!r}")
+        if self.lookup is not None and self.lookup.datastore_tokens and kind not in WEIGHTED_KINDS:
+            raise DraftSpecError("lookup", f"datastore_tokens {self.lookup.datastore_tokens}: a datastore is read from "
+                                           f"a draft head's directory (medusa / eagle + lookup), and drafter "
+                                           f"{kind!r} has none; set datastore_tokens to 0")
         m = self.max_draft_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise DraftSpecError("max_draft_len", f"got {m!r}, expected an integer >= 0")
@@ -404,7 +418,8 @@ class DraftSpec:
         if self.merges_lookup:
             nodes, depth = self.model_only._shape()
             lk = self.lookup
-            return nodes + lk.num_draft_tokens, max(depth, lk.depth_limit)
+            return (nodes + lk.num_draft_tokens + lk.datastore_tokens,
+                    max(depth, lk.depth_limit, lk.datastore_tokens))
         if isinstance(self.tree, Tree):
             return self.tree.num_nodes, self.tree.max_depth
         if self.kind == "eagle":

@@ -368,30 +368,43 @@ def _echo_prompt(model: TargetModel) -> list[int]:
     return base + greedy_reference(model, base, 6) + base
 
 
-def _merged_lookup_spec(ckpt, tmp_path) -> DraftSpec:
-    """A random EAGLE head's 6-node tree with up to 5 prompt-lookup nodes (two continuations) merged in."""
+def _merged_lookup_spec(ckpt, tmp_path, model: TargetModel | None = None) -> DraftSpec:
+    """A random EAGLE head's 6-node tree with up to 5 prompt-lookup nodes (two continuations) merged in; given the
+    model, also up to 3 nodes from a datastore (runtime/drafters/datastore.py) of the target's greedy answers to
+    the echo prompt and to its other prompts, matched from one token on, so that it proposes at most steps."""
+    from runtime.drafters.datastore import DATASTORE_FILE, Datastore
     from tests.heads import write_eagle_head
 
     head = write_eagle_head(tmp_path / "eagle", ckpt, seed=3)
+    options = dict(num_draft_tokens=5, max_branches=2)
+    if model is not None:
+        answers = [greedy_reference(model, p, 8) for p in (_echo_prompt(model), *PROMPTS)]
+        Datastore.from_answers(answers, min_ngram=1).save(head / DATASTORE_FILE)
+        options.update(datastore_tokens=3, datastore_min_ngram=1, datastore_max_ngram=3, datastore_min_share=0.0)
     return DraftSpec.create("eagle", path=head, tree=Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]]),
-                            options=dict(num_draft_tokens=5, max_branches=2))
+                            options=options)
 
 
+@pytest.mark.parametrize("datastore", [False, True], ids=["prompt", "datastore"])
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
                          ids=["T1.0", "T0.7"])
-def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw):
-    """An EAGLE tree with prompt-lookup continuations merged in (runtime/drafters/merged.py) leaves the output
-    distribution exact. The prompt echoes itself (`_echo_prompt`), so the merged trees really are larger than the
-    head's own (checked) and their lookup branches are accepted and rejected in turn."""
+def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw, datastore):
+    """An EAGLE tree with prompt-lookup continuations merged in (runtime/drafters/merged.py), and with a datastore's
+    continuation too, leaves the output distribution exact. The prompt echoes itself (`_echo_prompt`) and the
+    datastore holds the target's answers, so the merged trees really are larger than the head's own (checked) and
+    their lookup branches are accepted and rejected in turn."""
     model = TargetModel.from_pretrained(ckpts["llama3"])
     prompt = _echo_prompt(model)
-    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path)
+    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path, model if datastore else None)
     drafter = load_drafter(spec, model)
     assert drafter.spec == dataclasses.replace(spec, path=None)
     hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))[1][0]
     session = drafter.start(torch.tensor(prompt), hidden, spec.draft_nodes + 1)
     echoed = prompt[len(PROMPTS[1])]  # the token that followed PROMPTS[1] the first time
     assert session.draft(echoed, None, None).tree.num_nodes > spec.static_tree.num_nodes
+    if datastore:  # the stored answer to the echo prompt begins with its greedy token: a chain of 3 from the root
+        first = greedy_reference(model, prompt, 1)[0]
+        assert len(session.lookup.stored_continuation(first)) == 3
     dec = SpecDecoder(model, None, drafter, spec.draft_nodes + 1)
     exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
     trials = 1500
@@ -400,14 +413,15 @@ def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw):
     assert stat < chi2_threshold(df), (stat, df)
 
 
-def test_merged_lookup_distribution_test_catches_lossy_acceptance(ckpts, tmp_path, monkeypatch):
+@pytest.mark.parametrize("datastore", [False, True], ids=["prompt", "datastore"])
+def test_merged_lookup_distribution_test_catches_lossy_acceptance(ckpts, tmp_path, monkeypatch, datastore):
     """Negative control: the same merged drafter and prompt under a lossy acceptance rule fail the statistic."""
     import runtime.decode as decode_mod
 
     monkeypatch.setattr(decode_mod, "verify", lossy_verify)
     model = TargetModel.from_pretrained(ckpts["llama3"])
     prompt = _echo_prompt(model)
-    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path)
+    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path, model if datastore else None)
     dec = SpecDecoder(model, None, load_drafter(spec, model), spec.draft_nodes + 1)
     kw = dict(temperature=1.0, top_k=4)
     exact = exact_joint(model, prompt, SamplingParams(**kw), 3)

@@ -85,6 +85,16 @@ def test_chat_heads_with_reduced_vocabulary(chat_target, tmp_path):
         assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == K
         summary = json.loads((out / "training_summary.json").read_text())
         assert summary["draft_vocab_size"] == K and 0.0 < summary["draft_vocab_coverage"] <= 1.0
+    # Each head directory holds the datastore of the target's answers to the training prompts (held-out excluded).
+    from builder.training.corpus import is_held_out
+    from builder.training.distill import prompt_of
+    from runtime.drafters.datastore import DATASTORE_FILE, SEPARATOR, Datastore
+
+    train_answers = [c["response_ids"] for c in convs if not is_held_out(prompt_of(c["id"]), 0.25)]
+    assert 0 < len(train_answers) < len(convs)
+    for kind in ("medusa", "eagle"):
+        store = Datastore.load(tmp_path / kind / DATASTORE_FILE, 420)
+        assert store.tokens.tolist() == [t for a in train_answers for t in [SEPARATOR] + a]
     state = torch.load(tmp_path / "eagle" / "pytorch_model.bin", weights_only=True)
     vocab = DraftVocab.from_state(dict(state), 420, "eagle")
     assert vocab is not None and vocab.size == K and 1 in vocab.target_ids.tolist()
@@ -100,6 +110,9 @@ def test_chat_heads_with_reduced_vocabulary(chat_target, tmp_path):
         assert got.stats.drafted_tokens > 0
     eagle2 = runtime.load(chat_target, draft="eagle", draft_model=tmp_path / "eagle", total_tokens=12, depth=3)
     assert eagle2.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
+    stored = runtime.load(chat_target, draft="eagle", draft_model=tmp_path / "eagle", tree="chain-2",
+                          datastore_tokens=4, datastore_min_ngram=2)
+    assert stored.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
 
     # An engine directory keeps the reduced vocabulary with the head weights, and serves the same output.
     from builder.build import build_engine

@@ -59,7 +59,7 @@ def test_grammar(text, expected):
     ("lookup:dynamic", "tree", "the dynamic tree is EAGLE-2's, not drafter 'lookup''s"),
     ("none:chain-2", "tree", "drafter 'none' drafts root-only trees; got a tree with 3 nodes"),
     ("eagle:chain-2+top_k=3", "options", "apply to the dynamic EAGLE-2 tree only"),
-    ("medusa+top_k=3", "options", "unknown option(s) ['top_k'] for drafter 'medusa'; accepted: ['max_branches', "),
+    ("medusa+top_k=3", "options", "unknown option(s) ['top_k'] for drafter 'medusa'; accepted: ['datastore_max_ngram', "),
     ("none+num_draft_tokens=3", "options", "unknown option(s) ['num_draft_tokens'] for drafter 'none'; accepted: none"),
     ("lookup+ngram=3", "options", "unknown option(s) ['ngram'] for drafter 'lookup'"),
     ("lookup+max_ngram=0", "options", "lookup.max_ngram: got 0, expected an integer >= 1"),

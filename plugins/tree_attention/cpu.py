@@ -16,31 +16,35 @@ from plugins.tree_attention.mask import unpack_mask
 SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The model hands the same packed mask to every layer of one forward (a packed batch: one mask per request):
-# unpack each once. A small memo keyed on the packed tensor's identity, its version (a write bumps it) and the key
-# length; an entry holds its tensor, so that storage cannot be reused by another mask while cached. Rebound, never
-# cleared in place, when full: concurrent requests in threads can only miss, never read another request's mask.
+# unpack each once. A small memo keyed on the packed tensor's identity, its version (a write bumps it), the key
+# length and the dtype; an entry holds its tensor, so that storage cannot be reused by another mask while cached.
+# Rebound, never cleared in place, when full: concurrent requests in threads can only miss, never read another
+# request's mask.
 _MEMO_SIZE = 64
-_visible: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+_visible: dict[tuple[int, int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
-def attn_mask(tree_mask: torch.Tensor, n: int, s: int) -> torch.Tensor | None:  # [B, 1, N, L + N] bool
-    """SDPA's mask for the packed tree mask over L + N = s keys; None when no mask is needed (one token that sees
-    itself sees everything: plain decoding, SDPA's fastest path)."""
+def attn_mask(tree_mask: torch.Tensor, n: int, s: int,
+              dtype: torch.dtype) -> torch.Tensor | None:  # [B, 1, N, L + N] in dtype
+    """SDPA's additive mask for the packed tree mask over L + N = s keys: 0 where a query sees a key, -inf where not
+    (what SDPA turns a boolean mask into on every call; made once per forward here); None when no mask is needed
+    (one token that sees itself sees everything: plain decoding, SDPA's fastest path)."""
     global _visible
-    key = (id(tree_mask), tree_mask._version, s)
+    key = (id(tree_mask), tree_mask._version, s, dtype)
     hit = _visible.get(key)
     if hit is not None and hit[0] is tree_mask:
         return hit[1]
     if n == 1 and bool(torch.all(tree_mask[:, 0, 0] & 1)):
-        visible = None
+        additive = None
     else:
-        tree = unpack_mask(tree_mask, n)  # [B, N, N]
-        visible = torch.cat([tree.new_ones(tree.shape[0], n, s - n), tree], dim=-1)[:, None]  # prefix visible
+        tree = unpack_mask(tree_mask, n)  # [B, N, N] bool
+        additive = torch.zeros(tree.shape[0], 1, n, s, dtype=dtype, device=tree_mask.device)  # prefix visible
+        additive[:, 0, :, s - n:].masked_fill_(~tree, float("-inf"))
     memo = _visible
     if len(memo) >= _MEMO_SIZE:
         memo = _visible = {}
-    memo[key] = (tree_mask, visible)
-    return visible
+    memo[key] = (tree_mask, additive)
+    return additive
 
 
 def tree_attention_sdpa(
@@ -52,5 +56,5 @@ def tree_attention_sdpa(
 ) -> torch.Tensor:  # [B, Hq, N, D]
     hq, n, hkv, s = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask(tree_mask, n, s), scale=scale, enable_gqa=hq != hkv
+        q, k, v, attn_mask=attn_mask(tree_mask, n, s, q.dtype), scale=scale, enable_gqa=hq != hkv
     )  # attn_mask [B, 1, N, L + N] broadcasts over heads

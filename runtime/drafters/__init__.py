@@ -5,7 +5,8 @@
         eagle    EAGLE-1 head; static tree, or EAGLE-2's dynamic tree                    (eagle.py)
         lookup   prompt lookup (n-gram copy), no weights                                 (lookup.py)
         none     root-only trees: plain autoregressive decoding                          (none.py)
-    medusa / eagle with lookup options: prompt-lookup continuations merged into each tree  (merged.py)
+    medusa / eagle with lookup options: prompt-lookup continuations merged into each tree  (merged.py), and with
+        lookup's datastore_tokens one from the datastore of the target's answers in the head directory (datastore.py)
 
 Every drafter proposes top-k / fixed candidates (Proposal.DETERMINISTIC) and returns Draft.tokens as a CPU int64
 tensor (node 0 = the root); sessions never return more than the `max_nodes` given to `Drafter.start`. A loaded
@@ -14,6 +15,7 @@ drafter's `spec` says what it drafts, every default resolved (its tree, its opti
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.draft_spec import DraftSpec, DynamicTreeOptions, LookupOptions
@@ -39,7 +41,13 @@ def load_drafter(spec: DraftSpec, model: Any) -> Drafter:
         from runtime.drafters.lookup import LookupDrafter
         from runtime.drafters.merged import MergedDrafter
 
-        return MergedDrafter(load_drafter(spec.model_only, model), LookupDrafter(spec.lookup))
+        lk, datastore = spec.lookup, None
+        if lk.datastore_tokens:
+            from runtime.drafters.datastore import DATASTORE_FILE, Datastore
+
+            datastore = Datastore.load(Path(spec.path) / DATASTORE_FILE, model.config.vocab_size,
+                                       lk.datastore_min_ngram, lk.datastore_max_ngram)
+        return MergedDrafter(load_drafter(spec.model_only, model), LookupDrafter(lk, datastore))
     if spec.kind == "none":
         from runtime.drafters.none import NoneDrafter
 

@@ -9,6 +9,10 @@ Children are fixed candidates, so the proposal is DETERMINISTIC.
 The index maps every n-gram of the committed sequence to the positions right after its occurrences and is
 extended incrementally on `advance`, so a draft costs O(max_ngram + candidates) dict look-ups regardless of
 the sequence length.
+
+With a datastore (`runtime.drafters.datastore`, options.datastore_tokens > 0) one more continuation per step comes
+from the target's own earlier answers, matched on this request's answer so far; it is grafted onto the same trie
+with its own node budget.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from runtime.draft_spec import DraftSpec, LookupOptions
+from runtime.drafters.datastore import SEPARATOR, Datastore
 from runtime.errors import ConfigError
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
@@ -31,8 +36,11 @@ class LookupDrafter:
 
     name = "lookup"
 
-    def __init__(self, options: LookupOptions | None = None) -> None:
+    def __init__(self, options: LookupOptions | None = None, datastore: Datastore | None = None) -> None:
         self.options = options if options is not None else LookupOptions()
+        if self.options.datastore_tokens and datastore is None:
+            raise ConfigError(f"lookup option datastore_tokens {self.options.datastore_tokens} needs a datastore")
+        self.datastore = datastore if self.options.datastore_tokens else None
 
     @property
     def spec(self) -> DraftSpec:
@@ -41,13 +49,14 @@ class LookupDrafter:
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor | None, max_nodes: int) -> LookupSession:
         """prompt # [P] int64; hidden is ignored (lookup needs no hidden states)."""
-        return LookupSession(prompt, max_nodes, self.options)
+        return LookupSession(prompt, max_nodes, self.options, self.datastore)
 
 
 class LookupSession:
     """Per-request n-gram index over the committed sequence."""
 
-    def __init__(self, prompt: torch.Tensor, max_nodes: int, options: LookupOptions) -> None:
+    def __init__(self, prompt: torch.Tensor, max_nodes: int, options: LookupOptions,
+                 datastore: Datastore | None = None) -> None:
         if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
             raise ConfigError(f"max_nodes must be an integer >= 1 (the root counts), got {max_nodes!r}")
         if prompt.ndim != 1:
@@ -60,6 +69,8 @@ class LookupSession:
             n: {} for n in range(options.min_ngram, options.max_ngram + 1)
         }
         self._extend(prompt.tolist())
+        self.datastore = datastore
+        self.answer_start = len(self.tokens)  # the datastore matches SEPARATOR + tokens[answer_start:] + root
 
     def _extend(self, new: list[int]) -> None:
         toks = self.tokens
@@ -92,16 +103,27 @@ class LookupSession:
                     cont = [cycle[i % period] for i in range(depth)]
                 yield cont
 
+    def stored_continuation(self, root: int) -> list[int]:
+        """The datastore's continuation of this request's answer so far + root ([] without a datastore)."""
+        if self.datastore is None:
+            return []
+        opts = self.options
+        context = [SEPARATOR] + self.tokens[self.answer_start:] + [root]
+        return self.datastore.continuation(context[-opts.datastore_max_ngram:], opts.datastore_tokens,
+                                           opts.datastore_min_share)
+
     def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
-        budget = min(self.options.num_draft_tokens, self.max_nodes - 1)
-        if budget == 0:
+        opts = self.options
+        room = self.max_nodes - 1
+        budget = min(opts.num_draft_tokens, room)
+        if room == 0:
             return Draft(Tree.root_only(), torch.tensor([int(root)], dtype=torch.int64))
         # Trie keyed by rank paths: children[path] = tokens of the children of `path`, in rank order.
         children: dict[tuple[int, ...], list[int]] = {(): []}
         node_token: dict[tuple[int, ...], int] = {}
-        used = 0
-        branches = 0
-        for cont in self.continuations(int(root)):
+
+        def graft(cont: list[int], budget: int) -> int:
+            """Add `cont` to the trie (shared prefix kept) with at most `budget` new nodes; the number added."""
             path: tuple[int, ...] = ()
             added = 0
             for tok in cont:
@@ -109,17 +131,26 @@ class LookupSession:
                 if tok in kids:
                     path = path + (kids.index(tok),)
                     continue
-                if used == budget:
+                if added == budget:
                     break
                 kids.append(tok)
                 path = path + (len(kids) - 1,)
                 children[path] = []
                 node_token[path] = tok
-                used += 1
                 added += 1
-            branches += added > 0  # a continuation already in the trie is not a new branch
-            if used == budget or branches == self.options.max_branches:
+            return added
+
+        used = 0
+        branches = 0
+        for cont in self.continuations(int(root)):
+            if used == budget:
                 break
+            added = graft(cont, budget - used)
+            used += added
+            branches += added > 0  # a continuation already in the trie is not a new branch
+            if used == budget or branches == opts.max_branches:
+                break
+        graft(self.stored_continuation(int(root)), min(opts.datastore_tokens, room - used))
         if not node_token:
             return Draft(Tree.root_only(), torch.tensor([int(root)], dtype=torch.int64))
         tree = Tree.from_choices(list(node_token))

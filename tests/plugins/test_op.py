@@ -131,14 +131,35 @@ def test_cpu_mask_memo_follows_the_mask_object_and_its_writes():
     v = torch.randn(1, 2, 9, 8, generator=g)
     tree = pack_mask(ancestor_mask([-1, 0, 0, 1, 2]))[None]
     chain = pack_mask(torch.ones(5, 5, dtype=torch.bool).tril())[None]
-    first = cpu.attn_mask(tree, 5, 9)
-    assert cpu.attn_mask(tree, 5, 9) is first
+    first = cpu.attn_mask(tree, 5, 9, torch.float32)
+    assert cpu.attn_mask(tree, 5, 9, torch.float32) is first
+    assert cpu.attn_mask(tree, 5, 9, torch.float64).dtype == torch.float64  # one entry per dtype
     for mask in (tree, chain):
         want = tree_attention_reference(q, k, v, mask, 0.3)
         torch.testing.assert_close(torch.ops.spectree.tree_attention(q, k, v, mask, 0.3), want)
     tree.copy_(chain)  # same object, new contents: the memo must not serve the old mask
-    assert not torch.equal(cpu.attn_mask(tree, 5, 9), first)
+    assert not torch.equal(cpu.attn_mask(tree, 5, 9, torch.float32), first)
     torch.testing.assert_close(torch.ops.spectree.tree_attention(q, k, v, tree, 0.3),
                                tree_attention_reference(q, k, v, chain, 0.3))
     one = pack_mask(torch.ones(1, 1, dtype=torch.bool))[None]
-    assert cpu.attn_mask(one, 1, 9) is None  # plain decoding: unmasked SDPA
+    assert cpu.attn_mask(one, 1, 9, torch.float32) is None  # plain decoding: unmasked SDPA
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_additive_mask_is_what_sdpa_makes_of_the_boolean_one(dtype):
+    """The CPU path hands SDPA an additive mask made once per forward; SDPA makes the same one from a boolean mask
+    on every call, so the outputs are bit for bit those of the boolean mask (what batch invariance relies on)."""
+    import torch.nn.functional as F
+
+    from plugins.tree_attention.mask import ancestor_mask, pack_mask, unpack_mask
+
+    g = torch.Generator().manual_seed(1)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 0, 9, 10, 4, 12]
+    n, prefix = len(parents), 37
+    q = torch.randn(1, 9, n, 64, generator=g).to(dtype)
+    k = torch.randn(1, 3, prefix + n, 64, generator=g).to(dtype)
+    v = torch.randn(1, 3, prefix + n, 64, generator=g).to(dtype)
+    packed = pack_mask(ancestor_mask(parents))[None]
+    visible = torch.cat([torch.ones(1, n, prefix, dtype=torch.bool), unpack_mask(packed, n)], dim=-1)[:, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.125, enable_gqa=True)
+    assert torch.equal(torch.ops.spectree.tree_attention(q, k, v, packed, 0.125), want)
