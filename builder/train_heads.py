@@ -31,7 +31,9 @@ its hidden states over them are generated and cached once (builder.training.dist
 of positions into that cache, so the target is never run while the heads learn. heads.draft_vocab_size restricts
 both heads to the K tokens the answers use most (EAGLE-3 / FR-Spec): their logits cover the target's lm_head rows
 of those tokens (Medusa's projections start from them), the labels are the target's distribution restricted to
-them, and the saved heads carry EAGLE-3's d2t / t2d so the runtime maps drafts back to target ids.
+them, and the saved heads carry EAGLE-3's d2t / t2d so the runtime maps drafts back to target ids. Each head
+directory also gets datastore.npz: the training answers themselves (held-out prompts excluded), which the runtime
+searches for draft continuations (runtime/drafters/datastore.py; `write_datastores`, `python -m builder datastore`).
 """
 
 from __future__ import annotations
