@@ -32,7 +32,7 @@ _SCAN_PER_NGRAM = 64
 
 
 class LookupDrafter:
-    """Prompt-lookup drafter; stateless apart from its options."""
+    """Prompt-lookup drafter; stateless apart from its options (and its read-only datastore, if any)."""
 
     name = "lookup"
 
