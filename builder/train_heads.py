@@ -394,9 +394,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
     h = config.heads
     if h is None:
         raise BuildConfigError(f"{config.source}: heads: missing; train-heads needs a heads section")
-    kinds = [k for k in WEIGHTED_KINDS if getattr(h, k) is not None and only in (None, k)]
-    if not kinds:
-        raise BuildConfigError(f"{config.source}: heads.{only}: not configured")
+    kinds = _head_kinds(config, only)
     work = h.work_dir
     if fresh:
         for k in kinds:
@@ -480,6 +478,29 @@ class ChatData:
     vocab: DraftVocab | None
     to_draft: torch.Tensor  # [V] int64: target id -> draft id, -1 outside the draft vocabulary
     coverage: float  # share of held-out answer tokens inside the draft vocabulary
+    train_answers: list[list[int]]  # the training conversations' answers (what the heads' datastore holds)
+
+
+def _head_kinds(config: TrainConfig, only: str | None) -> list[str]:
+    """The configured head kinds (or `only` that one); BuildConfigError when none is."""
+    kinds = [k for k in WEIGHTED_KINDS if getattr(config.heads, k) is not None and only in (None, k)]
+    if not kinds:
+        raise BuildConfigError(f"{config.source}: heads.{only}: not configured")
+    return kinds
+
+
+def _save_datastores(config: TrainConfig, kinds: list[str], answers: list[list[int]]) -> list[tuple[Path, int, int]]:
+    """datastore.npz of `answers` into each head's output directory; (file, answers, tokens) per head."""
+    from runtime.drafters.datastore import DATASTORE_FILE, pack_answers, save_tokens
+
+    tokens = pack_answers(answers)
+    written = []
+    for kind in kinds:
+        out = getattr(config.heads, kind).output
+        out.mkdir(parents=True, exist_ok=True)
+        save_tokens(out / DATASTORE_FILE, tokens)
+        written.append((out / DATASTORE_FILE, len(answers), int(tokens.shape[0]) - len(answers)))
+    return written
 
 
 def write_datastores(config: TrainConfig, only: str | None = None) -> list[tuple[Path, int, int]]:
@@ -488,27 +509,17 @@ def write_datastores(config: TrainConfig, only: str | None = None) -> list[tuple
     answers train-heads generated in heads.work_dir. Returns (file, answers, tokens) per head."""
     from builder.training.corpus import is_held_out
     from builder.training.distill import conversations, prompt_of
-    from runtime.drafters.datastore import DATASTORE_FILE, Datastore
 
     c, h = config.corpus, config.heads
     if h is None or c.source != "chat":
         raise BuildConfigError(f"{config.source}: a datastore holds the target's chat answers: it needs "
                                f"corpus.source 'chat' and a heads section")
-    kinds = [k for k in WEIGHTED_KINDS if getattr(h, k) is not None and only in (None, k)]
-    if not kinds:
-        raise BuildConfigError(f"{config.source}: heads.{only}: not configured")
+    kinds = _head_kinds(config, only)
     answers = [conv["response_ids"] for conv in conversations(h.work_dir / "distill")
                if not is_held_out(prompt_of(conv["id"]), c.held_out)]
     if not answers:
         raise BuildConfigError(f"{config.source}: no training answers in {h.work_dir / 'distill'}")
-    store = Datastore.from_answers(answers)
-    written = []
-    for kind in kinds:
-        out = getattr(h, kind).output
-        out.mkdir(parents=True, exist_ok=True)
-        store.save(out / DATASTORE_FILE)
-        written.append((out / DATASTORE_FILE, len(answers), store.size - len(answers)))
-    return written
+    return _save_datastores(config, kinds, answers)
 
 
 def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool) -> ChatData:
@@ -526,7 +537,7 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
     convs = conversations(data_dir)
     cached = features(h.target, data_dir, convs, quiet=quiet)
     train_pos, held_pos, counts = [], [], torch.zeros(target_vocab, dtype=torch.int64)
-    held_answer = []
+    held_answer, train_answers = [], []
     for conv, start in zip(convs, cached.starts.tolist()):
         n = len(conv["prompt_ids"]) + len(conv["response_ids"])
         positions = np.arange(start, start + n, dtype=np.int64)
@@ -535,6 +546,7 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
             held_answer.extend(conv["response_ids"])
         else:
             train_pos.append(positions)
+            train_answers.append(conv["response_ids"])
             counts += torch.bincount(torch.tensor(conv["response_ids"], dtype=torch.int64), minlength=target_vocab)
     if not train_pos or not held_pos:
         raise BuildConfigError(f"{config.source}: corpus.held_out {c.held_out} leaves no "
@@ -550,7 +562,7 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
     held = torch.tensor(held_answer, dtype=torch.int64)
     coverage = float((to_draft[held] >= 0).float().mean()) if held.numel() else 1.0
     return ChatData(torch.from_numpy(cached.tokens.astype(np.int64)), cached.hidden, np.concatenate(train_pos),
-                    np.concatenate(held_pos), vocab, to_draft, coverage)
+                    np.concatenate(held_pos), vocab, to_draft, coverage, train_answers)
 
 
 def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> list[HeadsResult]:
@@ -624,7 +636,7 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
                    "train_tokens": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0])}
         (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)
-    write_datastores(config, only=kinds[0] if len(kinds) == 1 else None)
+    _save_datastores(config, kinds, data.train_answers)
     return results
 
 

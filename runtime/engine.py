@@ -11,7 +11,8 @@ Layout (FORMAT_VERSION 2; every file except engine.json is listed in engine.json
     target/model.safetensors     the target's weights (Hugging Face names) in the runtime dtype, only when that is
                                  not the TensorRT-LLM checkpoint's dtype (a float32 runtime)
     draft/                       drafter weights in their public format (Medusa: FasterDecoding,
-                                 EAGLE: SafeAILab), in the engine dtype, read by runtime/drafters/
+                                 EAGLE: SafeAILab), in the engine dtype, read by runtime/drafters/; plus the
+                                 head directory's datastore.npz when it has one (runtime/drafters/datastore.py)
     model.onnx (+ .data)         the target's verification step, attention as the tree-attention plugin node
     trtllm-build.sh              the TensorRT-LLM 1.2 build commands for trtllm_checkpoint/
     model.plan                   serialized TensorRT engine (only where TensorRT was importable at build time)

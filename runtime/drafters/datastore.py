@@ -40,6 +40,20 @@ def _hash_rows(windows: np.ndarray) -> np.ndarray:  # windows [m, n] int64 -> [m
     return h
 
 
+def pack_answers(answers: list[list[int]]) -> np.ndarray:  # -> [T] int32
+    """Answers (token id lists) -> the stored layout: each answer after a SEPARATOR."""
+    parts: list[int] = []
+    for answer in answers:
+        parts.append(SEPARATOR)
+        parts.extend(int(t) for t in answer)
+    return np.asarray(parts, dtype=np.int32)
+
+
+def save_tokens(path: str | Path, tokens: np.ndarray) -> None:
+    """Write a datastore file from its token array (`pack_answers`); the indexes are built when it is loaded."""
+    np.savez_compressed(path, tokens=tokens)
+
+
 class Datastore:
     """tokens # [T] int32: answers, each preceded by SEPARATOR; n-gram indexes for n in [min_ngram, max_ngram]."""
 
@@ -82,14 +96,10 @@ class Datastore:
     @classmethod
     def from_answers(cls, answers: list[list[int]], **kwargs: int) -> Datastore:
         """Answers (token id lists) -> a datastore holding each after a separator."""
-        parts: list[int] = []
-        for answer in answers:
-            parts.append(SEPARATOR)
-            parts.extend(int(t) for t in answer)
-        return cls(np.asarray(parts, dtype=np.int32), **kwargs)
+        return cls(pack_answers(answers), **kwargs)
 
     def save(self, path: str | Path) -> None:
-        np.savez_compressed(path, tokens=self.tokens)
+        save_tokens(path, self.tokens)
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int, min_ngram: int = 2, max_ngram: int = 4) -> Datastore:
@@ -154,4 +164,4 @@ class Datastore:
         return chain
 
 
-__all__ = ["Datastore", "DATASTORE_FILE", "SEPARATOR"]
+__all__ = ["Datastore", "DATASTORE_FILE", "SEPARATOR", "pack_answers", "save_tokens"]

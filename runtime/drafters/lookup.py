@@ -108,7 +108,9 @@ class LookupSession:
         if self.datastore is None:
             return []
         opts = self.options
-        context = [SEPARATOR] + self.tokens[self.answer_start:] + [root]
+        # Only the last datastore_max_ngram tokens are matched: copy no more of the answer than that.
+        start = max(self.answer_start, len(self.tokens) - opts.datastore_max_ngram)
+        context = ([SEPARATOR] if start == self.answer_start else []) + self.tokens[start:] + [root]
         return self.datastore.continuation(context[-opts.datastore_max_ngram:], opts.datastore_tokens,
                                            opts.datastore_min_share)
 
@@ -143,8 +145,6 @@ class LookupSession:
         used = 0
         branches = 0
         for cont in self.continuations(int(root)):
-            if used == budget:
-                break
             added = graft(cont, budget - used)
             used += added
             branches += added > 0  # a continuation already in the trie is not a new branch
