@@ -140,8 +140,9 @@ class _RecordingSession:
         self.inner, self.counts, self.budget = inner, counts, budget
         self.last: Draft | None = None
 
-    def draft(self, root: int, params: Any = None, generator: torch.Generator | None = None) -> Draft:
-        self.last = self.inner.draft(root, params, generator)
+    def draft(self, root: int, params: Any = None, generator: torch.Generator | None = None,
+              max_nodes: int | None = None) -> Draft:
+        self.last = self.inner.draft(root, params, generator, max_nodes)
         return self.last
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:

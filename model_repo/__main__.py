@@ -35,6 +35,8 @@ _HELP = {
     "max_concurrent_requests": "requests decoded together per instance (in-flight batching: one target forward per "
                                "step for all of them); more wait in the queue",
     "prefill_chunk": "prompt tokens per request per step (a long prompt joins the batch over several steps)",
+    "tree_budget": "tree nodes one step verifies across an instance's batch: trees are pruned to an even share, so "
+                   "speculation shrinks as the batch grows (default: none, whole trees)",
     "max_queue_size": "requests waiting (FIFO) per instance; more are refused with UNAVAILABLE (HTTP 503), "
                       "message 'overloaded: ...' (default 32)",
     "kv_memory_mb": "KV cache the running generations of an instance may reserve together; a request that can "

@@ -81,6 +81,9 @@ class RepoOptions:
     max_queue_size: int = setting(32, ge=0)
     # prompt tokens per request per step (a long prompt joins the batch over several steps instead of stalling it)
     prefill_chunk: int = setting(SchedulerConfig.prefill_chunk, ge=1)
+    # tree nodes one step verifies across an instance's batch: each request's tree is pruned to an even share, so
+    # speculation shrinks as the batch grows (runtime.batching, "Tree budget"); None: whole trees at any batch size
+    tree_budget: int | None = setting(SchedulerConfig.tree_budget, ge=1)
     # largest max_tokens a request may ask; None: the engine's context length
     max_tokens_limit: int | None = setting(None, ge=1)
     # KV cache the running generations of an instance may reserve together (each: prompt + max_tokens + one draft
@@ -170,6 +173,7 @@ def model_configs(
             "max_concurrent_requests": str(options.max_concurrent_requests),
             "max_queue_size": str(options.max_queue_size),
             "prefill_chunk": str(options.prefill_chunk),
+            "tree_budget": str(options.tree_budget or 0),  # 0: none
             "max_tokens_limit": str(max_tokens_limit),
             "kv_memory_mb": str(options.kv_memory_mb or 0),  # 0: decided at load (half the free memory)
             "max_prompt_bytes": prompt_bytes,

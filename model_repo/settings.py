@@ -52,6 +52,7 @@ class SpecDecodeSettings(_ModelParameters):
     max_concurrent_requests: int = setting(ge=1)  # the scheduler's max_batch_size
     max_queue_size: int = setting(ge=0)
     prefill_chunk: int = setting(ge=1)  # prompt tokens per request per step
+    tree_budget: int = setting(ge=0)  # tree nodes per step across the batch; 0: none
     max_tokens_limit: int = setting(ge=1)
     kv_memory_mb: int = setting(ge=0)  # 0: half the memory free once the model is loaded
     max_prompt_bytes: int = setting(ge=1)
@@ -88,7 +89,8 @@ class SpecDecodeSettings(_ModelParameters):
     def scheduler_config(self, free_bytes: Callable[[], int]) -> SchedulerConfig:
         """The instance's `runtime.batching.Scheduler` settings."""
         return SchedulerConfig(max_batch_size=self.max_concurrent_requests, max_queue_size=self.max_queue_size,
-                               kv_budget_bytes=self.kv_budget_bytes(free_bytes), prefill_chunk=self.prefill_chunk)
+                               kv_budget_bytes=self.kv_budget_bytes(free_bytes), prefill_chunk=self.prefill_chunk,
+                               tree_budget=self.tree_budget or None)
 
 
 @dataclass(frozen=True)

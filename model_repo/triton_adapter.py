@@ -265,7 +265,8 @@ class SpecDecodeModel:
         pb_utils.Logger.log_info(
             f"{self.name}: in-flight batching of up to {config.max_batch_size} requests, queue of "
             f"{config.max_queue_size}, KV budget {config.kv_budget_bytes / 2**20:.0f} MiB"
-            + ("" if self.settings.kv_memory_mb else " (half the memory free after loading; kv_memory_mb: 0)"))
+            + ("" if self.settings.kv_memory_mb else " (half the memory free after loading; kv_memory_mb: 0)")
+            + (f", tree budget {config.tree_budget} nodes per step" if config.tree_budget else ""))
         self.metrics_backend = PrometheusMetrics(METRICS)
         self.metrics = SpecMetrics(self.metrics_backend, self.name, args["model_instance_name"])
         self.stopping = threading.Event()

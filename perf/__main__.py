@@ -224,6 +224,8 @@ def parser() -> argparse.ArgumentParser:
     _add_dtype(a, BatchBenchConfig)
     a.add_argument("--prefill-chunk", type=int, default=_default(BatchBenchConfig, "prefill_chunk"),
                    help="the scheduler's prompt tokens per request per step (default %(default)s)")
+    a.add_argument("--tree-budget", type=int, default=_default(BatchBenchConfig, "tree_budget"),
+                   help="the scheduler's tree nodes per step across the batch (default: none, whole trees)")
     _add_out(a, BatchBenchConfig, "no progress lines")
 
     g = sub.add_parser("report", help="regenerate the Markdown and PNGs of a results directory from its JSON")
@@ -348,7 +350,7 @@ def _batch(ns: argparse.Namespace) -> int:
                               draft_models=tuple(ns.draft_model), prompts=tuple(ns.prompts),
                               prompts_per_set=ns.prompts_per_set, concurrency=tuple(ns.concurrency),
                               max_tokens=ns.max_tokens, warmup=ns.warmup, repeats=ns.repeats, threads=ns.threads,
-                              dtype=ns.dtype, prefill_chunk=ns.prefill_chunk, out=ns.out)
+                              dtype=ns.dtype, prefill_chunk=ns.prefill_chunk, tree_budget=ns.tree_budget, out=ns.out)
     report = run_batch_bench(config, None if ns.quiet else (lambda text: sys.stderr.write(f"batch: {text}\n")))
     out = expand_out(config.out, report["machine"])
     out.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ class BatchBenchConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16; None: the config's / engine's
     # the scheduler's prompt tokens per request per step
     prefill_chunk: int = setting(SchedulerConfig.prefill_chunk, ge=1)
+    tree_budget: int | None = setting(SchedulerConfig.tree_budget, ge=1)  # the scheduler's (batched mode only)
     out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
     def __post_init__(self) -> None:
@@ -99,6 +100,7 @@ class Sample:
     ttft_s: tuple[float, ...] = ()  # batched only
     itl_s: tuple[float, ...] = ()  # batched only (requests of at least 2 tokens)
     mean_batch: float | None = None  # batched only
+    mean_rows: float | None = None  # batched only: tokens (prompt chunks and tree nodes) per target forward
 
     @property
     def tokens(self) -> int:
@@ -111,7 +113,8 @@ def run_sequential(decoder: Any, requests: Sequence[list[int]], max_tokens: int)
     return Sample(len(requests), "sequential", time.perf_counter() - t0, outs)
 
 
-def run_batched(decoder: Any, requests: Sequence[list[int]], max_tokens: int, prefill_chunk: int) -> Sample:
+def run_batched(decoder: Any, requests: Sequence[list[int]], max_tokens: int, prefill_chunk: int,
+                tree_budget: int | None = None) -> Sample:
     """All requests submitted at once to a fresh Scheduler (max_batch_size = their number)."""
     from runtime.batching import Scheduler
     from runtime.sampling import SamplingParams
@@ -134,7 +137,8 @@ def run_batched(decoder: Any, requests: Sequence[list[int]], max_tokens: int, pr
                 ids[i].extend(item.token_ids)
         return record
 
-    with Scheduler(decoder, SchedulerConfig(max_batch_size=n, max_queue_size=0, prefill_chunk=prefill_chunk)) as sched:
+    config = SchedulerConfig(max_batch_size=n, max_queue_size=0, prefill_chunk=prefill_chunk, tree_budget=tree_budget)
+    with Scheduler(decoder, config) as sched:
         t0 = time.perf_counter()
         handles = [sched.submit(r, params, on_delta=on_delta(i)) for i, r in enumerate(requests)]
         for h in handles:
@@ -145,7 +149,8 @@ def run_batched(decoder: Any, requests: Sequence[list[int]], max_tokens: int, pr
         raise errors[0]
     ttft = tuple(a[0] - t0 for a in arrivals)
     itl = tuple((a[-1] - a[0]) / (len(o) - 1) for a, o in zip(arrivals, ids) if len(o) > 1)
-    return Sample(n, "batched", wall, tuple(tuple(o) for o in ids), ttft, itl, st.mean_batch)
+    return Sample(n, "batched", wall, tuple(tuple(o) for o in ids), ttft, itl, st.mean_batch,
+                  st.rows / st.steps if st.steps else None)
 
 
 def level_requests(encoded: Sequence[list[int]], n: int) -> list[list[int]]:
@@ -168,8 +173,10 @@ def summarize(samples: Sequence[Sample], max_tokens: int) -> list[dict[str, Any]
         b = by["batched"]
         ttft = [t for r in b for t in r.ttft_s]
         itl = [t for r in b for t in r.itl_s]
+        per_forward = [r.mean_rows for r in b if r.mean_rows is not None]
         row["batched"].update({
             "mean_batch": stats.mean([r.mean_batch for r in b]),
+            "mean_rows": stats.mean(per_forward) if per_forward else None,
             "ttft_ms": {f"p{q}": 1e3 * stats.percentile(ttft, q) for q in (50, 90, 99)},
             "itl_ms": {f"p{q}": 1e3 * stats.percentile(itl, q) for q in (50, 90, 99)} if itl else None,
         })
@@ -213,7 +220,8 @@ def run_batch_bench(config: BatchBenchConfig, progress: Callable[[str], None] | 
                 if mode == "sequential":
                     out.append(run_sequential(decoder, requests, config.max_tokens))
                 else:
-                    out.append(run_batched(decoder, requests, config.max_tokens, config.prefill_chunk))
+                    out.append(run_batched(decoder, requests, config.max_tokens, config.prefill_chunk,
+                                           config.tree_budget))
                 if progress:
                     progress(f"N={n} {mode}: {out[-1].tokens / out[-1].wall_s:.1f} tokens/s")
             return out

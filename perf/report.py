@@ -255,12 +255,14 @@ def batch_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
         f"- **Machine**: {machine_line(m, s['threads'])}",
         (f"- **Run**: N requests of {s['max_tokens']} tokens each (greedy, EOS ignored) over {len(report['prompts'])} "
          f"prompts (cycled); sequential = one after another through the batch-1 loop; batched = all N submitted at "
-         f"once to a Scheduler(max_batch_size=N, prefill_chunk={s['prefill_chunk']}); warm-up {s['warmup']} "
+         f"once to a Scheduler(max_batch_size=N, prefill_chunk={s['prefill_chunk']}"
+         + (f", tree_budget={s['tree_budget']}" if s.get("tree_budget") else "")
+         + f"); warm-up {s['warmup']} "
          f"round(s), median of {s['repeats']} ({report['measure_seconds']:.0f} s measuring)"),
         "",
-        ("| N | sequential tokens/s | batched tokens/s | speedup | mean batch | TTFT p50 / p90 (ms) "
+        ("| N | sequential tokens/s | batched tokens/s | speedup | mean batch | rows / forward | TTFT p50 / p90 (ms) "
          "| ITL p50 / p90 (ms) | greedy identical |"),
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["levels"]:
         b, ttft, itl = r["batched"], r["batched"]["ttft_ms"], r["batched"]["itl_ms"]
@@ -269,10 +271,11 @@ def batch_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
         lines.append(
             f"| {r['concurrency']} | {_num(r['sequential']['tokens_per_s'], '.1f')} | {_num(b['tokens_per_s'], '.1f')} "
             f"| {_num(r['speedup'], '.2f', 'x')} | {_num(b['mean_batch'], '.2f')} "
-            f"| {_quantiles(ttft, P50_90)} | {itl_cell} | {same} |"
+            f"| {_num(b.get('mean_rows'), '.1f')} | {_quantiles(ttft, P50_90)} | {itl_cell} | {same} |"
         )
     lines += ["", ("tokens/s = N x max_tokens / wall time of the N requests. mean batch = request segments per target "
-              "forward (prompt chunks and draft trees; one forward verifies every request's tree). TTFT: submit -> "
+              "forward (prompt chunks and draft trees; one forward verifies every request's tree); rows / forward = their "
+              "tokens. TTFT: submit -> "
               "first delta; ITL: (last delta - first delta) / (tokens - 1), per batched request. greedy identical: "
               "every batched output equals the same request's sequential output.")]
     return _document(lines, images)

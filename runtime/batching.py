@@ -4,7 +4,7 @@ Requests join and leave at step boundaries. One step:
   1. boundary: cancelled requests leave (their memory is freed at once); waiting requests are admitted, first come
      first served, while the batch has room (`max_batch_size`) and their KV reservation fits the budget (Memory);
   2. every active request's `RequestState.next_segment()`: the next chunk of its prompt (a joining request), or the
-     tree its own drafter session drafts, with its own generator;
+     tree its own drafter session drafts, with its own generator (pruned to its share of `tree_budget`, if set);
   3. ONE target forward over all those segments (`TargetModel.forward_segments`): the token-wise layers run over the
      packed rows of every request, attention runs per request against its own cache (ragged trees: their own
      node counts, prefix lengths, positions and masks);
@@ -16,6 +16,16 @@ greedy output is plain greedy decoding's; sampled output is distributed exactly 
 packed matmul over a different number of rows may round the last bits differently, as any batched inference does:
 a greedy argmax or a sampling threshold that falls within that rounding can differ. tests/test_batching.py
 measures it.)
+
+Tree budget (`tree_budget`): verifying a tree costs little more than one token only while the forward is bound by
+reading the weights; a batch of trees soon makes it compute-bound (SmolLM2 on 2 CPU cores, bf16: 16 rows cost 1.2x
+one row, 64 rows 2.4x), and drafting runs once per request. With a budget, each step splits it evenly over the
+decoding requests and prunes each tree to its share (`Tree.best_nodes`, the likeliest nodes; a share of 1 is a plain
+step and skips drafting), so speculation shrinks as the batch grows, as vLLM's speculative_disable_by_batch_size
+and SGLang's draft-token budgets do, without being switched off at once. Pruning keeps every tree a lossless
+proposal (greedy output is plain greedy decoding's; sampled output exactly distributed). A seeded sampled request is
+never pruned: its draws follow its trees, and the same seed must give the same output whatever else is in the
+batch; its trees count in the split all the same.
 
 Memory: a request's KV cache is allocated for its prompt plus one tree and grows geometrically as tokens are
 produced (`KVCache.reserve`), never beyond its worst case `SpecDecoder.cache_tokens(prompt, params)` (prompt +
@@ -82,6 +92,10 @@ class SchedulerConfig:
     max_queue_size: int = setting(64, ge=0)  # requests waiting beyond the batch; a submit beyond that: OverloadedError
     kv_budget_bytes: int = setting(2 * 2**30, ge=1)  # the KV-cache reservations of all active requests together
     prefill_chunk: int = setting(512, ge=1)  # prompt tokens per request per step (longer prompts join over steps)
+    # tree nodes (roots included) one step verifies across the batch: each decoding request's tree is pruned to an
+    # equal share (`Tree.best_nodes`; a share of 1 is a plain step, its drafter not run), except a seeded sampled
+    # request's (see "Tree budget" above). None: every tree whole.
+    tree_budget: int | None = setting(None, ge=1)
     # free C-heap pages go back to the OS whenever the batch empties and at most this often (seconds) while
     # requests run; None: never (see "Host memory" above)
     trim_interval_s: float | None = setting(1.0, ge=0)
@@ -398,9 +412,10 @@ class Scheduler:
         """One target forward for every active request (see the module docstring)."""
         model = self.decoder.model
         work = []
+        share = self._tree_share()
         for r in list(self._active):
             try:
-                segment = r.state.next_segment()
+                segment = r.state.next_segment(share if r.state.decoding and _prunable(r.state.params) else None)
                 model.check_segment(segment)
             except Exception as exc:  # noqa: BLE001
                 self._fail(r, exc)
@@ -436,6 +451,15 @@ class Scheduler:
         self._count_memory()
         for r, delta in emitted:
             self._send(r, delta)
+
+    def _tree_share(self) -> int | None:
+        """A prunable decoding request's most tree nodes this step (tree_budget split evenly over the decoding
+        requests; None: no budget)."""
+        budget = self.config.tree_budget
+        decoding = sum(r.state.decoding for r in self._active)
+        if budget is None or decoding == 0:
+            return None
+        return max(1, budget // decoding)
 
     def _trim(self) -> None:
         """After a step: free heap pages back to the OS when the batch has emptied, or once trim_interval_s has
@@ -501,6 +525,12 @@ class Scheduler:
             err = SchedulerStopped(message)
             err.__cause__ = cause
             self._fail(r, err)
+
+
+def _prunable(params: SamplingParams) -> bool:
+    """Whether the tree budget may prune this request's trees: yes unless its output is a seeded sample, which
+    must not depend on the batch (its draws follow its trees)."""
+    return params.greedy or params.seed is None
 
 
 @functools.cache

@@ -128,17 +128,15 @@ class _Clock:
 
 
 def _prune(draft: Draft, max_depth: int, max_nodes: int) -> Draft:
-    """Keep nodes with depth <= max_depth, at most max_nodes of them.
-
-    Canonical order sorts nodes by (depth, path), so every prefix of it is ancestor-closed: pruning is a slice.
-    """
+    """Keep nodes with depth <= max_depth, at most max_nodes of them: the subtree `Tree.best_nodes` picks."""
     tree = draft.tree
-    keep = min(int((tree.depth <= max_depth).sum()), max_nodes)
-    if keep == tree.num_nodes:
+    keep = tree.best_nodes(max_nodes, max_depth)
+    if len(keep) == tree.num_nodes:
         return draft
-    probs = None if draft.draft_probs is None else draft.draft_probs[:keep]
-    return Draft(Tree.from_choices(tree.choices[: keep - 1]) if keep > 1 else Tree.root_only(),
-                 draft.tokens[:keep], draft.proposal, probs)
+    kept = Tree.from_choices([tree.choices[i - 1] for i in keep[1:]]) if len(keep) > 1 else Tree.root_only()
+    index = torch.tensor(keep, dtype=torch.int64)  # ascending: the kept nodes stay in canonical order
+    probs = None if draft.draft_probs is None else draft.draft_probs[index.to(draft.draft_probs.device)]
+    return Draft(kept, draft.tokens[index.to(draft.tokens.device)], draft.proposal, probs)
 
 
 class StopChecker:
@@ -358,9 +356,15 @@ class RequestState:
 
     # ---- the two phases of a step -------------------------------------------------------------------
 
-    def next_segment(self) -> Segment:
+    @property
+    def decoding(self) -> bool:
+        """Its prompt is in the cache: its next segment is a draft tree (until it finishes)."""
+        return self.session is not None and not self.finished
+
+    def next_segment(self, max_nodes: int | None = None) -> Segment:
         """The tokens of this request's next target forward: the next prompt chunk, else a drafted tree (drafting
-        happens here), its cache grown to hold them."""
+        happens here), its cache grown to hold them. max_nodes caps the tree (root included; `Tree.best_nodes`
+        picks what stays): the scheduler's share of its step budget. 1: a plain step, the drafter is not run."""
         if self.finished or self._released or self._pending is not None:
             raise RuntimeError("next_segment() after the request finished, or twice without absorb()")
         if self.cache is None:  # room for the prompt and a tree; grown as tokens are produced
@@ -376,12 +380,19 @@ class RequestState:
             # Only the prompt's last row needs logits (the first generated token).
             return Segment(cache, self.prompt[a:b], torch.arange(a, b, device=self.device),
                            causal_mask(n, 1, self.device)[0], logits_from=n - 1 if b == self.prompt_tokens else n)
+        if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1):
+            raise RequestError(f"max_nodes must be None or an int >= 1 (the root counts), got {max_nodes!r}")
         t0 = time.perf_counter()
-        draft = self.session.draft(self.generated[-1], self.params, self.generator)
+        root = self.generated[-1]
+        if max_nodes == 1:  # the drafter's sessions accept advance() without a draft before it
+            draft = Draft(Tree.root_only(), torch.tensor([root], dtype=torch.int64))
+        else:
+            draft = self.session.draft(root, self.params, self.generator, max_nodes)
         # Never draft past the token budget or the cache: a node at depth d is the (d+1)-th token of the step.
         remaining = min(self.params.max_tokens - len(self.generated),
                         self.decoder.max_context - self.prompt_tokens - len(self.generated))
-        draft = _prune(draft, max_depth=remaining - 1, max_nodes=cache.max_len - cache.length)
+        room = cache.max_len - cache.length
+        draft = _prune(draft, max_depth=remaining - 1, max_nodes=room if max_nodes is None else min(room, max_nodes))
         self.clock.draft += time.perf_counter() - t0
         tree = draft.tree
         cache.reserve(cache.length + tree.num_nodes)

@@ -73,12 +73,16 @@ class Verdict:
 class DraftSession(Protocol):
     """Per-request drafter state. Created by `Drafter.start`, driven by the decode loop."""
 
-    def draft(self, root: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        """Propose a tree rooted at `root` (the last emitted token)."""
+    def draft(self, root: int, params: SamplingParams, generator: torch.Generator | None,
+              max_nodes: int | None = None) -> Draft:
+        """Propose a tree rooted at `root` (the last emitted token). max_nodes (root included): the most nodes the
+        caller will verify this step (the scheduler's share of its tree budget); the caller prunes the tree to it
+        (`Tree.best_nodes`) whatever comes back, so a session may use it only to draft less."""
         ...
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Tokens just committed to the target cache and their hidden states.
+        """Tokens just committed to the target cache and their hidden states. A step may have had no draft (a
+        plain step: the scheduler's tree budget left the request its root alone): advance follows all the same.
 
         tokens  # [a] int64: x_L .. x_{L+a-1} (the previous root followed by the accepted draft tokens)
         hidden  # [a, H]:    h_L .. h_{L+a-1}

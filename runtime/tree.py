@@ -257,6 +257,29 @@ class Tree:
     def is_leaf(self, i: int) -> bool:
         return not self._children[i]
 
+    def best_nodes(self, max_nodes: int, max_depth: int | None = None) -> tuple[int, ...]:
+        """The node indices (ascending: canonical order, root first) of the ancestor-closed subtree of at most
+        max_nodes nodes, none deeper than max_depth, that pruning keeps.
+
+        Priority: fewest sibling ranks summed along the path, then shallowest, then canonical order. Drafters rank
+        a node's children best first, so a node's rank sum counts the times its path leaves its drafter's best guess:
+        the top-1 chain goes first (a depth-2 top-1 node is usually likelier than a depth-1 rank-2 one), and the
+        siblings kept are the first ones in rank order (what the verification of sampled proposals needs). A node's
+        parent sorts before it (no larger sum, smaller depth), so every prefix of the priority order is
+        ancestor-closed, and a smaller budget keeps a subset of what a larger one keeps.
+        """
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ConfigError(f"max_nodes must be an int >= 1 (the root counts), got {max_nodes!r}")
+        depth_ok = [max_depth is None or len(p) <= max_depth for p in self.choices]
+        if max_nodes >= self.num_nodes and all(depth_ok):
+            return tuple(range(self.num_nodes))
+        rank_sum = [0] * self.num_nodes
+        for j, p in enumerate(self.choices):  # parents come first in canonical order
+            rank_sum[j + 1] = rank_sum[self._parents[j + 1]] + p[-1]
+        order = sorted((i for i in range(1, self.num_nodes) if depth_ok[i - 1]),
+                       key=lambda i: (rank_sum[i], len(self.choices[i - 1]), i))
+        return (0,) + tuple(sorted(order[: max_nodes - 1]))
+
     def max_rank_per_depth(self) -> tuple[int, ...]:
         """Entry d-1 = how many top-k candidates depth d needs (1 + the largest rank used there)."""
         out = [0] * self.max_depth

@@ -205,6 +205,73 @@ def test_greedy_batch_with_high_acceptance_and_staggered_joins(model, references
     assert sum(sum(r.stats.accepted_per_step) for r in results) > 0.5 * sum(r.stats.steps for r in results)
 
 
+# ---- the tree budget: speculation shrinks as the batch grows ------------------------------------------------------
+
+
+def record_steps(monkeypatch, dec: SpecDecoder) -> list[list[tuple[bool, int | None, int]]]:
+    """Per target forward of dec's scheduler: (decoding, max_nodes asked, segment size) of each request's segment."""
+    import runtime.decode as decode_mod
+
+    steps: list[list[tuple[bool, int | None, int]]] = [[]]
+    next_segment = decode_mod.RequestState.next_segment
+
+    def recording_next_segment(self, max_nodes=None):
+        segment = next_segment(self, max_nodes)
+        steps[-1].append((self.decoding, max_nodes, segment.size))
+        return segment
+
+    forward = dec.model.forward_segments
+
+    def recording_forward(segments, check=True):
+        steps.append([])
+        return forward(segments, check=check)
+
+    monkeypatch.setattr(decode_mod.RequestState, "next_segment", recording_next_segment)
+    monkeypatch.setattr(dec.model, "forward_segments", recording_forward)
+    return steps
+
+
+@pytest.mark.parametrize("kind,tree,opts", DRAFTERS[2:],
+                         ids=["medusa", "eagle2", "eagle-static", "eagle-int8-merged-lookup"])
+def test_tree_budget_splits_over_the_batch_and_keeps_greedy_output(ckpt, heads, references, monkeypatch, kind,
+                                                                    tree, opts):
+    """A budget of 5 nodes per step over a batch of up to 3: shares of 1 (plain steps, no drafting), 2 and 5 as
+    requests join and leave; every output is still plain greedy decoding's."""
+    dec = runtime.load(ckpt, draft=kind, draft_model=heads.get(kind), tree=tree, **opts)
+    steps = record_steps(monkeypatch, dec)
+    with Scheduler(dec, SchedulerConfig(max_batch_size=3, tree_budget=5)) as sched:
+        results = run_all(sched, PROMPTS, [greedy(n) for n in MAX_TOKENS])
+    assert [r.token_ids for r in results] == references
+    shares = Counter()
+    for step in steps:
+        decoding = [(cap, size) for is_decoding, cap, size in step if is_decoding]
+        for cap, size in decoding:
+            assert cap == max(1, 5 // len(decoding)) and size <= cap
+        shares.update(cap for cap, _ in decoding)
+        assert sum(size for _, size in decoding) <= max(5, len(decoding))
+    assert {1, 2, 5} <= set(shares)  # every share happened
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    assert drafted > 0
+    with Scheduler(dec, SchedulerConfig(max_batch_size=3)) as sched:  # no budget: whole trees, more drafted
+        assert sum(r.stats.drafted_tokens for r in run_all(sched, PROMPTS, [greedy(n) for n in MAX_TOKENS])) > drafted
+
+
+def test_tree_budget_leaves_seeded_sampled_requests_whole(ckpt, monkeypatch):
+    """Seeded sampled requests keep their trees under any budget (their draws follow the tree, and a seed must give
+    the same output whatever the batch); greedy and unseeded ones in the same batch are pruned."""
+    dec = runtime.load(ckpt, draft="lookup", dtype="bfloat16")
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, top_k=20, seed=10 + i)
+              for i, n in enumerate(MAX_TOKENS)]
+    alone = [dec.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
+    steps = record_steps(monkeypatch, dec)
+    others = [greedy(20), SamplingParams(max_tokens=20, temperature=1.2, ignore_eos=True)]
+    with Scheduler(dec, SchedulerConfig(max_batch_size=4, tree_budget=2)) as sched:
+        mixed = run_all(sched, [PROMPTS[1], PROMPTS[4]] + PROMPTS, others + params)
+    assert [r.token_ids for r in mixed[2:]] == alone
+    caps = Counter(cap for step in steps for decoding, cap, _ in step if decoding)
+    assert caps[None] > 0 and caps[1] > 0  # seeded sampled: no cap; the other two: pruned (shares of 2 // 3-4)
+
+
 # ---- same seed, same output, whatever else is in the batch ------------------------------------------------------
 
 
@@ -397,6 +464,8 @@ def test_config_errors_name_the_field():
         SchedulerConfig(max_queue_size=-1)
     with pytest.raises(ConfigError, match=r"scheduler.kv_budget_bytes: got 1.5, expected an integer"):
         SchedulerConfig(kv_budget_bytes=1.5)
+    with pytest.raises(ConfigError, match=r"scheduler.tree_budget: got 0, expected an integer >= 1"):
+        SchedulerConfig(tree_budget=0)
 
 
 # ---- errors, health, shutdown, threads ---------------------------------------------------------------------------
@@ -417,11 +486,11 @@ class _FailingDrafter:
         calls = [0]
 
         class Failing:
-            def draft(self, root, params, generator):
+            def draft(self, root, params, generator, max_nodes=None):
                 calls[0] += 1
                 if calls[0] == 3:
                     raise ValueError("drafter exploded")
-                return session.draft(root, params, generator)
+                return session.draft(root, params, generator, max_nodes)
 
             def advance(self, tokens, hidden):
                 session.advance(tokens, hidden)

@@ -70,7 +70,7 @@ class _TeacherSession:
     def __init__(self, owner: TeacherDrafter, seq: list[int]) -> None:
         self.o, self.seq = owner, seq
 
-    def draft(self, root, params, generator):
+    def draft(self, root, params, generator, max_nodes=None):
         o, tree = self.o, self.o.tree
         vocab = o.model.config.vocab_size
         tokens = [root] + [o.rng.randrange(vocab) for _ in range(tree.num_nodes - 1)]
@@ -230,7 +230,7 @@ class RankedDrafter:
         class S:
             seq = prompt.tolist()
 
-            def draft(self, root, params, generator):
+            def draft(self, root, params, generator, max_nodes=None):
                 tree = outer.tree
                 tokens = [root] + [0] * (tree.num_nodes - 1)
                 for node in range(1, tree.num_nodes):

@@ -166,13 +166,15 @@ def check_static_draft(draft, rd: ReferenceDrafts) -> None:
             assert [int(draft.tokens[c]) for c in kids] == [top[ranks[c]] for c in kids], f"children of node {i}"
 
 
-def run_steps(drafter, seq: Sequence, ref: ReferenceEagle, accepted: list[int], check, max_nodes: int = 64):
-    """Drive a session like the decode loop: draft, accept `a` nodes along the deepest path, advance."""
+def run_steps(drafter, seq: Sequence, ref: ReferenceEagle, accepted: list[int], check, max_nodes: int = 64,
+              step_nodes: list[int | None] | None = None):
+    """Drive a session like the decode loop: draft (step k asking for step_nodes[k] nodes), accept `a` nodes along
+    the deepest path, advance."""
     prompt = torch.tensor(seq.tokens)
     session = drafter.start(prompt, seq.hidden(), max_nodes)
     root = seq.next_token([])
-    for a in accepted:
-        draft = session.draft(root)
+    for k, a in enumerate(accepted):
+        draft = session.draft(root, max_nodes=None if step_nodes is None else step_nodes[k])
         assert draft.tokens[0] == root and draft.proposal is Proposal.DETERMINISTIC
         assert draft.tree.num_nodes <= max_nodes
         check(draft, ReferenceDrafts(ref, seq.hidden(), seq.tokens, root))
@@ -274,6 +276,29 @@ def test_static_tree_shrinks_to_max_nodes(head_dir, target, hf_target):
     ref = ReferenceEagle(head_dir, hf_target)
     seq = Sequence(hf_target, [0, 9, 8, 7])
     run_steps(drafter, seq, ref, accepted=[1, 2], check=check_static_draft, max_nodes=20)
+
+
+def test_step_budgets_draft_the_pruned_tree(head_dir, target, hf_target):
+    """draft(max_nodes=k) drafts exactly the subtree pruning would keep (Tree.best_nodes: fewer head forwards when
+    it is shallower) and still matches the reference; a dynamic tree drafts min(total_tokens, k) nodes."""
+    tree = Tree.parse("mc_sim_7b_63")
+    budgets = [5, None, 1, 2, 17, 3]
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, tree="mc_sim_7b_63"), target)
+    ref = ReferenceEagle(head_dir, hf_target)
+    got = []
+
+    def check(draft, rd):
+        check_static_draft(draft, rd)
+        got.append(draft.tree)
+
+    run_steps(drafter, Sequence(hf_target, [0, 9, 8, 7]), ref, [1, 2, 0, 1, 3, 0], check, step_nodes=budgets)
+    for t, k in zip(got, budgets):
+        keep = tree.best_nodes(k) if k is not None else range(tree.num_nodes)
+        assert t.choices == tuple(tree.choices[i - 1] for i in keep if i)
+    dyn = load_drafter(DraftSpec.create("eagle", path=head_dir, options={"total_tokens": 12, "depth": 3, "top_k": 4}),
+                       target)
+    for k, want in [(None, 12), (20, 12), (7, 7), (2, 2), (1, 1)]:
+        run_steps(dyn, Sequence(hf_target, [0, 17, 3, 3]), ref, [1], check_dynamic(want, 3, 4), step_nodes=[k])
 
 
 def test_redraft_and_advance_without_draft(head_dir, target, hf_target):

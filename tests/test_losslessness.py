@@ -259,3 +259,26 @@ def test_chi2_pvalue_calibration():
     counts = torch.tensor([520.0, 300.0, 180.0])
     stat = 20**2 / 500 + 0 + 20**2 / 200
     assert math.isclose(chi2_pvalue(counts, probs[:3]), math.exp(-stat / 2), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("proposal", list(Proposal), ids=lambda p: p.value)
+def test_pruned_trees_are_lossless(proposal):
+    """Drafts pruned before verification (runtime.decode._prune: what the scheduler's tree budget and the token /
+    cache limits do), to a different node budget and depth each step, stay exact."""
+    from runtime.decode import _prune
+
+    budgets = torch.Generator().manual_seed(5)
+
+    def pruned_verify(draft, logits, params, gen):
+        max_nodes = int(torch.randint(1, TREE.num_nodes + 1, (1,), generator=budgets))
+        max_depth = int(torch.randint(0, TREE.max_depth + 1, (1,), generator=budgets))
+        small = _prune(draft, max_depth=max_depth, max_nodes=max_nodes)
+        keep = torch.tensor(TREE.best_nodes(max_nodes, max_depth))
+        assert small.tree.num_nodes == keep.shape[0] and torch.equal(small.tokens, draft.tokens[keep])
+        return verify(small, logits[keep], params, gen)
+
+    params = SamplingParams(temperature=1.0)
+    firsts, pairs = run_trials(LM, pruned_verify, proposal, params, N_TRIALS, seed=77 + list(Proposal).index(proposal))
+    p1, p2 = LM.exact(params)
+    pv1, pv2 = chi2_pvalue(firsts, p1), chi2_pvalue(pairs, p2)
+    assert pv1 > ALPHA and pv2 > ALPHA, f"p-values {pv1:.3g} {pv2:.3g}"

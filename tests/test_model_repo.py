@@ -185,9 +185,19 @@ def test_render_hf_checkpoint(ckpt, tmp_path):
     # Limits, from one place (RepoOptions' defaults), reach both stages.
     assert spec.parameter("max_queue_size") == str(RepoOptions.max_queue_size)
     assert spec.parameter("max_prompt_bytes") == pre.parameter("max_prompt_bytes") == str(16 * 512)
-    assert spec.parameter("kv_memory_mb") == "0"
+    assert spec.parameter("kv_memory_mb") == "0" and spec.parameter("tree_budget") == "0"  # 0: none (whole trees)
     manifest = json.loads((out / "spectree-repo.json").read_text())
     assert manifest["max_context"] == 512 and manifest["options"]["draft"] == "lookup"
+
+
+def test_render_tree_budget_reaches_the_scheduler(ckpt, tmp_path):
+    repo = render(RepoOptions(engine=str(ckpt), output=str(tmp_path / "r"), tree_budget=16))
+    spec = repo.configs["spec_decode"]
+    assert spec.parameter("tree_budget") == "16"
+    params = {k: p.string_value for k, p in spec.parameters.items()}
+    assert SpecDecodeSettings.from_parameters(params).scheduler_config(lambda: 2**30).tree_budget == 16
+    with pytest.raises(ConfigError, match=r"tree_budget: got 0, expected an integer >= 1"):
+        RepoOptions(engine=str(ckpt), output=str(tmp_path / "s"), tree_budget=0)
 
 
 def test_render_gpu_instances(ckpt, tmp_path):

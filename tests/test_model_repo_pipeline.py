@@ -659,7 +659,7 @@ def test_metrics_follow_the_stats(decoder):
 
 def settings_params(**over: str) -> dict[str, str]:
     p = {"engine_dir": "/e", "load_options": '{"draft": "lookup"}', "max_concurrent_requests": "8",
-         "max_queue_size": "4", "prefill_chunk": "64", "max_tokens_limit": "100", "kv_memory_mb": "0", "max_prompt_bytes": "1000",
+         "max_queue_size": "4", "prefill_chunk": "64", "tree_budget": "0", "max_tokens_limit": "100", "kv_memory_mb": "0", "max_prompt_bytes": "1000",
          "max_stop_words": "4", "max_stop_word_bytes": "32", "torch_threads": "0", "device": "cpu",
          "verification_at_temperature_0": "greedy", "verification_above_temperature_0": "rejection_sampling"}
     p.update(over)
@@ -675,6 +675,8 @@ def test_spec_decode_settings_are_strict():
     assert st.scheduler_config(lambda: 3000) == SchedulerConfig(max_batch_size=8, max_queue_size=4,
                                                                  kv_budget_bytes=1500, prefill_chunk=64)
     assert SpecDecodeSettings.from_parameters(settings_params(kv_memory_mb="2")).kv_budget_bytes(lambda: 1) == 2 * 2**20
+    assert SpecDecodeSettings.from_parameters(settings_params(tree_budget="16")).scheduler_config(
+        lambda: 3000).tree_budget == 16  # 0 above: none
     for over, message in (
         ({"max_concurrent_requests": "zero"},
          "spec_decode config parameters: max_concurrent_requests: got 'zero', expected an integer"),
@@ -683,6 +685,7 @@ def test_spec_decode_settings_are_strict():
         ({"load_options": "[1]"}, "load_options: got [1], expected a mapping"),
         ({"load_options": "{"}, "load_options: got '{', expected a mapping as JSON text"),
         ({"device": "tpu"}, "device: got 'tpu', expected one of 'cpu', 'cuda'"),
+        ({"tree_budget": "-1"}, "tree_budget: got -1, expected an integer >= 0"),
         ({"verification_above_temperature_0": "greedy"}, "runtime.verify implements 'rejection_sampling'"),
         ({"verification_at_temperature_0": None}, "verification_at_temperature_0: missing (required)"),
         ({"extra": "1"}, "extra: unknown key (value '1')"),

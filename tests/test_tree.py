@@ -363,3 +363,45 @@ def test_expand_frontier():
     assert 2 not in expand_frontier(frontier, nan_lp, top_k=2).tokens[:2].tolist()
     with pytest.raises(ConfigError, match="top_k"):
         expand_frontier(frontier, logprobs, top_k=0)
+
+
+# ---- pruning (Tree.best_nodes) -----------------------------------------------------------------------------------
+
+CONFIGURED_LIKE = [[0], [1], [2], [3], [4], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]
+
+
+def test_best_nodes_keeps_the_top1_chain_first():
+    tree = Tree.from_choices(CONFIGURED_LIKE)
+    chosen = lambda ids: [list(tree.choices[i - 1]) for i in ids[1:]]  # noqa: E731
+    assert chosen(tree.best_nodes(4)) == [[0], [0, 0], [0, 0, 0]]  # rank sum 0: the top-1 chain
+    # rank sum 1, shallowest first: [1], then [0, 1], then [1, 0] / [0, 0, 1]
+    assert chosen(tree.best_nodes(6)) == [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    assert tree.best_nodes(1) == (0,)
+    assert tree.best_nodes(100) == tree.best_nodes(12) == tuple(range(12))
+    assert chosen(tree.best_nodes(100, max_depth=1)) == [[0], [1], [2], [3], [4]]
+    assert chosen(tree.best_nodes(3, max_depth=2)) == [[0], [0, 0]]
+    assert tree.best_nodes(5, max_depth=0) == (0,)
+    for bad in (0, -1, True, 2.0, None):
+        with pytest.raises(ConfigError, match="max_nodes"):
+            tree.best_nodes(bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(choice_sets(), st.integers(1, 45), st.one_of(st.none(), st.integers(0, 6)))
+def test_best_nodes_is_an_ancestor_closed_nested_sibling_prefix(paths, max_nodes, max_depth):
+    tree = Tree.from_choices(paths)
+    depth, parents = tree.depth.tolist(), tree.parent_list
+    keep = tree.best_nodes(max_nodes, max_depth)
+    allowed = [i for i in range(tree.num_nodes) if max_depth is None or depth[i] <= max_depth]
+    assert list(keep) == sorted(keep) and keep[0] == 0
+    assert len(keep) == min(max_nodes, len(allowed)) and set(keep) <= set(allowed)
+    kept = set(keep)
+    for i in keep[1:]:
+        assert parents[i] in kept  # ancestor-closed: the pruned tree is a tree
+    for i in keep:  # the kept children of a node are its first children in rank order
+        kids = tree.children(i)
+        n = sum(k in kept for k in kids)
+        assert set(kids[:n]) <= kept
+    # one priority order: a smaller budget keeps a subset of what a larger one keeps
+    if max_nodes > 1:
+        assert set(tree.best_nodes(max_nodes - 1, max_depth)) <= kept

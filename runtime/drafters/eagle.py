@@ -451,7 +451,8 @@ class EagleSession:
         self.pending_tokens: list[torch.Tensor] = [prompt[1:].to(device)]  # [n] each
         self.last_hidden = hidden[-1].to(device, self.model.dtype)  # [H]
         self.drafted_root: int | None = None  # root whose pair is in the cache, until advance() arrives
-        self._plan: StaticPlan | None = None  # the static tree's per-step index work, built on the first draft
+        # the static tree's per-step index work, per node budget (None: the whole tree), built on first use
+        self._plans: dict[int | None, tuple[Tree, StaticPlan]] = {}
 
     # ---- head cache ---------------------------------------------------------------------------------------
 
@@ -499,12 +500,18 @@ class EagleSession:
     # ---- protocol -----------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
+    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None,
+              max_nodes: int | None = None) -> Draft:
+        """max_nodes: draft only that many nodes (a static tree: the subtree `Tree.best_nodes` keeps, so fewer
+        head forwards when it is shallower; a dynamic one: total_tokens at most that)."""
         root = int(root)
         root_out = self._run_pending(root)  # [H]: predicted feature at the root's position
         if self.dynamic is not None:
-            return self._draft_dynamic(root, root_out)
-        return self._draft_static(root, root_out)
+            opts = self.dynamic
+            if max_nodes is not None and max_nodes < opts.total_tokens:
+                opts = dataclasses.replace(opts, total_tokens=max_nodes)
+            return self._draft_dynamic(root, root_out, opts)
+        return self._draft_static(root, root_out, max_nodes)
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """tokens # [a] int64: x_L .. x_{L+a-1} (previous root first); hidden # [a, H]: h_L .. h_{L+a-1}."""
@@ -531,18 +538,25 @@ class EagleSession:
 
     # ---- static trees (EAGLE-1) ---------------------------------------------------------------------------
 
-    def _draft_static(self, root: int, root_out: torch.Tensor) -> Draft:
+    def _static_plan(self, max_nodes: int | None, device: torch.device) -> tuple[Tree, StaticPlan | None]:
+        """The tree to draft for a node budget (the subtree pruning would keep) and its plan (None: root only)."""
         tree = self.tree
         assert tree is not None
-        n = tree.num_nodes
+        key = None if max_nodes is None or max_nodes >= tree.num_nodes else max_nodes
+        if key not in self._plans:
+            if key is not None:
+                keep = tree.best_nodes(key)
+                tree = Tree.from_choices([tree.choices[i - 1] for i in keep[1:]]) if key > 1 else Tree.root_only()
+            self._plans[key] = (tree, StaticPlan.of(tree, device) if tree.num_nodes > 1 else None)
+        return self._plans[key]
+
+    def _draft_static(self, root: int, root_out: torch.Tensor, max_nodes: int | None) -> Draft:
         device = root_out.device
-        tokens = torch.full((n,), root, dtype=torch.int64, device=device)
-        if n == 1:
+        tree, plan = self._static_plan(max_nodes, device)
+        tokens = torch.full((tree.num_nodes,), root, dtype=torch.int64, device=device)
+        if plan is None:
             return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
-        if self._plan is None:
-            self._plan = StaticPlan.of(tree, device)
-        plan = self._plan
-        out = torch.empty(n, root_out.shape[0], dtype=root_out.dtype, device=device)  # [num_nodes, H]
+        out = torch.empty(tree.num_nodes, root_out.shape[0], dtype=root_out.dtype, device=device)  # [num_nodes, H]
         out[0] = root_out
         self._fill_children(plan.root, out, tokens)
         self._reserve(plan.forwarded)
@@ -564,10 +578,8 @@ class EagleSession:
 
     # ---- dynamic trees (EAGLE-2) --------------------------------------------------------------------------
 
-    def _draft_dynamic(self, root: int, root_out: torch.Tensor) -> Draft:
+    def _draft_dynamic(self, root: int, root_out: torch.Tensor, opts: DynamicTreeOptions) -> Draft:
         """EAGLE-2: grow a candidate pool level by level from a top_k frontier, then keep the best total_tokens - 1."""
-        opts = self.dynamic
-        assert opts is not None
         if opts.total_tokens == 1:
             return Draft(Tree.root_only(), torch.tensor([root], dtype=torch.int64), Proposal.DETERMINISTIC)
         device = root_out.device

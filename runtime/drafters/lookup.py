@@ -114,7 +114,8 @@ class LookupSession:
         return self.datastore.continuation(context[-opts.datastore_max_ngram:], opts.datastore_tokens,
                                            opts.datastore_min_share)
 
-    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
+    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None,
+              max_nodes: int | None = None) -> Draft:
         opts = self.options
         room = self.max_nodes - 1
         budget = min(opts.num_draft_tokens, room)

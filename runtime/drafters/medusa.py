@@ -260,7 +260,8 @@ class MedusaSession:
         w = self.heads.lm_weight
         return self.heads(self.last_hidden.to(w.device).unsqueeze(0), self.tree.max_depth)[:, 0]
 
-    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
+    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None,
+              max_nodes: int | None = None) -> Draft:
         if self.tree.num_nodes == 1:
             return Draft(self.tree, torch.tensor([int(root)], dtype=torch.int64))
         top = torch.topk(self.head_logits(), self.top_k, dim=-1).indices  # [max_depth, top_k]

@@ -96,8 +96,9 @@ class MergedSession:
         self.lookup = lookup
         self.max_nodes = max_nodes
 
-    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
-        base = self.primary.draft(root, params, generator)
+    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None,
+              max_nodes: int | None = None) -> Draft:
+        base = self.primary.draft(root, params, generator, max_nodes)
         if base.tree.num_nodes >= self.max_nodes:
             return base
         extra = self.lookup.draft(root)

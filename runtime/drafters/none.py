@@ -29,7 +29,8 @@ class NoneSession:
     def __init__(self) -> None:
         self._tree = Tree.root_only()
 
-    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None) -> Draft:
+    def draft(self, root: int, params: object = None, generator: torch.Generator | None = None,
+              max_nodes: int | None = None) -> Draft:
         return Draft(self._tree, torch.tensor([int(root)], dtype=torch.int64), Proposal.DETERMINISTIC)
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
