@@ -127,6 +127,9 @@ def command(pa: PerfAnalyzer, config: ServeConfig, concurrency: int, requests: i
             "-f", str(csv_path), "--profile-export-file", str(export)]
 
 
+EXPORT_ATTEMPTS = 3  # runs of one level while perf_analyzer leaves its profile export unreadable
+
+
 def run_perf_analyzer(pa: PerfAnalyzer, cmd: list[str], timeout_s: float, log: Path) -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=pa.env, timeout=timeout_s, check=False)
@@ -278,9 +281,21 @@ def run_serve(config: ServeConfig, out: Path, on_level: Callable[[str], None] | 
         if on_level:
             on_level(f"concurrency {c}: {n} requests")
         csv_path, export_path = raw / f"c{c}.csv", raw / f"c{c}.profile.json"
-        run_perf_analyzer(pa, command(pa, config, c, n, data, csv_path, export_path), config.timeout_s,
-                          raw / f"c{c}.log")
-        export = read_json_object(export_path, ProfileExportError)
+        for attempt in range(1, EXPORT_ATTEMPTS + 1):
+            run_perf_analyzer(pa, command(pa, config, c, n, data, csv_path, export_path), config.timeout_s,
+                              raw / f"c{c}.log")
+            try:
+                export = read_json_object(export_path, ProfileExportError)
+                break
+            except ProfileExportError as exc:
+                # perf_analyzer 2.51 now and then exits 0 leaving its profile export empty or cut off at 64 KiB (seen
+                # at concurrency 8 and 16, its CSV and log complete): the level runs again rather than the run failing.
+                if attempt == EXPORT_ATTEMPTS:
+                    raise
+                if on_level:
+                    on_level(f"concurrency {c}: perf_analyzer left an unreadable profile export ({exc}); "
+                             "running the level again")
+                export_path.unlink()
         metrics = level_metrics(export, c, count_text, str(export_path))
         row = read_csv(csv_path.read_text(encoding="utf-8"), str(csv_path)).get(c)
         metrics["pa_requests_per_s"] = float(row["Inferences/Second"]) if row else None

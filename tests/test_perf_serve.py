@@ -81,6 +81,33 @@ def test_serve_cli_against_a_real_server(server, tmp_path):
     assert "| 1 | 3 |" in md and "| 2 | 4 |" in md and "](serve_latency.png)" in md
 
 
+@pytest.mark.parametrize("keep", [0, 100], ids=["empty", "cut-off"])
+def test_an_unreadable_profile_export_runs_the_level_again(server, tmp_path, monkeypatch, capsys, keep):
+    """perf_analyzer 2.51 now and then exits 0 leaving its profile export empty or cut off: that level runs again
+    (the real perf_analyzer; its first export of concurrency 2 is cut to `keep` bytes as 2.51 leaves it)."""
+    import perf.serve as serve_mod
+
+    url, _ = server
+    real, runs = serve_mod.run_perf_analyzer, []
+
+    def flaky(pa, cmd, timeout_s, log):
+        real(pa, cmd, timeout_s, log)
+        export = cmd[cmd.index("--profile-export-file") + 1]
+        runs.append(os.path.basename(export))
+        if runs.count("c2.profile.json") == 1 and export.endswith("c2.profile.json"):
+            with open(export, "r+b") as fh:
+                fh.truncate(keep)
+
+    monkeypatch.setattr(serve_mod, "run_perf_analyzer", flaky)
+    out = tmp_path / "serve"
+    assert run_main(["serve", "--url", url, "--model", "ensemble", "--concurrency", "1:2", "--requests", "2",
+                     "--max-tokens", "4", "--prompts-per-set", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert runs == ["c1.profile.json", "c2.profile.json", "c2.profile.json"]
+    assert "perf_analyzer left an unreadable profile export" in capsys.readouterr().err
+    levels = json.loads((out / "serve.json").read_text())["concurrency"]
+    assert [lv["output_tokens"] for lv in levels] == [4 * 2, 4 * 4]
+
+
 @pytest.mark.parametrize("model,args,message", [
     ("nosuch", [], "unknown model"),
     ("ensemble", ["--max-tokens", "100000"], "above this server's limit"),
