@@ -30,19 +30,22 @@ def test_batch_cli_writes_json_markdown_and_plot(tiny):
     root, cfg = tiny
     out = root / "results"
     code = main(["batch", "--config", str(cfg), "--concurrency", "1,3", "--prompts-per-set", "1", "--max-tokens", "6",
-                 "--warmup", "0", "--threads", "1", "--prefill-chunk", "4", "--out", str(out), "--quiet"])
+                 "--warmup", "0", "--threads", "1", "--prefill-chunk", "4", "--tree-budget", "6", "--out", str(out),
+                 "--quiet"])
     assert code == 0
     report = json.loads((out / "batch.json").read_text())
     assert report["format"] == "spectree-batch" and report["greedy_identical"] is True
     assert report["drafter"]["drafter"] == "lookup" and report["settings"]["prefill_chunk"] == 4
+    assert report["settings"]["tree_budget"] == 6
     assert [r["concurrency"] for r in report["levels"]] == [1, 3]
     for r in report["levels"]:
         assert r["tokens"] == 6 * r["concurrency"]
         assert r["sequential"]["tokens_per_s"] > 0 and r["batched"]["tokens_per_s"] > 0
         assert 1.0 <= r["batched"]["mean_batch"] <= r["concurrency"]
+        assert 1.0 <= r["batched"]["mean_rows"]  # prompt chunks (<= 4 tokens each) and trees within the budget
         assert r["batched"]["ttft_ms"]["p50"] > 0 and r["batched"]["itl_ms"]["p50"] > 0
     md = (out / "batch.md").read_text()
-    assert "| 3 |" in md and "batch_throughput.png" in md
+    assert "| 3 |" in md and "batch_throughput.png" in md and "tree_budget=6" in md
     assert (out / "batch_throughput.png").read_bytes().startswith(PNG)
     # the plain decoder, and `report` regenerating the Markdown from the JSON
     code = main(["batch", "--config", str(cfg), "--drafter", "plain", "--concurrency", "2", "--prompts-per-set", "1",
