@@ -133,10 +133,9 @@ def _prune(draft: Draft, max_depth: int, max_nodes: int) -> Draft:
     keep = tree.best_nodes(max_nodes, max_depth)
     if len(keep) == tree.num_nodes:
         return draft
-    kept = Tree.from_choices([tree.choices[i - 1] for i in keep[1:]]) if len(keep) > 1 else Tree.root_only()
     index = torch.tensor(keep, dtype=torch.int64)  # ascending: the kept nodes stay in canonical order
     probs = None if draft.draft_probs is None else draft.draft_probs[index.to(draft.draft_probs.device)]
-    return Draft(kept, draft.tokens[index.to(draft.tokens.device)], draft.proposal, probs)
+    return Draft(tree.subtree(keep), draft.tokens[index.to(draft.tokens.device)], draft.proposal, probs)
 
 
 class StopChecker:

@@ -280,6 +280,12 @@ class Tree:
                        key=lambda i: (rank_sum[i], len(self.choices[i - 1]), i))
         return (0,) + tuple(sorted(order[: max_nodes - 1]))
 
+    def subtree(self, nodes: Sequence[int]) -> Tree:
+        """The tree of these nodes (ancestor-closed, root included, e.g. `best_nodes`'); its node k is the k-th of
+        them in ascending order, with its path (ranks) unchanged."""
+        return Tree.from_choices([self.choices[i - 1] for i in sorted(nodes) if i]) if len(nodes) > 1 \
+            else Tree.root_only()
+
     def max_rank_per_depth(self) -> tuple[int, ...]:
         """Entry d-1 = how many top-k candidates depth d needs (1 + the largest rank used there)."""
         out = [0] * self.max_depth

@@ -374,6 +374,8 @@ def test_best_nodes_keeps_the_top1_chain_first():
     tree = Tree.from_choices(CONFIGURED_LIKE)
     chosen = lambda ids: [list(tree.choices[i - 1]) for i in ids[1:]]  # noqa: E731
     assert chosen(tree.best_nodes(4)) == [[0], [0, 0], [0, 0, 0]]  # rank sum 0: the top-1 chain
+    assert tree.subtree(tree.best_nodes(4)).choices == ((0,), (0, 0), (0, 0, 0))
+    assert tree.subtree((0,)) == Tree.root_only() and tree.subtree(range(12)) == tree
     # rank sum 1, shallowest first: [1], then [0, 1], then [1, 0] / [0, 0, 1]
     assert chosen(tree.best_nodes(6)) == [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
     assert tree.best_nodes(1) == (0,)

@@ -452,7 +452,7 @@ class EagleSession:
         self.last_hidden = hidden[-1].to(device, self.model.dtype)  # [H]
         self.drafted_root: int | None = None  # root whose pair is in the cache, until advance() arrives
         # the static tree's per-step index work, per node budget (None: the whole tree), built on first use
-        self._plans: dict[int | None, tuple[Tree, StaticPlan]] = {}
+        self._plans: dict[int | None, tuple[Tree, StaticPlan | None]] = {}
 
     # ---- head cache ---------------------------------------------------------------------------------------
 
@@ -545,8 +545,7 @@ class EagleSession:
         key = None if max_nodes is None or max_nodes >= tree.num_nodes else max_nodes
         if key not in self._plans:
             if key is not None:
-                keep = tree.best_nodes(key)
-                tree = Tree.from_choices([tree.choices[i - 1] for i in keep[1:]]) if key > 1 else Tree.root_only()
+                tree = tree.subtree(tree.best_nodes(key))
             self._plans[key] = (tree, StaticPlan.of(tree, device) if tree.num_nodes > 1 else None)
         return self._plans[key]
 
