@@ -325,8 +325,9 @@ def test_dynamic_tree_always_ancestor_closed(pool):
 @given(pools())
 def test_dynamic_tree_is_plain_topk_when_scores_are_monotone(pool):
     parents, tokens, _, total = pool
-    # distinct log-prob increments <= 0 make every child strictly worse than its parent
-    steps = -(torch.arange(parents.shape[0], dtype=torch.float64) * 0.37 % 1.0 + 0.01)
+    # log-prob increments < 0 make every child strictly worse than its parent; -(1 + 2^-(i+1)) also makes every
+    # path's sum distinct and exact in float64 (no ties for the top-k to break either way: 0.37 * i % 1 steps tied)
+    steps = -(1.0 + 0.5 ** (torch.arange(parents.shape[0], dtype=torch.float64) + 1))
     scores = torch.zeros(parents.shape[0], dtype=torch.float64)
     for i, p in enumerate(parents.tolist()):
         scores[i] = (scores[p] if p >= 0 else 0.0) + steps[i]
