@@ -270,9 +270,9 @@ class Tree:
         """
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
             raise ConfigError(f"max_nodes must be an int >= 1 (the root counts), got {max_nodes!r}")
+        if max_nodes >= self.num_nodes and (max_depth is None or max_depth >= self.max_depth):
+            return tuple(range(self.num_nodes))  # every decode step's common case: nothing to prune
         depth_ok = [max_depth is None or len(p) <= max_depth for p in self.choices]
-        if max_nodes >= self.num_nodes and all(depth_ok):
-            return tuple(range(self.num_nodes))
         rank_sum = [0] * self.num_nodes
         for j, p in enumerate(self.choices):  # parents come first in canonical order
             rank_sum[j + 1] = rank_sum[self._parents[j + 1]] + p[-1]
