@@ -1,7 +1,7 @@
 """Rotary position embeddings (RoPE), rotate-half layout, as in Hugging Face Llama / Mistral / Qwen2.
 
-Angles are computed in fp32 whatever the model dtype; cos/sin are cast to the activation dtype only when
-applied, as transformers does, so fp32 runs match it to rounding and bf16/fp16 runs round the same way.
+Angles are computed in fp32 whatever the model dtype; cos/sin are then cast to the activation dtype, as
+transformers does, so fp32 runs match it to rounding and bf16/fp16 runs round the same way.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """positions -> (cos, sin), each # [B, N, head_dim] float32."""
+    """positions -> (cos, sin), each # [B, N, head_dim], computed in float32, returned in `dtype`."""
 
     inv_freq: torch.Tensor
 
@@ -61,11 +61,12 @@ class RotaryEmbedding(torch.nn.Module):
     def from_config(cls, config: ModelConfig) -> RotaryEmbedding:
         return cls(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         # positions  # [B, N] int64
         angles = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)  # [B, N, D/2]
         angles = torch.cat([angles, angles], dim=-1)  # [B, N, D]: rotate-half layout pairs i with i + D/2
-        return angles.cos(), angles.sin()
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x # [B, H, N, D]; cos, sin # [B, N, D] float32 -> rotated x in x's dtype."""
+    """x # [B, H, N, D]; cos, sin # [B, N, D] (cast to x's dtype if they are not in it) -> rotated x in x's dtype."""
     cos = cos.to(x.dtype)[:, None]  # [B, 1, N, D]
     sin = sin.to(x.dtype)[:, None]
     return x * cos + rotate_half(x) * sin

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from plugins.tree_attention.mask import pack_mask
@@ -121,11 +122,14 @@ class Tree:
         for i in range(1, len(parents)):
             children[parents[i]].append(i)  # canonical order == rank order among siblings
         n = len(parents)
-        par = torch.tensor(parents, dtype=torch.int64)  # [n]
-        has_parent = (par >= 0).unsqueeze(-1)  # [n, 1]
-        mask = torch.eye(n, dtype=torch.bool)  # [n, n]
-        for _ in range(len(self.choices[-1]) if self.choices else 0):  # one ancestor level per pass
-            mask = mask | (mask[par.clamp(min=0)] & has_parent)
+        # Ancestor-or-self rows; canonical order puts every parent before its children, so a node's row is its
+        # parent's plus itself (one pass in numpy: trees are rebuilt every decode step when drafts vary).
+        anc = np.zeros((n, n), dtype=np.bool_)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                anc[i] = anc[p]
+            anc[i, i] = True
+        mask = torch.from_numpy(anc)  # [n, n]
         # Leaves in Medusa's retrieve order: reverse canonical order, i.e. longest first and, among equal
         # depths, reverse lexicographic (this is what reproduces Medusa's retrieve_indices golden vector).
         leaves = tuple(i for i in reversed(range(n)) if not children[i])

@@ -62,6 +62,18 @@ def test_continuation_matches_brute_force(seed):
         assert store.continuation(context, depth, share) == _reference(answers, context, depth, share, min_n, max_n)
 
 
+def test_one_ngram_hashes_as_the_index_does():
+    """The lookup's one-row hash (Python integers) equals the index's vectorised one, wrap-around included."""
+    from runtime.drafters.datastore import _hash_one, _hash_rows
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(-1, 2**31 - 1, size=(200, 5))
+    rows[::7, 0] = SEPARATOR
+    expected = _hash_rows(rows)
+    assert [_hash_one(r.tolist()) for r in rows] == expected.tolist()
+    assert _hash_one([SEPARATOR]) != _hash_one([0])  # the + 2 keeps the separator apart from token 0
+
+
 def test_occurrences_and_answer_starts():
     store = Datastore.from_answers([[5, 6, 7, 8], [5, 6, 9], [1, 5, 6, 7]], min_ngram=2, max_ngram=3)
     assert store.tokens.tolist() == [-1, 5, 6, 7, 8, -1, 5, 6, 9, -1, 1, 5, 6, 7]

@@ -40,6 +40,15 @@ def _hash_rows(windows: np.ndarray) -> np.ndarray:  # windows [m, n] int64 -> [m
     return h
 
 
+def _hash_one(ngram: list[int]) -> np.uint64:
+    """_hash_rows of one row, in Python integers: a draft step looks up a few n-grams, and numpy's per-call costs
+    (error-state switches, small arrays) were most of that time."""
+    h, mult = 0, int(_MULT)
+    for tok in ngram:
+        h = (h * mult + tok + 2) & 0xFFFF_FFFF_FFFF_FFFF
+    return np.uint64(h)
+
+
 def pack_answers(answers: list[list[int]]) -> np.ndarray:  # -> [T] int32
     """Answers (token id lists) -> the stored layout: each answer after a SEPARATOR."""
     parts: list[int] = []
@@ -128,7 +137,7 @@ class Datastore:
         if n not in self._index:
             return np.zeros(0, dtype=np.int32)
         hashes, ends = self._index[n]
-        key = _hash_rows(np.asarray([ngram], dtype=np.int64))[0]
+        key = _hash_one(ngram)
         lo, hi = np.searchsorted(hashes, key, side="left"), np.searchsorted(hashes, key, side="right")
         cand = ends[lo:hi]
         if cand.shape[0] == 0:
