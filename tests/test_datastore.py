@@ -71,6 +71,7 @@ def test_one_ngram_hashes_as_the_index_does():
     rows[::7, 0] = SEPARATOR
     expected = _hash_rows(rows)
     assert [_hash_one(r.tolist()) for r in rows] == expected.tolist()
+    assert [_hash_one(list(r)) for r in rows[:20]] == expected[:20].tolist()  # numpy ids too
     assert _hash_one([SEPARATOR]) != _hash_one([0])  # the + 2 keeps the separator apart from token 0
 
 

@@ -45,7 +45,7 @@ def _hash_one(ngram: list[int]) -> np.uint64:
     (error-state switches, small arrays) were most of that time."""
     h, mult = 0, int(_MULT)
     for tok in ngram:
-        h = (h * mult + tok + 2) & 0xFFFF_FFFF_FFFF_FFFF
+        h = (h * mult + int(tok) + 2) & 0xFFFF_FFFF_FFFF_FFFF  # int(): a numpy id would wrap at 64 bits first
     return np.uint64(h)
 
 
