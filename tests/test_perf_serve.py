@@ -102,7 +102,11 @@ def test_an_unreadable_profile_export_runs_the_level_again(server, tmp_path, mon
     out = tmp_path / "serve"
     assert run_main(["serve", "--url", url, "--model", "ensemble", "--concurrency", "1:2", "--requests", "2",
                      "--max-tokens", "4", "--prompts-per-set", "1", "--warmup", "0", "--out", str(out)]) == 0
-    assert runs == ["c1.profile.json", "c2.profile.json", "c2.profile.json"]
+    # c1 first (more than once when perf_analyzer 2.51 itself leaves that export unreadable, as it does now and then),
+    # then c2, whose first export was cut: it must run again
+    c2 = runs.index("c2.profile.json")
+    assert c2 >= 1 and set(runs[:c2]) == {"c1.profile.json"}
+    assert runs[c2:] == ["c2.profile.json"] * len(runs[c2:]) and len(runs[c2:]) >= 2
     assert "perf_analyzer left an unreadable profile export" in capsys.readouterr().err
     levels = json.loads((out / "serve.json").read_text())["concurrency"]
     assert [lv["output_tokens"] for lv in levels] == [4 * 2, 4 * 4]
