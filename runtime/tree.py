@@ -20,10 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from plugins.tree_attention.mask import pack_mask
+from plugins.tree_attention.mask import ancestor_mask, pack_mask
 from runtime.errors import ConfigError
 from runtime.tree_presets import STATIC_PRESETS
 
@@ -122,14 +121,7 @@ class Tree:
         for i in range(1, len(parents)):
             children[parents[i]].append(i)  # canonical order == rank order among siblings
         n = len(parents)
-        # Ancestor-or-self rows; canonical order puts every parent before its children, so a node's row is its
-        # parent's plus itself (one pass in numpy: trees are rebuilt every decode step when drafts vary).
-        anc = np.zeros((n, n), dtype=np.bool_)
-        for i, p in enumerate(parents):
-            if p >= 0:
-                anc[i] = anc[p]
-            anc[i, i] = True
-        mask = torch.from_numpy(anc)  # [n, n]
+        mask = ancestor_mask(parents)  # [n, n]; canonical order puts every parent before its children
         # Leaves in Medusa's retrieve order: reverse canonical order, i.e. longest first and, among equal
         # depths, reverse lexicographic (this is what reproduces Medusa's retrieve_indices golden vector).
         leaves = tuple(i for i in reversed(range(n)) if not children[i])

@@ -6,6 +6,9 @@ j // 32 at bit j % 32, least-significant bit first. Bit 31 set makes the int32 n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
@@ -49,14 +52,17 @@ def random_parents(n: int, generator: torch.Generator) -> list[int]:
     return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:  # [n, n] bool
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:  # [n, n] bool
     """Ancestor-or-self mask of a tree given by its parent list in topological order (parents[i] < i, -1 for a
     node whose parent is outside the list): mask[i, j] = j is i or an ancestor of i."""
     n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
+    # Rows in numpy: one row copy per node, no per-node torch dispatch (`runtime.tree.Tree` builds its mask here,
+    # for every drafted tree of every decode step).
+    mask = np.zeros((n, n), dtype=np.bool_)
     for i, p in enumerate(parents):
         if p >= 0:
             if p >= i:
                 raise ValueError(f"parents must be in topological order (parents[i] < i), got parents[{i}] = {p}")
-            mask[i] |= mask[p]  # the parent's row is complete already
-    return mask
+            mask[i] = mask[p]  # the parent's row is complete already
+        mask[i, i] = True
+    return torch.from_numpy(mask)
