@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import runtime.model
-from runtime.model import INVARIANT_ROWS, linear
+from runtime.model import INVARIANT_ROWS, linear, row_invariance_error
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.model import TargetModel, causal_mask
 from tests.test_model import tree_paths
@@ -82,11 +82,46 @@ def test_only_bf16_on_cpu_attends_in_float64():
     assert runtime.model.kv_dtype(torch.bfloat16, cuda) == torch.bfloat16
 
 
-def test_linear_blocks_give_every_row_its_one_row_result():
+@pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (576, 2048), (1536, 1536)],
+                         ids=["in576", "in1536", "in2048", "square1536"])
+def test_linear_blocks_give_every_row_its_one_row_result(shape):
+    """Inputs of 1536+ features are where one CPU's one-row (GEMV) kernel rounds differently from its GEMM (AMD
+    EPYC, AVX512-BF16): `linear` runs a lone row, also a lone last block, as a 2-row GEMM. 3 blocks + 1 row."""
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(3072, 576, generator=g) * 0.05).bfloat16()
-    b = torch.randn(3072, generator=g).bfloat16()
-    x = torch.randn(3 * INVARIANT_ROWS + 5, 576, generator=g).bfloat16()
-    alone = torch.cat([torch.nn.functional.linear(row[None], w, b) for row in x])
+    out_f, in_f = shape
+    w = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).bfloat16()
+    b = torch.randn(out_f, generator=g).bfloat16()
+    x = torch.randn(3 * INVARIANT_ROWS + 1, in_f, generator=g).bfloat16()
+    alone = torch.cat([linear(row[None], w, b) for row in x])
     assert torch.equal(linear(x, w, b), alone)
-    assert torch.equal(linear(x.view(1, -1, 576), w, b)[0], alone)
+    assert torch.equal(linear(x.view(1, -1, in_f), w, b)[0], alone)
+    for n in range(2, INVARIANT_ROWS + 1):
+        assert torch.equal(linear(x[:n], w, b), alone[:n]), n
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)])
+def test_this_machine_passes_the_row_invariance_check_at_smollm2_shapes(shape):
+    assert row_invariance_error(shape, torch.bfloat16, torch.device("cpu")) is None
+
+
+def test_negative_control_row_invariance_check_catches_a_row_count_dependent_kernel(monkeypatch):
+    """A matmul whose rounding depends on how many rows it runs (here: a float32 pass above 4 rows) is caught."""
+    real = torch.nn.functional.linear
+
+    def fickle(x, w, b=None):
+        if x.shape[0] > 4:
+            return real(x.float(), w.float(), None if b is None else b.float()).to(x.dtype) + 0 * real(x, w, b)
+        return real(x, w, b)
+
+    monkeypatch.setattr(runtime.model, "F", type("F", (), {"linear": staticmethod(fickle)}))
+    monkeypatch.setattr(runtime.model, "_ROW_CHECKS", {})
+    error = row_invariance_error((576, 1536), torch.bfloat16, torch.device("cpu"))
+    assert error is not None and "x [1536, 576] bfloat16 matmul gives row(s)" in error
+
+
+def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatch):
+    monkeypatch.setattr(runtime.model, "row_invariance_error", lambda shape, dtype, device: "row 3 differs")
+    with pytest.warns(RuntimeWarning, match="not row-invariant .row 3 differs.*runs in float32"):
+        model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    assert model.dtype == torch.float32 and model.config.dtype == "float32" and model.kv_dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
