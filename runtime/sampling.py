@@ -130,8 +130,21 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits # [..., V] -> # [...] int64: each row's greedy token, its largest logit, the first index on ties.
 
     torch.max(dim) documents argmax's tie rule, and on CPU its kernel is ~3x faster than argmax's on rows of 49K
-    logits (0.2 vs 0.6 ms for a 18-node tree), which every greedy step pays."""
-    return logits.max(dim=-1).indices
+    logits (0.2 vs 0.6 ms for a 18-node tree), which every greedy step pays. Rows of several thousand logits go
+    in two passes, which find the same index: the maxima of blocks of _ARGMAX_BLOCK (a contiguous, vectorised
+    reduction), then the first block holding the row's maximum and the first maximum inside it (on 2 CPU cores:
+    0.6 -> 0.15 ms for 20 rows of 49K). NaN counts as the largest value in both, as in max."""
+    v = logits.shape[-1]
+    if v < 16 * _ARGMAX_BLOCK or v % _ARGMAX_BLOCK or logits.ndim == 0:
+        return logits.max(dim=-1).indices
+    blocks = logits.reshape(-1, v // _ARGMAX_BLOCK, _ARGMAX_BLOCK)  # [rows, blocks, B]
+    block = blocks.amax(dim=-1).max(dim=-1).indices  # [rows]
+    rows = torch.arange(blocks.shape[0], device=logits.device)
+    inside = blocks[rows, block].max(dim=-1).indices  # [rows]
+    return (block * _ARGMAX_BLOCK + inside).view(logits.shape[:-1])
+
+
+_ARGMAX_BLOCK = 64
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

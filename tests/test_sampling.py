@@ -114,21 +114,25 @@ def test_greedy_probs_are_one_hot_first_max():
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_greedy_tokens_is_argmax_with_its_tie_rule(dtype):
+@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 49152), (torch.bfloat16, 49152), (torch.float64, 49152),
+                                         (torch.float32, 49155), (torch.float32, 151936)])
+def test_greedy_tokens_is_argmax_with_its_tie_rule(dtype, vocab):
     """Rows as wide as a real vocabulary (vectorised kernels split them into lanes and blocks), with exact ties placed
     in different lanes, blocks and orders: the first maximal index wins, as torch.argmax's."""
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 49152, generator=gen).to(dtype)
-    ties = torch.randint(0, 49152, (64, 3), generator=gen)
+    logits = torch.randn(64, vocab, generator=gen).to(dtype)
+    ties = torch.randint(0, vocab, (64, 3), generator=gen)
     for row in range(48):  # the last 16 rows keep their (almost surely unique) maximum
         logits[row, ties[row, : 1 + row % 3]] = 100.0
     logits[60, :] = 7.0  # a constant row: index 0
     logits[61, 5] = float("nan")  # NaN propagates as the maximum, like argmax
+    logits[62, 70] = logits[62, 900] = float("nan")  # the first NaN
+    logits[63, :] = float("-inf")
     got = greedy_tokens(logits)
     assert got.dtype == torch.int64 and got.tolist() == logits.argmax(-1).tolist()
     assert got[:48].tolist() == [int(ties[r, : 1 + r % 3].min()) for r in range(48)]
-    assert got[60] == 0 and got[61] == 5
+    assert got[60] == 0 and got[61] == 5 and got[62] == 70 and got[63] == 0
+    assert greedy_tokens(logits.view(4, 16, vocab)).tolist() == got.view(4, 16).tolist()
     assert greedy_tokens(logits[7]).ndim == 0 and int(greedy_tokens(logits[7])) == int(got[7])
 
 
