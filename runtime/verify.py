@@ -60,17 +60,22 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
     Siblings may share a token (e.g. lookup + model candidates); the deepest matching branch wins, ties going
     to the lower node index (rank order). The proposal kind is irrelevant: greedy is exact for any draft.
     """
-    tokens = torch.tensor(_check_inputs(draft, target_logits), dtype=torch.int64)  # [num_nodes]
+    tokens = _check_inputs(draft, target_logits)
     tree = draft.tree
-    argmax = greedy_tokens(target_logits).cpu()  # [num_nodes]
-    parents = tree.parents  # [num_nodes]
-    match = tokens == argmax[parents.clamp(min=0)]  # [num_nodes]: node i's token is its parent's argmax
-    match[0] = True
-    on_path_ok = ~(tree.mask & ~match).any(dim=-1)  # [num_nodes]: every node root..i matches
-    depth = torch.where(on_path_ok, tree.depth, -1)
-    best = int(depth.argmax())  # first maximum = lowest index among the deepest
+    argmax = greedy_tokens(target_logits).tolist()  # [num_nodes]
+    parents, choices = tree.parent_list, tree.choices
+    # One pass in canonical order (parents first; by depth, then rank): node i is on a matching path iff its parent
+    # is and its token is the parent's argmax. The first such node at a new depth is the lowest-index deepest one.
+    on_path = [True] + [False] * (len(tokens) - 1)
+    best, best_depth = 0, 0
+    for i in range(1, len(tokens)):
+        p = parents[i]
+        if on_path[p] and tokens[i] == argmax[p]:
+            on_path[i] = True
+            if len(choices[i - 1]) > best_depth:
+                best, best_depth = i, len(choices[i - 1])
     path = tree.path(best)
-    emitted = tokens[list(path[1:])].tolist() + [int(argmax[best])]
+    emitted = [tokens[i] for i in path[1:]] + [argmax[best]]
     return _verdict(list(path), emitted, bonus=tree.is_leaf(best))
 
 

@@ -10,6 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from plugins.tree_attention.mask import random_parents
 from runtime.errors import ConfigError
 from runtime.protocol import Draft, Proposal
 from runtime.sampling import SamplingParams, target_probs
@@ -52,6 +53,28 @@ def test_greedy_prefers_deeper_branch_among_duplicate_siblings():
     draft = Draft(tree, torch.tensor([0, 5, 5, 6]))  # both depth-1 candidates are token 5; only the second continues
     verdict = verify(draft, _logits_with_argmax([5, 0, 6, 2]), GREEDY)
     assert verdict.path.tolist() == [0, 2, 3] and verdict.tokens.tolist() == [5, 6, 2] and verdict.bonus
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 40), st.integers(0, 2**31 - 1))
+def test_greedy_path_is_the_deepest_lowest_index_match_on_random_trees(num_nodes, seed):
+    """Against a brute force over every node: random trees with few distinct tokens (many duplicate siblings)."""
+    g = torch.Generator().manual_seed(seed)
+    paths: list[tuple[int, ...]] = [()]
+    kids = [0] * num_nodes
+    for parent in random_parents(num_nodes, g)[1:]:
+        paths.append(paths[parent] + (kids[parent],))
+        kids[parent] += 1
+    tree = Tree.from_choices([list(p) for p in paths[1:]])
+    tokens = torch.randint(0, 3, (tree.num_nodes,), generator=g)
+    argmax = torch.randint(0, 3, (tree.num_nodes,), generator=g).tolist()
+    matching = [i for i in range(tree.num_nodes)
+                if all(int(tokens[c]) == argmax[p] for p, c in zip(tree.path(i), tree.path(i)[1:]))]
+    best = max(matching, key=lambda i: (len(tree.path(i)), -i))
+    verdict = verify_greedy(Draft(tree, tokens), _logits_with_argmax(argmax, vocab=3))
+    assert verdict.path.tolist() == list(tree.path(best))
+    assert verdict.tokens.tolist() == tokens[list(tree.path(best))[1:]].tolist() + [argmax[best]]
+    assert verdict.bonus is tree.is_leaf(best)
 
 
 class PrefixModel:
