@@ -181,19 +181,20 @@ def attend(
 # pass's by up to 0.375 and greedy text diverged within 6-60 tokens. So bf16 weights on CPU run batch-invariant:
 # - attention in float64 (`kv_dtype`): the order effects shrink to ~1e-16 relative, ~13 orders below a bf16
 #   rounding step, so the rounded outputs agree;
-# - weight matmuls in blocks of MIN_GEMM_ROWS to INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a row the
-#   same result at every row count from 2 to 32 and switches kernels beyond (measured on Intel Xeon with AMX: 2-182
-#   elements of a row differ at 48 or 64 rows, none at 1-32). One row takes its GEMV path, which on some CPUs
-#   reduces in another order (measured on AMD EPYC, AVX512-BF16 without AMX: for inputs of 1536+ features about one
-#   row in 20 rounds an element differently, and greedy text diverged within 60-100 tokens), so a lone row runs as
-#   a 2-row GEMM.
-# What a CPU's kernels do is measured, not assumed: a bfloat16 model checks its own matmul shapes when it loads
-# (`row_invariance_error`) and runs in float32 where they fail.
+# - weight matmuls in blocks of at most INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a row the same
+#   result at every row count from 2 to 32 and switches kernels beyond (measured on Intel Xeon with AMX: 2-182
+#   elements of a row differ at 48 or 64 rows, none at 1-32).
+# - a lone row (plain decoding, a block's tail) takes a GEMV kernel. On Intel Xeon (AMX) it rounds like the GEMM; on
+#   AMD EPYC (AVX512-BF16, no AMX) it does not: for inputs of 1536+ features about one row in 20 has an element
+#   rounded differently, and greedy speculative text left plain decoding's after 60-100 tokens. There a lone row runs
+#   as a 2-row GEMM, which costs plain decoding ~12% (measured on SmolLM2-135M), so only where it is needed.
+# What a CPU's kernels do is measured, not assumed (`row_plan`, per weight shape, once per process): whether a lone
+# row needs the GEMM, and that every row count then gives each row its lone result. A bfloat16 model checks its
+# shapes when it loads and runs in float32 where they fail.
 # float16 on CPU gains nothing (its matmuls differ from 2 rows on, measured), float32 needs nothing, and CUDA
 # computes in the weights' dtype; all of them run unchanged. Checked, with negative controls, in
 # tests/test_batch_invariance.py.
 INVARIANT_ROWS = 32
-MIN_GEMM_ROWS = 2
 
 
 def batch_invariant(dtype: torch.dtype, device: torch.device) -> bool:
@@ -255,57 +256,75 @@ def linear(
     if not batch_invariant(weight.dtype, weight.device) or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
-    if MIN_GEMM_ROWS <= rows <= INVARIANT_ROWS:
+    if 2 <= rows <= INVARIANT_ROWS:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    out = torch.cat([_gemm_block(block, weight, bias) for block in flat.split(INVARIANT_ROWS)])
+    return _invariant_linear(x, weight, bias, row_plan(weight.shape, weight.dtype, weight.device).gemm_lone_row)
+
+
+def _invariant_linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None,  # [out]
+    gemm_lone_row: bool,
+) -> torch.Tensor:  # [..., out]
+    """`linear`'s batch-invariant path: blocks of at most INVARIANT_ROWS rows, a lone row as a 2-row GEMM when
+    `gemm_lone_row`."""
+    rows = x.numel() // x.shape[-1]
+    if rows == 1 and not gemm_lone_row:
+        return F.linear(x, weight, bias)
+    blocks = x.reshape(rows, x.shape[-1]).split(INVARIANT_ROWS)
+    out = torch.cat([
+        F.linear(block.repeat(2, 1), weight, bias)[:1] if block.shape[0] == 1 and gemm_lone_row
+        else F.linear(block, weight, bias)  # a GEMM's rows are independent: the copy changes nothing in the first
+        for block in blocks
+    ])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _gemm_block(
-    block: torch.Tensor,  # [rows <= INVARIANT_ROWS, in]
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None,  # [out]
-) -> torch.Tensor:  # [rows, out]
-    if block.shape[0] >= MIN_GEMM_ROWS:
-        return F.linear(block, weight, bias)
-    return F.linear(block.repeat(MIN_GEMM_ROWS, 1), weight, bias)[:1]  # a GEMM's rows are independent
+@dataclass(frozen=True)
+class RowPlan:
+    """How `linear` keeps a weight shape's rows invariant on this machine (`row_plan`)."""
+
+    gemm_lone_row: bool  # a lone row runs as a 2-row GEMM (its GEMV kernel rounds otherwise)
+    error: str | None  # None: every row count 1 .. INVARIANT_ROWS + 1 gives each row its lone result; else what differed
 
 
-# (shape, dtype, device, torch threads) -> row_invariance_error's answer for random weights of that shape: kernels
-# are picked by shape, so one answer serves every layer (and every model) with that shape.
-_ROW_CHECKS: dict[tuple, str | None] = {}
+# (shape, dtype, device, torch threads) -> RowPlan, measured on random weights of that shape: kernels are picked by
+# shape, so one answer serves every layer (and every model) with that shape.
+_ROW_PLANS: dict[tuple, RowPlan] = {}
+
+
+def row_plan(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> RowPlan:
+    """The RowPlan for weights of `shape` (out, in), measured once per process and torch thread count.
+
+    Random rows: where two kernels reduce in different orders, about one element in 10^4 lands on the other side of
+    a bf16 rounding step, and each check compares 10^5 or more elements."""
+    key = (tuple(shape), dtype, device, torch.get_num_threads())
+    plan = _ROW_PLANS.get(key)
+    if plan is None:
+        plan = _ROW_PLANS[key] = _measure_row_plan(tuple(shape), dtype, device)
+    return plan
 
 
 @torch.no_grad()
-def row_invariance_error(
-    shape: tuple[int, int],  # (out, in) of a weight
-    dtype: torch.dtype,
-    device: torch.device,
-) -> str | None:
-    """None if `linear` gives every row of an n-row input, n = 1 .. INVARIANT_ROWS + 1 (a full block and a lone
-    row), bit for bit the result it gives that row alone, on this machine at torch's current thread count; else
-    what differed. Random data: an order difference moves about one element in 10^4 across a bf16 rounding step,
-    and the check compares 10^5 or more."""
-    key = (tuple(shape), dtype, device, torch.get_num_threads())
-    if key not in _ROW_CHECKS:
-        out_f, in_f = shape
-        g = torch.Generator().manual_seed(0)
-        weight = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).to(dtype=dtype, device=device)
-        x = torch.randn(INVARIANT_ROWS + 1, in_f, generator=g).to(dtype=dtype, device=device)
-        alone = torch.cat([linear(row[None], weight) for row in x])  # [rows, out]
-        error = None
-        # Enough row counts that the check compares at least ~2 * 10^5 elements (all of them for small outputs).
-        step = max(1, (INVARIANT_ROWS * out_f) // 200_000)
-        counts = sorted({*range(2, INVARIANT_ROWS, step), INVARIANT_ROWS, INVARIANT_ROWS + 1})
-        for n in counts:
-            differ = (linear(x[:n], weight) != alone[:n]).any(dim=-1).nonzero().flatten().tolist()
-            if differ:
-                error = (f"a [{n}, {in_f}] x [{in_f}, {out_f}] {str(dtype).removeprefix('torch.')} matmul gives "
-                         f"row(s) {differ[:4]} other values than each row alone")
-                break
-        _ROW_CHECKS[key] = error
-    return _ROW_CHECKS[key]
+def _measure_row_plan(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> RowPlan:
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).to(dtype=dtype, device=device)
+    x = torch.randn(INVARIANT_ROWS + 1, in_f, generator=g).to(dtype=dtype, device=device)
+    gemv = torch.cat([F.linear(row[None], weight) for row in x])  # [rows, out]
+    gemm = torch.cat([F.linear(row[None].repeat(2, 1), weight)[:1] for row in x])
+    gemm_lone_row = not torch.equal(gemv, gemm)
+    alone = gemm if gemm_lone_row else gemv
+    # Enough row counts to compare at least ~2 * 10^5 elements (every count for small outputs), the last two always.
+    step = max(1, (INVARIANT_ROWS * out_f) // 200_000)
+    for n in sorted({*range(2, INVARIANT_ROWS, step), INVARIANT_ROWS, INVARIANT_ROWS + 1}):
+        differ = (_invariant_linear(x[:n], weight, None, gemm_lone_row) != alone[:n]).any(dim=-1)
+        if bool(differ.any()):
+            rows = differ.nonzero().flatten().tolist()[:4]
+            return RowPlan(gemm_lone_row, f"a [{n}, {in_f}] x [{in_f}, {out_f}] {str(dtype).removeprefix('torch.')} "
+                                          f"matmul gives row(s) {rows} other values than each row alone")
+    return RowPlan(gemm_lone_row, None)
 
 
 @dataclass(frozen=True)
@@ -487,7 +506,7 @@ class TargetModel(nn.Module):
 
     def _ensure_row_invariance(self) -> None:
         """bfloat16 on CPU: check that this machine's matmul kernels give each row its lone-row result at the model's
-        weight shapes (`row_invariance_error`); where they do not, run in float32 (with a warning), whose rounding
+        weight shapes (`row_plan`); where they do not, run in float32 (with a warning), whose rounding
         needs no invariance: a bf16 tree step would not reproduce plain decoding and greedy output would change."""
         if not batch_invariant(self.dtype, self.device):
             return
@@ -495,7 +514,7 @@ class TargetModel(nn.Module):
         weights = (layer.self_attn.fused_weight, layer.self_attn.o_proj.weight, layer.mlp.fused_weight,
                    layer.mlp.down_proj.weight, self.lm_head_weight)
         for shape in sorted({tuple(w.shape) for w in weights}):
-            error = row_invariance_error(shape, self.dtype, self.device)
+            error = row_plan(shape, self.dtype, self.device).error
             if error is not None:
                 warnings.warn(
                     f"bfloat16 matmuls on this CPU are not row-invariant ({error}): a tree step would not reproduce "
@@ -662,5 +681,5 @@ class TargetModel(nn.Module):
 __all__ = [
     "RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "Segment", "AttendingCache",
     "SegmentCaches", "attend",
-    "causal_mask", "kv_dtype", "batch_invariant", "linear", "INVARIANT_ROWS", "MIN_GEMM_ROWS", "row_invariance_error",
+    "causal_mask", "kv_dtype", "batch_invariant", "linear", "INVARIANT_ROWS", "RowPlan", "row_plan",
 ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import runtime.model
-from runtime.model import INVARIANT_ROWS, linear, row_invariance_error
+from runtime.model import INVARIANT_ROWS, RowPlan, linear, row_plan
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.model import TargetModel, causal_mask
 from tests.test_model import tree_paths
@@ -86,7 +86,7 @@ def test_only_bf16_on_cpu_attends_in_float64():
                          ids=["in576", "in1536", "in2048", "square1536"])
 def test_linear_blocks_give_every_row_its_one_row_result(shape):
     """Inputs of 1536+ features are where one CPU's one-row (GEMV) kernel rounds differently from its GEMM (AMD
-    EPYC, AVX512-BF16): `linear` runs a lone row, also a lone last block, as a 2-row GEMM. 3 blocks + 1 row."""
+    EPYC, AVX512-BF16): there `linear` runs a lone row, also a lone last block, as a 2-row GEMM. 3 blocks + 1 row."""
     g = torch.Generator().manual_seed(0)
     out_f, in_f = shape
     w = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).bfloat16()
@@ -101,26 +101,56 @@ def test_linear_blocks_give_every_row_its_one_row_result(shape):
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)])
 def test_this_machine_passes_the_row_invariance_check_at_smollm2_shapes(shape):
-    assert row_invariance_error(shape, torch.bfloat16, torch.device("cpu")) is None
+    plan = row_plan(shape, torch.bfloat16, torch.device("cpu"))
+    assert plan.error is None
+    # The plan says what the kernels do: a lone row's GEMV result differs from its 2-row GEMM one exactly when the
+    # plan routes lone rows through the GEMM (checked on other random rows than the plan's own).
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(*shape, generator=g) * shape[1] ** -0.5).bfloat16()
+    x = torch.randn(64, shape[1], generator=g).bfloat16()
+    gemv = torch.cat([torch.nn.functional.linear(r[None], w) for r in x])
+    gemm = torch.cat([torch.nn.functional.linear(r[None].repeat(2, 1), w)[:1] for r in x])
+    if not plan.gemm_lone_row:
+        assert torch.equal(gemv, gemm)
 
 
-def test_negative_control_row_invariance_check_catches_a_row_count_dependent_kernel(monkeypatch):
+def test_negative_control_row_plan_catches_a_row_count_dependent_kernel(monkeypatch):
     """A matmul whose rounding depends on how many rows it runs (here: a float32 pass above 4 rows) is caught."""
     real = torch.nn.functional.linear
 
     def fickle(x, w, b=None):
         if x.shape[0] > 4:
-            return real(x.float(), w.float(), None if b is None else b.float()).to(x.dtype) + 0 * real(x, w, b)
+            return real(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
         return real(x, w, b)
 
     monkeypatch.setattr(runtime.model, "F", type("F", (), {"linear": staticmethod(fickle)}))
-    monkeypatch.setattr(runtime.model, "_ROW_CHECKS", {})
-    error = row_invariance_error((576, 1536), torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
+    error = row_plan((576, 1536), torch.bfloat16, torch.device("cpu")).error
     assert error is not None and "x [1536, 576] bfloat16 matmul gives row(s)" in error
 
 
+def test_negative_control_row_plan_routes_a_differing_lone_row_through_the_gemm(monkeypatch):
+    """A GEMV that rounds otherwise than the GEMM (here: float32 for one row) makes lone rows run as 2-row GEMMs, and
+    `linear` then gives a lone row the GEMM's result."""
+    real = torch.nn.functional.linear
+
+    def odd_gemv(x, w, b=None):
+        if x.shape[0] == 1:
+            return real(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        return real(x, w, b)
+
+    monkeypatch.setattr(runtime.model, "F", type("F", (), {"linear": staticmethod(odd_gemv)}))
+    monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
+    plan = row_plan((576, 1536), torch.bfloat16, torch.device("cpu"))
+    assert plan.gemm_lone_row and plan.error is None
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(576, 1536, generator=g) * 1536**-0.5).bfloat16()
+    x = torch.randn(8, 1536, generator=g).bfloat16()
+    assert all(torch.equal(linear(x[i:i + 1], w), real(x[:8], w)[i:i + 1]) for i in range(8))
+
+
 def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatch):
-    monkeypatch.setattr(runtime.model, "row_invariance_error", lambda shape, dtype, device: "row 3 differs")
+    monkeypatch.setattr(runtime.model, "row_plan", lambda shape, dtype, device: RowPlan(False, "row 3 differs"))
     with pytest.warns(RuntimeWarning, match="not row-invariant .row 3 differs.*runs in float32"):
         model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
     assert model.dtype == torch.float32 and model.config.dtype == "float32" and model.kv_dtype == torch.float32
