@@ -188,7 +188,8 @@ def summarize(samples: Mapping[Case, Sequence[float]]) -> list[dict[str, Any]]:
 
 # Self time of these ops is "matmul" / "attention"; everything else (norms, RoPE, copies, views, casts, the
 # dispatcher's bookkeeping of small ops) is the per-step overhead a lean step removes.
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
+              "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_cudnn_attention")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import runtime.model
-from runtime.model import INVARIANT_ROWS, RowPlan, linear, row_plan
+from runtime.model import INVARIANT_ROWS, PackedWeight, RowPlan, linear, row_plan
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.model import TargetModel, causal_mask
 from tests.test_model import tree_paths
@@ -116,14 +116,15 @@ def test_this_machine_passes_the_row_invariance_check_at_smollm2_shapes(shape):
 
 def test_negative_control_row_plan_catches_a_row_count_dependent_kernel(monkeypatch):
     """A matmul whose rounding depends on how many rows it runs (here: a float32 pass above 4 rows) is caught."""
-    real = torch.nn.functional.linear
+    real = runtime.model._matmul
 
     def fickle(x, w, b=None):
         if x.shape[0] > 4:
-            return real(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+            plain = w.weight if isinstance(w, PackedWeight) else w
+            return torch.nn.functional.linear(x.float(), plain.float(), None if b is None else b.float()).to(x.dtype)
         return real(x, w, b)
 
-    monkeypatch.setattr(runtime.model, "F", type("F", (), {"linear": staticmethod(fickle)}))
+    monkeypatch.setattr(runtime.model, "_matmul", fickle)
     monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
     error = row_plan((576, 1536), torch.bfloat16, torch.device("cpu")).error
     assert error is not None and "x [1536, 576] bfloat16 matmul gives row(s)" in error
@@ -132,21 +133,22 @@ def test_negative_control_row_plan_catches_a_row_count_dependent_kernel(monkeypa
 def test_negative_control_row_plan_routes_a_differing_lone_row_through_the_gemm(monkeypatch):
     """A GEMV that rounds otherwise than the GEMM (here: float32 for one row) makes lone rows run as 2-row GEMMs, and
     `linear` then gives a lone row the GEMM's result."""
-    real = torch.nn.functional.linear
+    real = runtime.model._matmul
 
     def odd_gemv(x, w, b=None):
         if x.shape[0] == 1:
-            return real(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+            plain = w.weight if isinstance(w, PackedWeight) else w
+            return torch.nn.functional.linear(x.float(), plain.float(), None if b is None else b.float()).to(x.dtype)
         return real(x, w, b)
 
-    monkeypatch.setattr(runtime.model, "F", type("F", (), {"linear": staticmethod(odd_gemv)}))
+    monkeypatch.setattr(runtime.model, "_matmul", odd_gemv)
     monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
     plan = row_plan((576, 1536), torch.bfloat16, torch.device("cpu"))
     assert plan.gemm_lone_row and plan.error is None
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(576, 1536, generator=g) * 1536**-0.5).bfloat16()
     x = torch.randn(8, 1536, generator=g).bfloat16()
-    assert all(torch.equal(linear(x[i:i + 1], w), real(x[:8], w)[i:i + 1]) for i in range(8))
+    assert all(torch.equal(linear(x[i:i + 1], w), real(x[:8], w, None)[i:i + 1]) for i in range(8))
 
 
 def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatch):
@@ -155,3 +157,45 @@ def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatc
         model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
     assert model.dtype == torch.float32 and model.config.dtype == "float32" and model.kv_dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_packed_weights_give_the_plain_weights_values(ckpts):
+    """A bf16 model on CPU multiplies by oneDNN-packed copies of its weights: the logits of the plain weights, bit for
+    bit, at every row count (a lone row, a tree step, several blocks), and no copy is left once the weights move."""
+    if not PackedWeight.supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN weight packing")
+    model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    layers = model.model.layers
+    assert model._packed_lm_head is not None and all(l.mlp.packed and l.self_attn.packed for l in layers)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, model.config.vocab_size, (1, 50), generator=g)
+    tokens = torch.randint(3, model.config.vocab_size, (1, 40), generator=g)
+
+    def logits(n):
+        cache = model.new_cache(100)
+        model.prefill(prefix, cache)
+        return model(tokens[:, :n], 50 + torch.arange(n)[None], cache, causal_mask(n))[0]
+
+    packed = {n: logits(n) for n in (1, 7, 40)}
+    saved = model._packed_lm_head, [(l.self_attn.packed, l.mlp.packed) for l in layers]
+    model._packed_lm_head = None
+    for layer in layers:
+        layer.self_attn.packed = layer.mlp.packed = None
+    for n, got in packed.items():
+        assert torch.equal(got, logits(n)), n
+    model._packed_lm_head = saved[0]
+    for layer, (attn, mlp) in zip(layers, saved[1]):
+        layer.self_attn.packed, layer.mlp.packed = attn, mlp
+    with torch.no_grad():  # an in-place edit of a weight: its packed copy is stale, the edit counts
+        model.lm_head_weight[5] = 0.5
+        layers[0].self_attn.q_proj.weight[0] = 0.25  # a view of the fused weight
+    assert model._packed_lm_head.stale and layers[0].self_attn.packed[0].stale
+    edited = logits(7)
+    model._packed_lm_head = None
+    for layer in layers:
+        layer.self_attn.packed = layer.mlp.packed = None
+    assert torch.equal(edited, logits(7)) and not torch.equal(edited, packed[7])
+    model.pack_weights()
+    assert torch.equal(logits(7), edited)
+    model.float()
+    assert model._packed_lm_head is None and not any(l.mlp.packed or l.self_attn.packed for l in layers)
