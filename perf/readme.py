@@ -7,6 +7,7 @@ named <YYYY-MM-DD>-<machine>, so the newest is the last in name order among thos
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -23,11 +24,20 @@ SERVE_IMAGES = ("serve_latency.png",)
 
 
 def latest_results(results: Path) -> Path:
-    dirs = sorted(d for d in results.iterdir() if d.is_dir() and (d / "bench.json").is_file()) \
-        if results.is_dir() else []
+    """The results directory whose bench.json was created last (its "created" time; two machines' runs can share a
+    date), the directory name breaking ties."""
+    dirs = [d for d in results.iterdir() if d.is_dir() and (d / "bench.json").is_file()] if results.is_dir() else []
     if not dirs:
         raise ConfigError(f"no results directory with a bench.json under {results}")
-    return dirs[-1]
+    return max(dirs, key=lambda d: (_created(d / "bench.json"), d.name))
+
+
+def _created(bench_json: Path) -> str:
+    try:
+        created = json.loads(bench_json.read_text(encoding="utf-8")).get("created", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return created if isinstance(created, str) else ""
 
 
 def _demote(markdown: str) -> str:

@@ -347,7 +347,8 @@ class RowPlan:
     """How `linear` keeps a weight shape's rows invariant on this machine (`row_plan`)."""
 
     gemm_lone_row: bool  # a lone row runs as a 2-row GEMM (its GEMV kernel rounds otherwise)
-    error: str | None  # None: every row count 1 .. INVARIANT_ROWS + 1 gives each row its lone result; else what differed
+    error: str | None  # None: each row count 1 .. INVARIANT_ROWS + 1 gives every row its lone result; else what
+    #                    differed
 
 
 # (shape, dtype, device, torch threads) -> RowPlan, measured on random weights of that shape: kernels are picked by

@@ -34,7 +34,7 @@ from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
 from perf.machine import expand_out, machine_slug
 from perf.prompt_sets import DEFAULT_SETS, Prompt, load_prompt_file, load_prompts
-from perf.readme import END, START, update_readme
+from perf.readme import END, START, latest_results, update_readme
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.test_chat import CHATML, with_template
 from tests.tiny import make_checkpoint, vocab_size
@@ -386,6 +386,12 @@ def test_readme_shows_the_latest_results(bench_run, tmp_path):
         update_readme(tmp_path / "README.md", out.parent)
     with pytest.raises(ConfigError, match="no results directory"):
         update_readme(readme, tmp_path)
+    # Two machines' runs on one date: the one created last is the latest, whatever the names' order.
+    runs = (("2000-01-02-cpu-b", "2000-01-02T01:00:00+00:00"), ("2000-01-02-cpu-a", "2000-01-02T05:00:00+00:00"))
+    for name, created in runs:
+        (tmp_path / "r" / name).mkdir(parents=True)
+        (tmp_path / "r" / name / "bench.json").write_text(json.dumps({"created": created}))
+    assert latest_results(tmp_path / "r").name == "2000-01-02-cpu-a"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel check runs for real")
