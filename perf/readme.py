@@ -2,12 +2,11 @@
 
 The README's section between the two markers below is replaced by the newest results directory's bench.md
 (and serve.md when present), with image links rewritten relative to the README. Results directories are
-named <YYYY-MM-DD>-<machine>, so the newest is the last in name order among those holding a bench.json.
+named <YYYY-MM-DD>-<machine>; the newest is the one whose bench.json was created last (`latest_results`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -34,8 +33,8 @@ def latest_results(results: Path) -> Path:
 
 def _created(bench_json: Path) -> str:
     try:
-        created = json.loads(bench_json.read_text(encoding="utf-8")).get("created", "")
-    except (OSError, ValueError, AttributeError):
+        created = read_json_object(bench_json, ConfigError).get("created", "")
+    except ConfigError:
         return ""
     return created if isinstance(created, str) else ""
 
