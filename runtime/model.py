@@ -265,16 +265,19 @@ class PackedWeight:
 
     weight: torch.Tensor  # [out, in]
     packed: torch.Tensor  # the same values in oneDNN's layout (an opaque mkldnn tensor)
-    version: int  # weight._version when packed: an in-place edit of the weight since makes the copy stale
+    # weight._version when packed: an in-place edit of the weight since makes the copy stale. -1: not tracked (an
+    # inference-mode tensor has no version counter)
+    version: int
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> PackedWeight:  # weight [out, in]
-        return cls(weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), INVARIANT_ROWS), weight._version)
+        version = -1 if weight.is_inference() else weight._version
+        return cls(weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), INVARIANT_ROWS), version)
 
     @property
     def stale(self) -> bool:
         """The weight was written in place after packing (`linear` then multiplies by the weight itself)."""
-        return self.weight._version != self.version
+        return self.version >= 0 and self.weight._version != self.version
 
     @staticmethod
     def supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -199,3 +199,16 @@ def test_packed_weights_give_the_plain_weights_values(ckpts):
     assert torch.equal(logits(7), edited)
     model.float()
     assert model._packed_lm_head is None and not any(l.mlp.packed or l.self_attn.packed for l in layers)
+
+
+def test_a_model_loaded_in_inference_mode_packs_and_runs(ckpts):
+    """Inference-mode tensors have no version counter: their packed copies are not tracked for in-place edits."""
+    if not PackedWeight.supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN weight packing")
+    with torch.inference_mode():
+        model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+        cache = model.new_cache(16)
+        logits, _ = model.prefill(torch.tensor([[5, 6, 7]]), cache)
+    assert model._packed_lm_head is not None and not model._packed_lm_head.stale
+    reference = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    assert torch.equal(logits, reference.prefill(torch.tensor([[5, 6, 7]]), reference.new_cache(16))[0])

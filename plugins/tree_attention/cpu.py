@@ -30,21 +30,27 @@ def attn_mask(tree_mask: torch.Tensor, n: int, s: int,
     (what SDPA turns a boolean mask into on every call; made once per forward here); None when no mask is needed
     (one token that sees itself sees everything: plain decoding, SDPA's fastest path)."""
     global _visible
+    if tree_mask.is_inference():  # no version counter to tell an in-place edit: not memoised
+        return _additive(tree_mask, n, s, dtype)
     key = (id(tree_mask), tree_mask._version, s, dtype)
     hit = _visible.get(key)
     if hit is not None and hit[0] is tree_mask:
         return hit[1]
-    if n == 1 and bool(torch.all(tree_mask[:, 0, 0] & 1)):
-        additive = None
-    else:
-        tree = unpack_mask(tree_mask, n)  # [B, N, N] bool
-        additive = torch.zeros(tree.shape[0], 1, n, s, dtype=dtype, device=tree_mask.device)  # prefix visible
-        additive[:, 0, :, s - n:].masked_fill_(~tree, float("-inf"))
+    additive = _additive(tree_mask, n, s, dtype)
     memo = _visible
     if len(memo) >= _MEMO_SIZE:
         memo = _visible = {}
     memo[key] = (tree_mask, additive)
     return additive
+
+
+def _additive(tree_mask: torch.Tensor, n: int, s: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if n == 1 and bool(torch.all(tree_mask[:, 0, 0] & 1)):
+        return None
+    tree = unpack_mask(tree_mask, n)  # [B, N, N] bool
+    additive = torch.zeros(tree.shape[0], 1, n, s, dtype=dtype, device=tree_mask.device)  # prefix visible
+    additive[:, 0, :, s - n:].masked_fill_(~tree, float("-inf"))
+    return additive  # [B, 1, N, L + N]
 
 
 def tree_attention_sdpa(
