@@ -134,9 +134,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     in two passes, which find the same index: the maxima of blocks of _ARGMAX_BLOCK (a contiguous, vectorised
     reduction), then the first block holding the row's maximum and the first maximum inside it (on 2 CPU cores:
     0.6 -> 0.15 ms for 20 rows of 49K). NaN counts as the largest value in both, as in max."""
-    v = logits.shape[-1]
-    if v < 16 * _ARGMAX_BLOCK or v % _ARGMAX_BLOCK or logits.ndim == 0:
+    if logits.ndim == 0 or logits.shape[-1] < 16 * _ARGMAX_BLOCK or logits.shape[-1] % _ARGMAX_BLOCK:
         return logits.max(dim=-1).indices
+    v = logits.shape[-1]
     blocks = logits.reshape(-1, v // _ARGMAX_BLOCK, _ARGMAX_BLOCK)  # [rows, blocks, B]
     block = blocks.amax(dim=-1).max(dim=-1).indices  # [rows]
     rows = torch.arange(blocks.shape[0], device=logits.device)

@@ -134,6 +134,7 @@ def test_greedy_tokens_is_argmax_with_its_tie_rule(dtype, vocab):
     assert got[60] == 0 and got[61] == 5 and got[62] == 70 and got[63] == 0
     assert greedy_tokens(logits.view(4, 16, vocab)).tolist() == got.view(4, 16).tolist()
     assert greedy_tokens(logits[7]).ndim == 0 and int(greedy_tokens(logits[7])) == int(got[7])
+    assert int(greedy_tokens(logits[7, 3])) == 0  # a lone logit, as max(dim=-1) takes it
 
 
 def test_target_probs_accepts_half_precision_and_minus_inf():
