@@ -200,7 +200,8 @@ def attend(
 # - a lone row (plain decoding, a block's tail) takes a GEMV kernel. On Intel Xeon (AMX) it rounds like the GEMM; on
 #   AMD EPYC (AVX512-BF16, no AMX) it does not: for inputs of 1536+ features about one row in 20 has an element
 #   rounded differently, and greedy speculative text left plain decoding's after 60-100 tokens. There a lone row runs
-#   as a 2-row GEMM, which costs plain decoding ~12% (measured on SmolLM2-135M), so only where it is needed.
+#   as a 2-row GEMM, only at the shapes that need it: for every shape it cost plain decoding ~12% (SmolLM2-135M),
+#   for the one that needs it (the down projection) ~2%.
 # What a CPU's kernels do is measured, not assumed (`row_plan`, per weight shape, once per process): whether a lone
 # row needs the GEMM, and that every row count then gives each row its lone result. A bfloat16 model checks its
 # shapes when it loads and runs in float32 where they fail.

@@ -176,24 +176,22 @@ def test_packed_weights_give_the_plain_weights_values(ckpts):
         model.prefill(prefix, cache)
         return model(tokens[:, :n], 50 + torch.arange(n)[None], cache, causal_mask(n))[0]
 
+    def drop_copies():
+        model._packed_lm_head = None
+        for layer in layers:
+            layer.self_attn.packed = layer.mlp.packed = None
+
     packed = {n: logits(n) for n in (1, 7, 40)}
-    saved = model._packed_lm_head, [(l.self_attn.packed, l.mlp.packed) for l in layers]
-    model._packed_lm_head = None
-    for layer in layers:
-        layer.self_attn.packed = layer.mlp.packed = None
+    drop_copies()
     for n, got in packed.items():
         assert torch.equal(got, logits(n)), n
-    model._packed_lm_head = saved[0]
-    for layer, (attn, mlp) in zip(layers, saved[1]):
-        layer.self_attn.packed, layer.mlp.packed = attn, mlp
+    model.pack_weights()
     with torch.no_grad():  # an in-place edit of a weight: its packed copy is stale, the edit counts
         model.lm_head_weight[5] = 0.5
         layers[0].self_attn.q_proj.weight[0] = 0.25  # a view of the fused weight
     assert model._packed_lm_head.stale and layers[0].self_attn.packed[0].stale
     edited = logits(7)
-    model._packed_lm_head = None
-    for layer in layers:
-        layer.self_attn.packed = layer.mlp.packed = None
+    drop_copies()
     assert torch.equal(edited, logits(7)) and not torch.equal(edited, packed[7])
     model.pack_weights()
     assert torch.equal(logits(7), edited)
