@@ -48,7 +48,7 @@ Stats: each request's GenerationStats charge it the whole shared forward of ever
 latency), and time_total runs from submit (queueing included).
 
 Host memory: every step allocates and frees tens of MiB of short-lived blocks (logits [rows, V] in float32, the
-sampling work on them, attention in float64 on CPU) whose sizes change with the batch's make-up, on this one thread,
+sampling work on them, attention scratch) whose sizes change with the batch's make-up, on this one thread,
 among KV caches that live as long as their request. Once a freed mmap has raised glibc's dynamic mmap threshold
 (up to 32 MiB), malloc serves such blocks from its heaps, and a heap gives free pages back only from its top: the
 freed holes stay resident. Measured on the SmolLM2 demo engine, 16 clients back to back: resident memory rose

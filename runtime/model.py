@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plugins.tree_attention.op  # noqa: F401  (registers torch.ops.spectree.tree_attention)
+from plugins.tree_attention import native as native_attention
 from plugins.tree_attention.mask import mask_words, pack_mask
 from runtime.checkpoint import LM_HEAD, load_checkpoint, validate_tensors
 from runtime.config import ModelConfig
@@ -192,8 +193,11 @@ def attend(
 # float32 moves results by ~1e-7 relative, too fine to show in greedy output, but a bfloat16 model rounds them to
 # its 8-bit mantissa: measured on SmolLM2-135M in bf16 on CPU, a tree step's logits differed from the sequential
 # pass's by up to 0.375 and greedy text diverged within 6-60 tokens. So bf16 weights on CPU run batch-invariant:
-# - attention in float64 (`kv_dtype`): the order effects shrink to ~1e-16 relative, ~13 orders below a bf16
-#   rounding step, so the rounded outputs agree;
+# - attention through a kernel that is row-invariant by construction (plugins/tree_attention/native.py: every
+#   reduction runs over a row's keys in their logical order, in a shape that does not depend on the other rows or on
+#   where masked keys sit), in float32 over the bf16 cache; where that kernel cannot be built (no C compiler), in
+#   float64 through SDPA (`kv_dtype`): the order effects shrink to ~1e-16 relative, ~13 orders below a bf16 rounding
+#   step, so the rounded outputs agree (2-3x slower at 16 rows, 4x the cache memory);
 # - weight matmuls in blocks of at most INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a row the same
 #   result at every row count from 2 to 32 and switches kernels beyond (measured on Intel Xeon with AMX: 2-182
 #   elements of a row differ at 48 or 64 rows, none at 1-32).
@@ -218,7 +222,9 @@ def batch_invariant(dtype: torch.dtype, device: torch.device) -> bool:
 
 def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a target model's KV cache is kept and its attention computed in, for weights in `dtype`."""
-    return torch.float64 if batch_invariant(dtype, device) else dtype
+    if not batch_invariant(dtype, device) or native_attention.load() is not None:
+        return dtype
+    return torch.float64
 
 
 @dataclass(frozen=True)
@@ -608,6 +614,11 @@ class TargetModel(nn.Module):
                 self.config = self.config.with_dtype("float32")
                 self.to(torch.float32)
                 return
+        if native_attention.load() is None:
+            warnings.warn(
+                f"the row-invariant attention kernel is unavailable ({native_attention.unavailable()}): this bfloat16 "
+                "model attends in float64 instead (slower, 4x the KV cache memory)", RuntimeWarning, stacklevel=3,
+            )
 
     def new_cache(self, max_len: int, batch: int = 1, capacity: int | None = None) -> KVCache:
         """An empty cache for up to max_len positions (at most config.max_context), on the model's device, in the

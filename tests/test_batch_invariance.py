@@ -1,12 +1,14 @@
 """Batch invariance of the target's forward: a tree step reproduces, bit for bit, the token-by-token pass that
 plain decoding makes. Greedy speculative output is identical to plain greedy output only if this holds; in
-bfloat16 it holds because attention runs in float64 on CPU (runtime/model.py `kv_dtype`)."""
+bfloat16 on CPU it holds because attention runs through the row-invariant kernel (plugins/tree_attention/native.py),
+or in float64 where that kernel cannot be built (runtime/model.py `kv_dtype`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import plugins.tree_attention.native
 import runtime.model
 from runtime.model import INVARIANT_ROWS, PackedWeight, RowPlan, linear, row_plan
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
@@ -54,32 +56,57 @@ def _mismatches(model: TargetModel, prefix_len: int, num_nodes: int, seed: int) 
     return bad
 
 
+CASES = [(40, 12), (97, 16), (130, 9), (30, 40), (60, 70)]  # (prefix, nodes); 40 and 70 nodes: more rows than
+# one invariant matmul block (runtime.model.INVARIANT_ROWS)
+
+
+@pytest.fixture
+def without_native_kernel(monkeypatch):
+    """The process as it is where the row-invariant kernel cannot be built."""
+    monkeypatch.setattr(plugins.tree_attention.native, "load", lambda: None)
+    monkeypatch.setattr(plugins.tree_attention.native, "unavailable", lambda: "no C compiler (test)")
+
+
 @pytest.mark.parametrize(
     "variant,overrides", [("llama3", {}), ("qwen2", {"num_key_value_heads": 4})], ids=["gqa", "mha"]
 )
 def test_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, variant, overrides):
     model = TargetModel.from_pretrained(ckpts(variant, **overrides), dtype="bfloat16")
-    assert model.kv_dtype == torch.float64
-    # 40 and 70 nodes: more rows than one invariant matmul block (runtime.model.INVARIANT_ROWS)
-    for seed, (prefix_len, num_nodes) in enumerate([(40, 12), (97, 16), (130, 9), (30, 40), (60, 70)]):
+    assert plugins.tree_attention.native.load() is not None, plugins.tree_attention.native.unavailable()
+    assert model.kv_dtype == torch.bfloat16  # attends through the row-invariant kernel
+    for seed, (prefix_len, num_nodes) in enumerate(CASES):
         assert _mismatches(model, prefix_len, num_nodes, seed) == 0
 
 
-def test_negative_control_attention_in_half_precision_is_not_invariant(ckpts, monkeypatch):
-    """Attending in the weights' bf16 (fused kernels reduce in shape-dependent order) breaks bit identity: the
-    test above can fail."""
+def test_without_the_kernel_bf16_attends_in_float64_and_stays_bit_identical(ckpts, without_native_kernel):
+    with pytest.warns(RuntimeWarning, match=r"row-invariant attention kernel is unavailable \(no C compiler \(test\)\)"):
+        model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    assert model.kv_dtype == torch.float64
+    for seed, (prefix_len, num_nodes) in enumerate(CASES[:3]):
+        assert _mismatches(model, prefix_len, num_nodes, seed) == 0
+
+
+def test_negative_control_attention_in_half_precision_is_not_invariant(ckpts, monkeypatch, without_native_kernel):
+    """Attending in the weights' bf16 through SDPA (fused kernels reduce in shape-dependent order) breaks bit
+    identity: the test above can fail."""
     monkeypatch.setattr(runtime.model, "kv_dtype", lambda dtype, device: dtype)
-    model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    with pytest.warns(RuntimeWarning, match="attention kernel is unavailable"):
+        model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
     assert model.kv_dtype == torch.bfloat16
     assert sum(_mismatches(model, 40 + 30 * s, 16, s) for s in range(4)) > 0
 
 
-def test_only_bf16_on_cpu_attends_in_float64():
+def test_kv_dtype_follows_the_kernel():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert runtime.model.kv_dtype(torch.bfloat16, cpu) == torch.float64
+    assert runtime.model.kv_dtype(torch.bfloat16, cpu) == torch.bfloat16  # the row-invariant kernel's
     assert runtime.model.kv_dtype(torch.float16, cpu) == torch.float16  # its CPU matmuls are not row-invariant
     assert runtime.model.kv_dtype(torch.float32, cpu) == torch.float32
     assert runtime.model.kv_dtype(torch.bfloat16, cuda) == torch.bfloat16
+
+
+def test_kv_dtype_without_the_kernel_is_float64_for_bf16_on_cpu(without_native_kernel):
+    assert runtime.model.kv_dtype(torch.bfloat16, torch.device("cpu")) == torch.float64
+    assert runtime.model.kv_dtype(torch.float32, torch.device("cpu")) == torch.float32
 
 
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (576, 2048), (1536, 1536)],

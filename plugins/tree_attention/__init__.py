@@ -2,8 +2,9 @@
 under a tree mask. One op, three hosts:
 
 - PyTorch: `torch.ops.spectree.tree_attention(q, k, v, tree_mask, scale)` (op.py; registered when this package
-  is imported): CPU -> fused SDPA under the unpacked mask (cpu.py), CUDA -> OpenAI Triton kernel (kernel.py),
-  fp64 and other devices -> the torch reference (reference.py, the oracle);
+  is imported): CPU -> the row-invariant C kernel for bf16 (native.py, invariant.c; built on first use) and fused
+  SDPA under the unpacked mask otherwise (cpu.py), CUDA -> OpenAI Triton kernel (kernel.py), other devices -> the
+  torch reference (reference.py, the oracle);
 - ONNX: exported as the plugin node SpectreeTreeAttention (onnx_export.py), expandable to standard ops for
   onnxruntime (onnx_decompose.py);
 - TensorRT: the plugin "spectree::SpectreeTreeAttention" (trt_plugin.py, needs TensorRT >= 10.9).

@@ -3,9 +3,11 @@
 Registered with torch.library when this module is imported:
 - CUDA runs the Triton kernel (plugins/tree_attention/kernel.py, imported on first CUDA call) for fp16, bf16
   and fp32, and the torch reference for other floating dtypes (fp64 checks);
-- the CPU runs torch's fused SDPA under the unpacked mask (plugins/tree_attention/cpu.py) for fp16, bf16, fp32
-  and fp64 (the KV dtype of bf16 models on CPU: runtime/model.py `kv_dtype`), the reference for other
-  dtypes; every other device runs the torch reference (CompositeExplicitAutograd);
+- the CPU runs bf16 through the row-invariant kernel (plugins/tree_attention/native.py: what bf16 models attend
+  with on CPU, runtime/model.py `kv_dtype`) where it builds, and torch's fused SDPA under the unpacked mask
+  (plugins/tree_attention/cpu.py) for fp16, fp32, fp64 (bf16 models' KV dtype where the kernel does not build)
+  and bf16 without the kernel; the reference for other dtypes; every other device runs the torch reference
+  (CompositeExplicitAutograd);
 - the fake implementation gives torch.export / torch.compile the output's shape and dtype, so the op survives
   export and the ONNX exporter turns it into the plugin node (plugins/tree_attention/onnx_export.py).
 The op is inference-only (no autograd formula). It is defined with the low-level `torch.library.Library` API
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from plugins.tree_attention import native
 from plugins.tree_attention.cpu import SDPA_DTYPES, tree_attention_sdpa
 from plugins.tree_attention.reference import tree_attention_reference
 from plugins.tree_attention.spec import KERNEL_DTYPES, TreeAttentionDtypeError, TreeAttentionShapeError, check_inputs
@@ -43,6 +46,8 @@ def _tree_attention_cpu(q, k, v, tree_mask, scale):
     if q.dtype not in SDPA_DTYPES:
         return _tree_attention_any(q, k, v, tree_mask, scale)
     check_inputs(q, k, v, tree_mask)
+    if q.dtype == native.INVARIANT_DTYPE and native.load() is not None:
+        return native.tree_attention_native(q, k, v, tree_mask, scale).to(q.dtype)
     return tree_attention_sdpa(q, k, v, tree_mask, scale)
 
 

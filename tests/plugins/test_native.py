@@ -1,0 +1,208 @@
+"""The row-invariant CPU kernel (plugins/tree_attention/native.py, invariant.c): built and cached, close to the
+reference, and row-invariant: a tree row's output is bit for bit that of decoding its root-to-node path alone, at
+every head size, GQA group, tree shape and thread count (with a negative control showing SDPA is not)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from plugins.tree_attention import native
+from plugins.tree_attention.cpu import tree_attention_sdpa
+from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
+from plugins.tree_attention.reference import tree_attention_reference
+from runtime.model import causal_mask
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler on this machine: the runtime attends in float64 instead (tested in "
+                    "tests/test_batch_invariance.py)")
+    built = native.load()
+    assert built is not None, native.unavailable()  # a compiler that cannot build the kernel is a failure
+    return built
+
+
+def _tree(n, generator):
+    parents = random_parents(n, generator)
+    return parents, ancestor_mask(list(parents))  # [N, N]
+
+
+def _inputs(b, hq, hkv, n, prefix, d, dtype, generator, capacity_extra=0):
+    """q as a transposed view (last dim contiguous), k / v as the first L + N slots of a larger cache."""
+    q = torch.randn(b, n, hq, d, generator=generator).to(dtype).transpose(1, 2)  # [B, Hq, N, D], strided
+    s = prefix + n
+    k = torch.randn(b, hkv, s + capacity_extra, d, generator=generator).to(dtype)[:, :, :s]
+    v = torch.randn(b, hkv, s + capacity_extra, d, generator=generator).to(dtype)[:, :, :s]
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 8, 2), (80, 4, 4), (16, 8, 1), (200, 2, 1)])
+@pytest.mark.parametrize("n,prefix", [(1, 0), (1, 100), (7, 5), (40, 33)])
+def test_matches_the_reference(kernel, dtype, d, hq, hkv, n, prefix):
+    g = torch.Generator().manual_seed(n * 1000 + prefix + d)
+    q, k, v = _inputs(2, hq, hkv, n, prefix, d, dtype, g, capacity_extra=5)
+    masks = torch.stack([ancestor_mask(list(random_parents(n, g))) for _ in range(2)])  # [2, N, N]
+    packed = pack_mask(masks)
+    out = native.tree_attention_native(q, k, v, packed, 0.3)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    ref = tree_attention_reference(q.double(), k.double(), v.double(), packed, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=3e-6, rtol=3e-6)
+
+
+def _path_alone(q, k, v, row, path, prefix, scale):
+    """Row `row` decoded as plain decoding does: its path's K/V contiguous after the prefix, one query, no mask."""
+    slots = list(range(prefix)) + [prefix + j for j in path]
+    one = pack_mask(torch.ones(1, 1, 1, dtype=torch.bool))
+    return native.tree_attention_native(q[:, :, row:row + 1].contiguous(), k[:, :, slots].contiguous(),
+                                        v[:, :, slots].contiguous(), one.expand(q.shape[0], 1, 1), scale)[:, :, 0]
+
+
+def _path_as_chunk(q, k, v, row, path, prefix, scale):
+    """The same row as the last query of a causal chunk over its path (a prompt chunk, or a chain)."""
+    slots = list(range(prefix)) + [prefix + j for j in path]
+    rows = [j for j in path]
+    n = len(rows)
+    return native.tree_attention_native(q[:, :, rows].contiguous(), k[:, :, slots].contiguous(),
+                                        v[:, :, slots].contiguous(), causal_mask(n, q.shape[0]), scale)[:, :, -1]
+
+
+def _mismatched_rows(attend, d, hq, hkv, n, prefix, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = _inputs(1, hq, hkv, n, prefix, d, dtype, g, capacity_extra=3)
+    _, anc = _tree(n, g)
+    out = attend(q, k, v, pack_mask(anc)[None], 0.125)
+    bad = 0
+    for row in range(n):
+        path = [j for j in range(n) if anc[row, j]]
+        alone = _path_alone(q, k, v, row, path, prefix, 0.125)
+        bad += not torch.equal(out[:, :, row].float(), alone.float())
+        if attend is native.tree_attention_native:
+            assert torch.equal(alone, _path_as_chunk(q, k, v, row, path, prefix, 0.125))
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (64, 8, 8), (128, 32, 8), (128, 7, 1), (80, 6, 2), (48, 4, 1)])
+def test_every_tree_row_is_its_path_decoded_alone_bit_for_bit(kernel, dtype, d, hq, hkv):
+    """Tiles of (row, head) pairs differ between a tree step (many rows) and plain decoding (one): each pair's
+    arithmetic must not depend on that, nor on where its ancestors sit among masked slots."""
+    for seed, (n, prefix) in enumerate([(2, 0), (16, 37), (33, 300), (9, 15), (40, 129)]):
+        assert _mismatched_rows(native.tree_attention_native, d, hq, hkv, n, prefix, dtype, seed) == 0, (n, prefix)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_negative_control_sdpa_rows_depend_on_the_tree(kernel, dtype):
+    """The same check on torch's SDPA (same dtype) finds rows that differ: it can fail."""
+    bad = sum(_mismatched_rows(tree_attention_sdpa, 64, 9, 3, 24, 200 + 13 * seed, dtype, seed) for seed in range(4))
+    assert bad > 0
+
+
+def test_results_do_not_depend_on_the_thread_count(kernel):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = _inputs(2, 9, 3, 16, 90, 64, torch.bfloat16, g)
+    mask = pack_mask(torch.stack([ancestor_mask(list(random_parents(16, g))) for _ in range(2)]))
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            runs.append(native.tree_attention_native(q, k, v, mask, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+def test_a_row_that_sees_nothing_gives_zeros_as_the_reference_does(kernel):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = _inputs(1, 4, 2, 3, 0, 64, torch.float32, g)
+    mask = pack_mask(torch.tensor([[[True, False, False], [False, False, False], [True, False, True]]]))
+    out = native.tree_attention_native(q, k, v, mask, 0.3)
+    assert torch.equal(out[0, :, 1], torch.zeros(4, 64))
+    torch.testing.assert_close(out, tree_attention_reference(q, k, v, mask, 0.3), atol=3e-6, rtol=3e-6)
+
+
+def test_the_op_routes_bf16_on_cpu_to_the_kernel(kernel):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = _inputs(1, 9, 3, 5, 20, 64, torch.bfloat16, g)
+    mask = pack_mask(ancestor_mask([-1, 0, 0, 1, 3]))[None]
+    with torch.inference_mode():
+        out = torch.ops.spectree.tree_attention(q, k, v, mask, 0.125)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, native.tree_attention_native(q, k, v, mask, 0.125).to(torch.bfloat16))
+
+
+def test_a_last_dimension_with_a_stride_is_made_contiguous(kernel):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = _inputs(1, 4, 2, 3, 10, 64, torch.float32, g)
+    mask = pack_mask(ancestor_mask([-1, 0, 1]))[None]
+    wide = torch.randn(1, 2, 13, 128, generator=g)
+    k_strided = wide[..., ::2]  # stride 2 on the last dimension
+    out = native.tree_attention_native(q, k_strided, v, mask, 0.3)
+    torch.testing.assert_close(out, native.tree_attention_native(q, k_strided.contiguous(), v, mask, 0.3), atol=0,
+                               rtol=0)
+
+
+def test_built_once_into_the_cache_folder_then_reused(kernel, tmp_path, monkeypatch):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", None)
+    first = native.load()
+    assert first is not None and first.path.parent == tmp_path and first.path.name.startswith("tree_attention_")
+    assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no temporary file left behind
+    monkeypatch.setattr(native, "_loaded", None)
+
+    def no_compile(*args):
+        raise AssertionError("compiled again although the library was cached")
+
+    monkeypatch.setattr(native, "_compile", no_compile)
+    assert native.load().path == first.path
+
+
+def test_without_a_compiler_it_says_why_and_the_op_falls_back_to_sdpa(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", None)
+    assert native.load() is None
+    assert "no C compiler" in native.unavailable() and "no-such-cc" in native.unavailable()
+    with pytest.raises(RuntimeError, match="kernel is unavailable: no C compiler"):
+        native.tree_attention_native(*_inputs(1, 2, 1, 1, 3, 16, torch.float32, torch.Generator()),
+                                     pack_mask(torch.ones(1, 1, 1, dtype=torch.bool)), 1.0)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = _inputs(1, 4, 2, 3, 10, 64, torch.bfloat16, g)
+    mask = pack_mask(ancestor_mask([-1, 0, 1]))[None]
+    assert torch.equal(torch.ops.spectree.tree_attention(q, k, v, mask, 0.3), tree_attention_sdpa(q, k, v, mask, 0.3))
+
+
+def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatch):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\necho 'boom: no such flag' >&2\n"
+                    "exit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", None)
+    assert native.load() is None
+    assert "exited 3" in native.unavailable() and "boom: no such flag" in native.unavailable()
+    assert not any((tmp_path / "cache").iterdir())  # no half-written library left
+
+
+def test_an_unwritable_cache_folder_falls_back_to_a_private_temp_folder(kernel, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
+    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", None)
+    built = native.load()
+    assert built is not None, native.unavailable()
+    assert built.path.parent == tmp_path / "tmp" / f"spectree-{os.getuid()}"
+    assert built.path.parent.stat().st_mode & 0o777 == 0o700
