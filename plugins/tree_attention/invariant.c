@@ -107,7 +107,7 @@ static inline vf lane_sums16(const vf p[LANES]) {
 
 /* Accumulator vectors a tile keeps (its pairs x the head's 16-lane chunks): within the 32 vector registers. */
 #define TILE_VECTORS 24
-#define MAX_TILE 24
+#define MAX_TILE 6 /* TILE_VECTORS / 4: the widest tile (head size 64) */
 
 /* One tile: up to MAX_TILE (query row, head) pairs of one kv head, which share the prefix keys: each prefix key and
  * value is loaded once for all of them. Pair i's logical keys: the prefix [0, prefix), then path[i][0 .. total[i] -
@@ -222,6 +222,7 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
                             int64_t k_sh, int64_t k_ss, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
                             const int32_t *mask, int64_t words, float *out, int64_t batch, int64_t hq, int64_t hkv,
                             int64_t n, int64_t s, int64_t d, float scale, int bf16) {
+    if (batch == 0 || hq == 0 || n == 0 || d == 0) return 0; /* no output element */
     const int64_t prefix = s - n, group = hq / hkv, chunks = (d + LANES - 1) / LANES;
     /* pairs (row, head) of one kv head, row-major, cut into tiles; the common head sizes get wide tiles */
     const int64_t widest = (d == 64 || d == 128) ? TILE_VECTORS / chunks : 1;
@@ -231,8 +232,9 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
     int failed = 0;
 #pragma omp parallel
     {
-        float *w = aligned_alloc(sizeof(vf), (size_t)(MAX_TILE * padded) * sizeof(float));
-        int64_t *paths = malloc((size_t)(MAX_TILE * n) * sizeof(int64_t)); /* each pair's tree slots, in order */
+        /* at least one lane's worth each: aligned_alloc / malloc of 0 bytes may give NULL */
+        float *w = aligned_alloc(sizeof(vf), (size_t)(tile_max * padded + LANES) * sizeof(float));
+        int64_t *paths = malloc((size_t)(tile_max * n + 1) * sizeof(int64_t)); /* each pair's tree slots */
         if (!w || !paths) {
 #pragma omp atomic write
             failed = 1;

@@ -178,6 +178,8 @@ def tree_attention_native(
         raise RuntimeError(f"the row-invariant tree-attention kernel is unavailable: {_failure}")
     if q.dtype not in DTYPES:
         raise TypeError(f"tree_attention_native takes {[str(d) for d in DTYPES]}, got {q.dtype}")
+    if any(t.device.type != "cpu" for t in (q, k, v, tree_mask)):
+        raise ValueError("tree_attention_native runs on CPU tensors only")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask = tree_mask.contiguous()
     b, hq, n, d = q.shape

@@ -206,3 +206,12 @@ def test_an_unwritable_cache_folder_falls_back_to_a_private_temp_folder(kernel, 
     assert built is not None, native.unavailable()
     assert built.path.parent == tmp_path / "tmp" / f"spectree-{os.getuid()}"
     assert built.path.parent.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("b,n,prefix", [(1, 0, 0), (1, 0, 7), (0, 3, 5)])
+def test_empty_inputs_give_empty_outputs(kernel, b, n, prefix):
+    q = torch.randn(b, 4, n, 64)
+    k = torch.randn(b, 2, prefix + n, 64)
+    mask = torch.zeros(b, n, (n + 31) // 32, dtype=torch.int32)
+    out = native.tree_attention_native(q, k, k, mask, 0.3)
+    assert out.shape == (b, 4, n, 64)
