@@ -88,7 +88,8 @@ def _mismatched_rows(attend, d, hq, hkv, n, prefix, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (64, 8, 8), (128, 32, 8), (128, 7, 1), (80, 6, 2), (48, 4, 1)])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (64, 8, 8), (64, 14, 2), (128, 32, 8), (128, 7, 1), (80, 6, 2),
+                                     (48, 4, 1)])
 def test_every_tree_row_is_its_path_decoded_alone_bit_for_bit(kernel, dtype, d, hq, hkv):
     """Tiles of (row, head) pairs differ between a tree step (many rows) and plain decoding (one): each pair's
     arithmetic must not depend on that, nor on where its ancestors sit among masked slots."""
