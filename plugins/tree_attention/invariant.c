@@ -11,9 +11,11 @@
  *                                       could round otherwise than the vector body;
  *   z       = sum_t e_t                  lane t mod 16 accumulates t, blocks in order, then the fixed lane sum;
  *   out     = (sum_t e_t v_t) / z        sequential over t, 16 lanes of D at a time.
- * So a tree step's row equals, bit for bit, the one-token step that later decodes the same path, whatever the
- * compiler does with fused multiply-adds (the same instructions run for both). No -ffast-math: it would let the
- * compiler reassociate the sums.
+ * Rows are worked in tiles of (row, head) pairs that share the prefix's loads, never arithmetic: each pair runs the
+ * same statements in every tile size. So a tree step's row equals, bit for bit, the one-token step that later
+ * decodes the same path (tests/plugins/test_native.py checks it across tile sizes). Fused multiply-adds are fine:
+ * GCC contracts a * b + c per statement, the same in every instantiation. No -ffast-math: it would let the compiler
+ * reassociate the sums.
  */
 #include <math.h>
 #include <stdint.h>
