@@ -55,7 +55,7 @@ def available_memory_bytes(device: str) -> int:
 def check_kv_budget(decoder: Any, prompt_tokens: int, params: SamplingParams, budget_bytes: int) -> None:
     """RequestError (naming max_tokens, with the largest that fits) when a request's worst-case KV cache could never
     fit the instance's budget: the sizing `runtime.batching.Scheduler.submit` admits by (`SpecDecoder.cache_tokens`,
-    `model.cache_bytes`: the KV dtype the model really keeps, float64 for bf16 on CPU), told in serving's terms."""
+    `model.cache_bytes`: the KV dtype the model really keeps, `runtime.model.kv_dtype`), told in serving's terms."""
     model = decoder.model
     need = model.cache_bytes(decoder.cache_tokens(prompt_tokens, params))
     if need <= budget_bytes:
