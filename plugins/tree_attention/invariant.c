@@ -27,7 +27,7 @@ typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
-static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
@@ -119,13 +119,13 @@ static inline __attribute__((always_inline)) void attend_tile(
     const void *q, const int64_t *qo, const void *k, int64_t ko, int64_t ks, const void *v, int64_t vo, int64_t vs,
     int64_t prefix, const int64_t *const *path, const int64_t *total, float *w, int64_t padded, float *const *o,
     int64_t d, int64_t chunks, int64_t tile, float scale, int bf16) {
-    vf qv[tile][chunks], acc[tile][chunks], part[tile][LANES];
-    float top[tile], z[tile];
+    vf qv[tile][chunks], acc[tile][chunks], part[tile][LANES], top[tile];
+    float z[tile];
     int64_t most = 0;
     for (int64_t i = 0; i < tile; i++) {
         for (int64_t c = 0; c < chunks; c++) qv[i][c] = load(q, qo[i], c, d, bf16);
         most = total[i] > most ? total[i] : most;
-        top[i] = -INFINITY;
+        top[i] = splat(-INFINITY); /* lane-wise running max; the max is exact in any order */
     }
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -157,16 +157,19 @@ static inline __attribute__((always_inline)) void attend_tile(
             vf sc = lane_sums16(part[i]) * splat(scale);
             sc = pick(lane + splat((float)(blk * LANES)) < splat((float)total[i]), sc, splat(-INFINITY));
             memcpy(w + i * padded + blk * LANES, &sc, sizeof sc);
-            for (int64_t j = 0; j < LANES; j++) top[i] = sc[j] > top[i] ? sc[j] : top[i];
+            top[i] = pick(sc > top[i], sc, top[i]);
         }
     }
     /* weights: exp(score - max), summed lane t mod 16 over the blocks in order, then the fixed lane sum */
     for (int64_t i = 0; i < tile; i++) {
+        float m = -INFINITY;
+        for (int64_t j = 0; j < LANES; j++) m = top[i][j] > m ? top[i][j] : m;
+        const vf mv = splat(m);
         vf zl = {0};
         for (int64_t blk = 0; blk * LANES < total[i]; blk++) {
             vf e;
             memcpy(&e, w + i * padded + blk * LANES, sizeof e);
-            e = vexp(e - splat(top[i]));
+            e = vexp(e - mv);
             memcpy(w + i * padded + blk * LANES, &e, sizeof e);
             zl = zl + e;
         }
