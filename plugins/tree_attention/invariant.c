@@ -22,10 +22,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1 /* AVX512-BF16: a bf16 pair dot product per lane in one instruction */
+#else
+#define HAVE_DPBF16 0
+#endif
+
 #define LANES 16
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint16_t vh2 __attribute__((vector_size(2 * LANES * sizeof(uint16_t)))); /* 32 bf16: one dot step */
+typedef uint16_t vh2_unaligned __attribute__((vector_size(2 * LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
 
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
@@ -107,6 +116,19 @@ static inline vf lane_sums16(const vf p[LANES]) {
     return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
+/* A bf16 dot product's 16-lane partial sums, 32 elements a step (lane l adds elements 2l and 2l + 1 of each step);
+ * only called where HAVE_DPBF16. */
+static inline __attribute__((always_inline)) vf dot_steps(const vh2 *a, const vh2 *b, int64_t steps) {
+#if HAVE_DPBF16
+    __m512 p = _mm512_setzero_ps();
+    for (int64_t c = 0; c < steps; c++) p = _mm512_dpbf16_ps(p, (__m512bh)a[c], (__m512bh)b[c]);
+    return (vf)p;
+#else
+    (void)a, (void)b, (void)steps;
+    return (vf){0};
+#endif
+}
+
 /* Accumulator vectors a tile keeps (its pairs x the head's 16-lane chunks): within the 32 vector registers. */
 #define TILE_VECTORS 24
 #define MAX_TILE 6 /* TILE_VECTORS / 4: the widest tile (head size 64) */
@@ -119,11 +141,18 @@ static inline __attribute__((always_inline)) void attend_tile(
     const void *q, const int64_t *qo, const void *k, int64_t ko, int64_t ks, const void *v, int64_t vo, int64_t vs,
     int64_t prefix, const int64_t *const *path, const int64_t *total, float *w, int64_t padded, float *const *o,
     int64_t d, int64_t chunks, int64_t tile, float scale, int bf16) {
+    /* bf16 with AVX512-BF16 and whole 32-element steps: dots straight from bf16 (each lane adds two exact products
+     * per step, in one fixed instruction sequence); otherwise float32 multiply-adds over 16-element chunks */
+    const int dot_bf16 = HAVE_DPBF16 && bf16 && d % (2 * LANES) == 0;
+    const int64_t steps = dot_bf16 ? d / (2 * LANES) : 1;
     vf qv[tile][chunks], acc[tile][chunks], part[tile][LANES], top[tile];
+    vh2 qh[tile][steps];
     float z[tile];
     int64_t most = 0;
     for (int64_t i = 0; i < tile; i++) {
         for (int64_t c = 0; c < chunks; c++) qv[i][c] = load(q, qo[i], c, d, bf16);
+        if (dot_bf16)
+            for (int64_t c = 0; c < steps; c++) qh[i][c] = *(const vh2_unaligned *)((const uint16_t *)q + qo[i] + c * 2 * LANES);
         most = total[i] > most ? total[i] : most;
         top[i] = splat(-INFINITY); /* lane-wise running max; the max is exact in any order */
     }
@@ -134,19 +163,33 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int64_t j = 0; j < LANES; j++) {
             const int64_t t = blk * LANES + j;
             if (t < prefix) {
-                vf kc[chunks];
-                for (int64_t c = 0; c < chunks; c++) kc[c] = load(k, ko + t * ks, c, d, bf16);
-                for (int64_t i = 0; i < tile; i++) {
-                    vf p = {0};
-                    for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * kc[c] + p;
-                    part[i][j] = p;
+                if (dot_bf16) {
+                    vh2 kh[steps];
+                    for (int64_t c = 0; c < steps; c++)
+                        kh[c] = *(const vh2_unaligned *)((const uint16_t *)k + ko + t * ks + c * 2 * LANES);
+                    for (int64_t i = 0; i < tile; i++) part[i][j] = dot_steps(qh[i], kh, steps);
+                } else {
+                    vf kc[chunks];
+                    for (int64_t c = 0; c < chunks; c++) kc[c] = load(k, ko + t * ks, c, d, bf16);
+                    for (int64_t i = 0; i < tile; i++) {
+                        vf p = {0};
+                        for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * kc[c] + p;
+                        part[i][j] = p;
+                    }
                 }
             } else {
                 for (int64_t i = 0; i < tile; i++) {
                     vf p = {0};
                     if (t < total[i]) {
                         const int64_t off = ko + path[i][t - prefix] * ks;
-                        for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * load(k, off, c, d, bf16) + p;
+                        if (dot_bf16) {
+                            vh2 kh[steps];
+                            for (int64_t c = 0; c < steps; c++)
+                                kh[c] = *(const vh2_unaligned *)((const uint16_t *)k + off + c * 2 * LANES);
+                            p = dot_steps(qh[i], kh, steps);
+                        } else {
+                            for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * load(k, off, c, d, bf16) + p;
+                        }
                     }
                     part[i][j] = p;
                 }
