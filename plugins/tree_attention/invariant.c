@@ -4,8 +4,9 @@
  * tree slots its mask row shows, in slot order (a node's ancestors, root first). Plain decoding attends that same
  * sequence as slots [0, L + depth], contiguous. Every reduction below runs in that logical order, in a shape that
  * does not depend on N, on where the tree slots sit, or on the other rows:
- *   score_t = scale * dot(q, k_t)       the dot's association depends on D alone (16-lane partial sums over D,
- *                                       then a fixed pairwise lane sum);
+ *   score_t = scale * dot(q, k_t)       the dot's association depends on D alone (16-lane partial sums over D:
+ *                                       float32 multiply-adds, or bf16 pair dot products where the CPU has
+ *                                       AVX512-BF16; then a fixed pairwise lane sum);
  *   m       = max_t score_t              exact, any order;
  *   e_t     = exp(score_t - m)           one elementwise vector routine (`vexp`) for every t: no scalar tail that
  *                                       could round otherwise than the vector body;
