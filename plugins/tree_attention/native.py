@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from plugins.tree_attention.spec import check_inputs
+
 SOURCE = Path(__file__).with_name("invariant.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
 OPENMP = "-fopenmp"
@@ -171,11 +173,16 @@ def tree_attention_native(
     v: torch.Tensor,  # [B, Hkv, L + N, D] q's dtype, last dim contiguous
     tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32 packed
     scale: float,
+    *,
+    checked: bool = False,
 ) -> torch.Tensor:  # [B, Hq, N, D] float32
-    """The kernel on checked inputs (plugins/tree_attention/spec.py `check_inputs`); raises if it is unavailable."""
+    """The kernel; raises if it is unavailable. Inputs are validated (plugins/tree_attention/spec.py `check_inputs`:
+    the kernel trusts every shape it is given) unless the caller has done so (`checked`, the op's CPU path)."""
     native = load()
     if native is None:
         raise RuntimeError(f"the row-invariant tree-attention kernel is unavailable: {_failure}")
+    if not checked:
+        check_inputs(q, k, v, tree_mask)
     if q.dtype not in DTYPES:
         raise TypeError(f"tree_attention_native takes {[str(d) for d in DTYPES]}, got {q.dtype}")
     if any(t.device.type != "cpu" for t in (q, k, v, tree_mask)):
@@ -192,4 +199,5 @@ def tree_attention_native(
     return out
 
 
-__all__ = ["CACHE_ENV", "DTYPES", "INVARIANT_DTYPE", "Native", "SOURCE", "cache_dir", "load", "tree_attention_native", "unavailable"]
+__all__ = ["CACHE_ENV", "DTYPES", "INVARIANT_DTYPE", "Native", "SOURCE", "cache_dir", "load", "tree_attention_native",
+           "unavailable"]

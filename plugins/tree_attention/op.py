@@ -47,7 +47,7 @@ def _tree_attention_cpu(q, k, v, tree_mask, scale):
         return _tree_attention_any(q, k, v, tree_mask, scale)
     check_inputs(q, k, v, tree_mask)
     if q.dtype == native.INVARIANT_DTYPE and native.load() is not None:
-        return native.tree_attention_native(q, k, v, tree_mask, scale).to(q.dtype)
+        return native.tree_attention_native(q, k, v, tree_mask, scale, checked=True).to(q.dtype)
     return tree_attention_sdpa(q, k, v, tree_mask, scale)
 
 

@@ -216,3 +216,16 @@ def test_empty_inputs_give_empty_outputs(kernel, b, n, prefix):
     mask = torch.zeros(b, n, (n + 31) // 32, dtype=torch.int32)
     out = native.tree_attention_native(q, k, k, mask, 0.3)
     assert out.shape == (b, 4, n, 64)
+
+
+def test_bad_inputs_are_refused_before_the_kernel_reads_them(kernel):
+    from plugins.tree_attention.spec import TreeAttentionDtypeError, TreeAttentionShapeError
+
+    q, k, v = _inputs(1, 4, 2, 5, 10, 64, torch.float32, torch.Generator().manual_seed(6))
+    mask = pack_mask(ancestor_mask([-1, 0, 1, 1, 0]))[None]
+    with pytest.raises(TreeAttentionShapeError, match="tree_mask has shape"):
+        native.tree_attention_native(q, k, v, mask[:, :3], 0.3)  # fewer mask rows than queries
+    with pytest.raises(TreeAttentionDtypeError, match="tree_mask must be int32"):
+        native.tree_attention_native(q, k, v, mask.bool(), 0.3)
+    with pytest.raises(TreeAttentionShapeError, match="positions"):
+        native.tree_attention_native(q, k[:, :, :3], v[:, :, :3], mask, 0.3)  # fewer keys than tree tokens
