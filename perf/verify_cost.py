@@ -187,12 +187,14 @@ def summarize(samples: Mapping[Case, Sequence[float]]) -> list[dict[str, Any]]:
 # ---- where a forward's time goes ------------------------------------------------------------------------------
 
 # Self time of these ops is "matmul" / "attention"; everything else (norms, RoPE, copies, views, casts, the
-# dispatcher's bookkeeping of small ops) is the per-step overhead a lean step removes.
+# dispatcher's bookkeeping of small ops) is the per-step overhead a lean step removes. The tree-attention op's own self
+# time is attention too: the row-invariant CPU kernel runs inside it (a ctypes call, no profiled child op); on the SDPA
+# route it is the op's input checks and mask.
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
-                 "aten::_scaled_dot_product_cudnn_attention")
+                 "aten::_scaled_dot_product_cudnn_attention", "spectree::tree_attention")
 
 
 def op_breakdown(self_times_us: Mapping[str, float], calls: int, top: int = 8) -> dict[str, Any]:

@@ -61,6 +61,7 @@ def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
     assert set(profiles) == {(d, n) for d in ("float32", "bfloat16") for n in (1, 4)}
     for p in profiles.values():
         assert p["ms_per_forward"] > 0 and abs(sum(p["share"].values()) - 1.0) < 1e-9 and p["share"]["matmul"] > 0
+        assert p["share"]["attention"] > 0  # bf16 attends through the row-invariant kernel, inside the op
     assert "| dtype | N | ms / forward | matmul | attention | other |" in md
     png = (out / "verify_cost.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5000
@@ -80,6 +81,8 @@ def test_op_breakdown_classes():
     assert b["ms_per_forward"] == pytest.approx(0.5)
     assert b["share"] == pytest.approx({"matmul": 0.6, "attention": 0.2, "other": 0.2})
     assert [o["op"] for o in b["top_other"]] == ["aten::copy_", "aten::add"]
+    kernel = op_breakdown({"mkldnn::_linear_pointwise": 700.0, "spectree::tree_attention": 300.0}, calls=1)
+    assert kernel["share"] == pytest.approx({"matmul": 0.7, "attention": 0.3, "other": 0.0})
     with pytest.raises(ConfigError, match=r"profile: got \[16\], expected sizes among --sizes"):
         VerifyCostConfig(checkpoint=Path("x"), sizes=(1, 4), profile=(16,))
 
