@@ -117,6 +117,13 @@ static inline vf lane_sums16(const vf p[LANES]) {
     return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
+/* Elements [0, 32 * steps) of a bf16 row, as dot steps. */
+static inline __attribute__((always_inline)) void load_steps(vh2 *out, const void *base, int64_t offset,
+                                                             int64_t steps) {
+    const uint16_t *row = (const uint16_t *)base + offset;
+    for (int64_t c = 0; c < steps; c++) out[c] = *(const vh2_unaligned *)(row + c * 2 * LANES);
+}
+
 /* A bf16 dot product's 16-lane partial sums, 32 elements a step (lane l adds elements 2l and 2l + 1 of each step);
  * only called where HAVE_DPBF16. */
 static inline __attribute__((always_inline)) vf dot_steps(const vh2 *a, const vh2 *b, int64_t steps) {
@@ -151,9 +158,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     float z[tile];
     int64_t most = 0;
     for (int64_t i = 0; i < tile; i++) {
-        for (int64_t c = 0; c < chunks; c++) qv[i][c] = load(q, qo[i], c, d, bf16);
         if (dot_bf16)
-            for (int64_t c = 0; c < steps; c++) qh[i][c] = *(const vh2_unaligned *)((const uint16_t *)q + qo[i] + c * 2 * LANES);
+            load_steps(qh[i], q, qo[i], steps);
+        else
+            for (int64_t c = 0; c < chunks; c++) qv[i][c] = load(q, qo[i], c, d, bf16);
         most = total[i] > most ? total[i] : most;
         top[i] = splat(-INFINITY); /* lane-wise running max; the max is exact in any order */
     }
@@ -166,8 +174,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (t < prefix) {
                 if (dot_bf16) {
                     vh2 kh[steps];
-                    for (int64_t c = 0; c < steps; c++)
-                        kh[c] = *(const vh2_unaligned *)((const uint16_t *)k + ko + t * ks + c * 2 * LANES);
+                    load_steps(kh, k, ko + t * ks, steps);
                     for (int64_t i = 0; i < tile; i++) part[i][j] = dot_steps(qh[i], kh, steps);
                 } else {
                     vf kc[chunks];
@@ -185,8 +192,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                         const int64_t off = ko + path[i][t - prefix] * ks;
                         if (dot_bf16) {
                             vh2 kh[steps];
-                            for (int64_t c = 0; c < steps; c++)
-                                kh[c] = *(const vh2_unaligned *)((const uint16_t *)k + off + c * 2 * LANES);
+                            load_steps(kh, k, off, steps);
                             p = dot_steps(qh[i], kh, steps);
                         } else {
                             for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * load(k, off, c, d, bf16) + p;

@@ -63,13 +63,12 @@ def _path_alone(q, k, v, row, path, prefix, scale):
                                         v[:, :, slots].contiguous(), one.expand(q.shape[0], 1, 1), scale)[:, :, 0]
 
 
-def _path_as_chunk(q, k, v, row, path, prefix, scale):
-    """The same row as the last query of a causal chunk over its path (a prompt chunk, or a chain)."""
+def _path_as_chunk(q, k, v, path, prefix, scale):
+    """The path's last node as the last query of a causal chunk over the path (a prompt chunk, or a chain)."""
     slots = list(range(prefix)) + [prefix + j for j in path]
-    rows = [j for j in path]
-    n = len(rows)
-    return native.tree_attention_native(q[:, :, rows].contiguous(), k[:, :, slots].contiguous(),
-                                        v[:, :, slots].contiguous(), causal_mask(n, q.shape[0]), scale)[:, :, -1]
+    chunk = causal_mask(len(path), q.shape[0])
+    return native.tree_attention_native(q[:, :, path].contiguous(), k[:, :, slots].contiguous(),
+                                        v[:, :, slots].contiguous(), chunk, scale)[:, :, -1]
 
 
 def _mismatched_rows(attend, d, hq, hkv, n, prefix, dtype, seed):
@@ -83,7 +82,7 @@ def _mismatched_rows(attend, d, hq, hkv, n, prefix, dtype, seed):
         alone = _path_alone(q, k, v, row, path, prefix, 0.125)
         bad += not torch.equal(out[:, :, row].float(), alone.float())
         if attend is native.tree_attention_native:
-            assert torch.equal(alone, _path_as_chunk(q, k, v, row, path, prefix, 0.125))
+            assert torch.equal(alone, _path_as_chunk(q, k, v, path, prefix, 0.125))
     return bad
 
 
@@ -183,8 +182,8 @@ def test_without_a_compiler_it_says_why_and_the_op_falls_back_to_sdpa(tmp_path, 
 
 def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatch):
     fake = tmp_path / "cc"
-    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\necho 'boom: no such flag' >&2\n"
-                    "exit 3\n")
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'boom: no such flag' >&2\nexit 3\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
