@@ -87,11 +87,6 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
-
-
 def _compile(cc: str, flags: tuple[str, ...], out: Path) -> None:
     """Compile SOURCE into `out` (atomically: a temporary name in the same folder, then renamed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -123,19 +118,19 @@ def _load_or_compile(cc: str, flags: tuple[str, ...], name: str) -> tuple[ctypes
 
 
 def _build() -> Native:
-    cc = _compiler()
+    name = os.environ.get("CC") or "cc"
+    cc = shutil.which(name)
     if cc is None:
-        raise RuntimeError(f"no C compiler: {os.environ.get('CC') or 'cc'} is not on PATH (set CC)")
+        raise RuntimeError(f"no C compiler: {name} is not on PATH (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-    source = SOURCE.read_bytes()
+    # what the library depends on besides its flags: the source, the compiler, the CPU -march=native targets
+    built_from = [SOURCE.read_bytes(), version.encode(), _cpu_flags().encode()]
     errors = []
     for threaded in (True, False):  # without OpenMP where the compiler has none: one thread
         flags = FLAGS + ((OPENMP,) if threaded else ())
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
-                                         _cpu_flags().encode()])).hexdigest()[:16]
-        name = f"tree_attention_{key}.so"
+        key = hashlib.sha256(b"\0".join([" ".join(flags).encode(), *built_from])).hexdigest()[:16]
         try:
-            lib, path = _load_or_compile(cc, flags, name)
+            lib, path = _load_or_compile(cc, flags, f"tree_attention_{key}.so")
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             errors.append(f"{' '.join(flags)}: {exc}")
             continue
