@@ -141,15 +141,18 @@ def test_this_machine_passes_the_row_invariance_check_at_smollm2_shapes(shape):
         assert torch.equal(gemv, gemm)
 
 
+def _float32_matmul(x, w, b):
+    """`runtime.model._matmul` rounded otherwise: in float32 (a PackedWeight by its plain weight), cast back."""
+    plain = w.weight if isinstance(w, PackedWeight) else w
+    return torch.nn.functional.linear(x.float(), plain.float(), None if b is None else b.float()).to(x.dtype)
+
+
 def test_negative_control_row_plan_catches_a_row_count_dependent_kernel(monkeypatch):
     """A matmul whose rounding depends on how many rows it runs (here: a float32 pass above 4 rows) is caught."""
     real = runtime.model._matmul
 
     def fickle(x, w, b=None):
-        if x.shape[0] > 4:
-            plain = w.weight if isinstance(w, PackedWeight) else w
-            return torch.nn.functional.linear(x.float(), plain.float(), None if b is None else b.float()).to(x.dtype)
-        return real(x, w, b)
+        return _float32_matmul(x, w, b) if x.shape[0] > 4 else real(x, w, b)
 
     monkeypatch.setattr(runtime.model, "_matmul", fickle)
     monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
@@ -163,10 +166,7 @@ def test_negative_control_row_plan_routes_a_differing_lone_row_through_the_gemm(
     real = runtime.model._matmul
 
     def odd_gemv(x, w, b=None):
-        if x.shape[0] == 1:
-            plain = w.weight if isinstance(w, PackedWeight) else w
-            return torch.nn.functional.linear(x.float(), plain.float(), None if b is None else b.float()).to(x.dtype)
-        return real(x, w, b)
+        return _float32_matmul(x, w, b) if x.shape[0] == 1 else real(x, w, b)
 
     monkeypatch.setattr(runtime.model, "_matmul", odd_gemv)
     monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
