@@ -154,7 +154,6 @@ def test_cpu_additive_mask_is_what_sdpa_makes_of_the_boolean_one(dtype):
     import torch.nn.functional as F
 
     from plugins.tree_attention.cpu import tree_attention_sdpa
-
     from plugins.tree_attention.mask import ancestor_mask, pack_mask, unpack_mask
 
     g = torch.Generator().manual_seed(1)
