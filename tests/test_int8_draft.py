@@ -118,3 +118,38 @@ def test_int8_from_every_front_end(target_dir, tmp_path):
     bad.write_text(cfg.read_text().replace("quantization: int8", "quantization: int4"))
     with pytest.raises(ConfigError, match="draft.quantization: got 'int4', expected one of int8"):
         load_config(bad)
+
+
+def test_bf16_eagle_head_drafts_from_packed_copies(target_dir, tmp_path):
+    """Without quantization a bf16 head on CPU multiplies by oneDNN-packed copies of its weights: the same values,
+    so the same draft features and logits as the weights themselves; a head another drafter quantized is refused."""
+    model = TargetModel.from_pretrained(target_dir, dtype=torch.bfloat16)
+    heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
+    tree = runtime.tree.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    packed = EagleDrafter(load_eagle_head(heads, model), model, tree=tree)
+    assert packed.lm_packed is not None and packed.head.fc_packed is not None
+    assert all(layer.mlp.packed is not None and layer.self_attn.packed is not None for layer in packed.head.layers)
+    bare = EagleDrafter(load_eagle_head(heads, model), model, tree=tree)
+    bare.lm_packed = None
+    bare.head.fc_packed = None
+    for layer in bare.head.layers:
+        layer.mlp.packed = layer.self_attn.packed = None
+    prompt = [0, 5, 9, 33, 7, 5, 9, 33, 12, 40]
+    logits, hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
+    root = int(logits[0, -1].argmax())
+    feats = []
+    for drafter in (packed, bare):
+        f = drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None], hidden, torch.arange(len(prompt))[None],
+                         drafter.head.new_cache(32), runtime.model.causal_mask(len(prompt)))
+        feats.append((f, drafter.draft_logits(f[0])))
+    assert torch.equal(feats[0][0], feats[1][0]) and torch.equal(feats[0][1], feats[1][1])
+    shared = load_eagle_head(heads, model)
+    EagleDrafter(shared, model, tree=tree, quantization="int8")
+    with pytest.raises(ConfigError, match="already drafts from int8 copies"):
+        EagleDrafter(shared, model, tree=tree)
+    # greedy output through the packed drafter is plain decoding's
+    plain = runtime.load(str(target_dir), draft="none", dtype="bfloat16").generate(prompt, max_tokens=32,
+                                                                                   ignore_eos=True)
+    out = runtime.decode.SpecDecoder(model, None, packed, tree.num_nodes).generate(
+        prompt, runtime.sampling.SamplingParams(max_tokens=32, ignore_eos=True))
+    assert out.token_ids == plain.token_ids and out.stats.drafted_tokens > 0
