@@ -2,21 +2,33 @@
  *
  * A query row's output is a function of its logical key sequence alone: the prefix slots [0, L) in order, then the
  * tree slots its mask row shows, in slot order (a node's ancestors, root first). Plain decoding attends that same
- * sequence as slots [0, L + depth], contiguous. Every reduction below runs in that logical order, in a shape that
- * does not depend on N, on where the tree slots sit, or on the other rows:
- *   score_t = scale * dot(q, k_t)       the dot's association depends on D alone (16-lane partial sums over D:
- *                                       float32 multiply-adds, or bf16 pair dot products where the CPU has
- *                                       AVX512-BF16; then a fixed pairwise lane sum);
+ * sequence as slots [0, L + depth], contiguous. Every reduction runs in that logical order, in a shape that does not
+ * depend on N, on where the tree slots sit, or on the other rows. Two routes, each invariant on its own (a model on
+ * a machine always takes the same one: it depends on the dtype, the head size and the CPU alone):
+ *
+ * bf16 where the CPU has AVX512-BF16 and the head size is a multiple of 32 (`attend_group_bf16`): 16 (row, head)
+ * pairs are the 16 lanes of a vector and everything is lane-wise, so no lane sees another:
+ *   score_t = scale * sum_j q[2j..2j+1] . k_t[2j..2j+1]  bf16 pair dot products, j = 0 .. D/2 - 1 in order;
+ *   m = max_t score_t; e_t = bf16(exp(score_t - m))      rounded to nearest even; z = sum_t e_t, t in order;
+ *   out = sum_u (e_2u v_2u + e_2u+1 v_2u+1) / z          bf16 pair dot products over logical keys (2u, 2u + 1), u in
+ *                                                        order (past the row's end: weight 0, value 0).
+ * Rounding the weights to bf16 for the second product is what GPU flash attention does; z sums the rounded weights,
+ * so each output is a convex combination of the values. A prefix key is loaded once for all lanes.
+ *
+ * float32, or a CPU without AVX512-BF16, or another head size (`attend_tile`):
+ *   score_t = scale * dot(q, k_t)       the dot's association depends on D alone (16-lane partial sums over D of
+ *                                       float32 multiply-adds, then a fixed pairwise lane sum);
  *   m       = max_t score_t              exact, any order;
  *   e_t     = exp(score_t - m)           one elementwise vector routine (`vexp`) for every t: no scalar tail that
  *                                       could round otherwise than the vector body;
  *   z       = sum_t e_t                  lane t mod 16 accumulates t, blocks in order, then the fixed lane sum;
  *   out     = (sum_t e_t v_t) / z        sequential over t, 16 lanes of D at a time.
  * Rows are worked in tiles of (row, head) pairs that share the prefix's loads, never arithmetic: each pair runs the
- * same statements in every tile size. So a tree step's row equals, bit for bit, the one-token step that later
- * decodes the same path (tests/plugins/test_native.py checks it across tile sizes). Fused multiply-adds are fine:
- * GCC contracts a * b + c per statement, the same in every instantiation. No -ffast-math: it would let the compiler
- * reassociate the sums.
+ * same statements in every tile size.
+ *
+ * So a tree step's row equals, bit for bit, the one-token step that later decodes the same path (tests/plugins/
+ * test_native.py checks it across tile sizes and lane counts). Fused multiply-adds are fine: GCC contracts a * b + c
+ * per statement, the same in every instantiation. No -ffast-math: it would let the compiler reassociate the sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,9 +45,8 @@
 #define LANES 16
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint16_t vh2 __attribute__((vector_size(2 * LANES * sizeof(uint16_t)))); /* 32 bf16: one dot step */
-typedef uint16_t vh2_unaligned __attribute__((vector_size(2 * LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
 
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
@@ -117,26 +128,6 @@ static inline vf lane_sums16(const vf p[LANES]) {
     return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
-/* Elements [0, 32 * steps) of a bf16 row, as dot steps. */
-static inline __attribute__((always_inline)) void load_steps(vh2 *out, const void *base, int64_t offset,
-                                                             int64_t steps) {
-    const uint16_t *row = (const uint16_t *)base + offset;
-    for (int64_t c = 0; c < steps; c++) out[c] = *(const vh2_unaligned *)(row + c * 2 * LANES);
-}
-
-/* A bf16 dot product's 16-lane partial sums, 32 elements a step (lane l adds elements 2l and 2l + 1 of each step);
- * only called where HAVE_DPBF16. */
-static inline __attribute__((always_inline)) vf dot_steps(const vh2 *a, const vh2 *b, int64_t steps) {
-#if HAVE_DPBF16
-    __m512 p = _mm512_setzero_ps();
-    for (int64_t c = 0; c < steps; c++) p = _mm512_dpbf16_ps(p, (__m512bh)a[c], (__m512bh)b[c]);
-    return (vf)p;
-#else
-    (void)a, (void)b, (void)steps;
-    return (vf){0};
-#endif
-}
-
 /* Accumulator vectors a tile keeps (its pairs x the head's 16-lane chunks): within the 32 vector registers. */
 #define TILE_VECTORS 24
 #define MAX_TILE 6 /* TILE_VECTORS / 4: the widest tile (head size 64) */
@@ -149,19 +140,11 @@ static inline __attribute__((always_inline)) void attend_tile(
     const void *q, const int64_t *qo, const void *k, int64_t ko, int64_t ks, const void *v, int64_t vo, int64_t vs,
     int64_t prefix, const int64_t *const *path, const int64_t *total, float *w, int64_t padded, float *const *o,
     int64_t d, int64_t chunks, int64_t tile, float scale, int bf16) {
-    /* bf16 with AVX512-BF16 and whole 32-element steps: dots straight from bf16 (each lane adds two exact products
-     * per step, in one fixed instruction sequence); otherwise float32 multiply-adds over 16-element chunks */
-    const int dot_bf16 = HAVE_DPBF16 && bf16 && d % (2 * LANES) == 0;
-    const int64_t steps = dot_bf16 ? d / (2 * LANES) : 1;
     vf qv[tile][chunks], acc[tile][chunks], part[tile][LANES], top[tile];
-    vh2 qh[tile][steps];
     float z[tile];
     int64_t most = 0;
     for (int64_t i = 0; i < tile; i++) {
-        if (dot_bf16)
-            load_steps(qh[i], q, qo[i], steps);
-        else
-            for (int64_t c = 0; c < chunks; c++) qv[i][c] = load(q, qo[i], c, d, bf16);
+        for (int64_t c = 0; c < chunks; c++) qv[i][c] = load(q, qo[i], c, d, bf16);
         most = total[i] > most ? total[i] : most;
         top[i] = splat(-INFINITY); /* lane-wise running max; the max is exact in any order */
     }
@@ -172,31 +155,19 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int64_t j = 0; j < LANES; j++) {
             const int64_t t = blk * LANES + j;
             if (t < prefix) {
-                if (dot_bf16) {
-                    vh2 kh[steps];
-                    load_steps(kh, k, ko + t * ks, steps);
-                    for (int64_t i = 0; i < tile; i++) part[i][j] = dot_steps(qh[i], kh, steps);
-                } else {
-                    vf kc[chunks];
-                    for (int64_t c = 0; c < chunks; c++) kc[c] = load(k, ko + t * ks, c, d, bf16);
-                    for (int64_t i = 0; i < tile; i++) {
-                        vf p = {0};
-                        for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * kc[c] + p;
-                        part[i][j] = p;
-                    }
+                vf kc[chunks];
+                for (int64_t c = 0; c < chunks; c++) kc[c] = load(k, ko + t * ks, c, d, bf16);
+                for (int64_t i = 0; i < tile; i++) {
+                    vf p = {0};
+                    for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * kc[c] + p;
+                    part[i][j] = p;
                 }
             } else {
                 for (int64_t i = 0; i < tile; i++) {
                     vf p = {0};
                     if (t < total[i]) {
                         const int64_t off = ko + path[i][t - prefix] * ks;
-                        if (dot_bf16) {
-                            vh2 kh[steps];
-                            load_steps(kh, k, off, steps);
-                            p = dot_steps(qh[i], kh, steps);
-                        } else {
-                            for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * load(k, off, c, d, bf16) + p;
-                        }
+                        for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * load(k, off, c, d, bf16) + p;
                     }
                     part[i][j] = p;
                 }
@@ -269,6 +240,255 @@ static inline __attribute__((always_inline)) void attend_tile(
                          BF16); break;                                                                             \
     }
 
+#if HAVE_DPBF16
+/* The bf16 route (AVX512-BF16, head size a multiple of 32): up to 16 (query row, head) pairs of one kv head as the
+ * 16 lanes of a vector, the arithmetic lane-wise, so a pair's result cannot depend on the other lanes:
+ *   score_t = scale * sum_j q[2j..2j+1] . k_t[2j..2j+1]   a bf16 pair dot product per j, j = 0 .. D/2 - 1 in order
+ *                                                        (the key's dwords broadcast: a prefix key serves all lanes);
+ *   m = max_t score_t;  e_t = bf16(exp(score_t - m))      rounded to nearest even: the weight the values are
+ *                                                        multiplied by; z = sum_t e_t, t in order;
+ *   out = (sum_u (e_2u v_2u + e_2u+1 v_2u+1)) / z        bf16 pair dot products over logical keys 2u, 2u + 1 (past
+ *                                                        the row's end: weight 0, value 0), u in order, 16 lanes of
+ *                                                        D at a time (pairs in register tiles that share the values).
+ * Rounding the weights to bf16 is what GPU flash attention does for its second matmul; z sums the rounded weights,
+ * so each output stays a convex combination of the values. */
+#define GROUP LANES
+#define KEY_BATCH 8 /* keys whose scores are accumulated together (independent chains) */
+#define FEW_LANES 6 /* at most this many pairs in a group: the prefix scores take the keys as the lanes */
+
+static inline __m512 dp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+static inline __attribute__((always_inline)) void values_tile(
+    const uint16_t *v, int64_t vo, int64_t vs, int64_t prefix, const int64_t *const *path, const int64_t *total,
+    const uint32_t *eh, const int *lane, float *const *o, const float *z, int64_t chunks, int64_t tile) {
+    const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    __m512 acc[tile][chunks];
+    int64_t most = 0;
+    for (int64_t i = 0; i < tile; i++) {
+        most = total[i] > most ? total[i] : most;
+        for (int64_t c = 0; c < chunks; c++) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < most; t += 2) {
+        const uint32_t *pairs = eh + (t / 2) * GROUP;
+        if (t + 1 < prefix) {
+            __m512i vc[chunks];
+            const uint16_t *r0 = v + vo + t * vs, *r1 = r0 + vs;
+            for (int64_t c = 0; c < chunks; c++)
+                vc[c] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + c * LANES))),
+                                                  inter,
+                                                  _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r1 + c * LANES))));
+            for (int64_t i = 0; i < tile; i++) {
+                const __m512i p = _mm512_set1_epi32((int)pairs[lane[i]]);
+                for (int64_t c = 0; c < chunks; c++) acc[i][c] = dp(acc[i][c], p, vc[c]);
+            }
+        } else {
+            for (int64_t i = 0; i < tile; i++) {
+                if (t >= total[i]) continue;
+                const uint16_t *r0 = v + vo + (t < prefix ? t : path[i][t - prefix]) * vs;
+                const int second = t + 1 < total[i];
+                const uint16_t *r1 = second ? v + vo + (t + 1 < prefix ? t + 1 : path[i][t + 1 - prefix]) * vs : r0;
+                const __m512i p = _mm512_set1_epi32((int)pairs[lane[i]]);
+                for (int64_t c = 0; c < chunks; c++) {
+                    const __m256i b = second ? _mm256_loadu_si256((const __m256i *)(r1 + c * LANES)) : _mm256_setzero_si256();
+                    const __m512i vc = _mm512_permutex2var_epi16(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + c * LANES))), inter,
+                        _mm512_castsi256_si512(b));
+                    acc[i][c] = dp(acc[i][c], p, vc);
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < tile; i++) {
+        const float zi = z[lane[i]];
+        for (int64_t c = 0; c < chunks; c++) {
+            const __m512 r = zi > 0.0f ? _mm512_div_ps(acc[i][c], _mm512_set1_ps(zi)) : _mm512_setzero_ps();
+            _mm512_storeu_ps(o[i] + c * LANES, r); /* a row that sees nothing: zeros */
+        }
+    }
+}
+
+/* A 16 x 16 transpose of 32-bit elements, in place: r[i] holds row i, then column i. */
+static inline void transpose16(__m512i r[GROUP]) {
+    __m512i a[GROUP], b[GROUP];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4i + m], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + m */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[m + 4] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[m + 8] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[m + 12] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
+/* The prefix scores of a group of at most FEW_LANES pairs, 16 keys at a time with the keys as the lanes (each block
+ * of keys transposed into dword columns kt, shared by the pairs): per score the same chain of pair dot products, in
+ * the same order, as with the pairs as the lanes, since a pair dot product is symmetric in its two operands. Fills
+ * s for keys [0, blocks * 16). */
+static inline void prefix_scores_by_key(const uint16_t *q, const int64_t *qo, int64_t lanes, const uint16_t *k,
+                                        int64_t ko, int64_t ks, int64_t blocks, int64_t half, float scale, float *s,
+                                        uint32_t *kt) {
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t t0 = blk * GROUP;
+        for (int64_t col = 0; col < half; col += GROUP) {
+            __m512i r[GROUP];
+            for (int i = 0; i < GROUP; i++)
+                r[i] = _mm512_loadu_si512((const uint32_t *)(k + ko + (t0 + i) * ks) + col);
+            transpose16(r);
+            for (int i = 0; i < GROUP; i++) _mm512_storeu_si512(kt + (col + i) * GROUP, r[i]);
+        }
+        __m512 acc[FEW_LANES];
+        for (int64_t l = 0; l < lanes; l++) acc[l] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < half; j++) {
+            const __m512i kj = _mm512_loadu_si512(kt + j * GROUP);
+            for (int64_t l = 0; l < lanes; l++)
+                acc[l] = dp(acc[l], _mm512_set1_epi32((int)((const uint32_t *)(q + qo[l]))[j]), kj);
+        }
+        for (int64_t l = 0; l < lanes; l++) {
+            float sc[GROUP];
+            _mm512_storeu_ps(sc, _mm512_mul_ps(acc[l], scale_v));
+            for (int i = 0; i < GROUP; i++) s[(t0 + i) * GROUP + l] = sc[i];
+        }
+    }
+}
+
+/* One group: `lanes` pairs (<= 16) of one kv head; pair l's query at q + qo[l], its logical keys the prefix [0,
+ * prefix) then path[l][0 .. total[l] - prefix). Scratch: s [(most + KEY_BATCH) * 16] floats, eh [(most / 2 + 1) *
+ * 16], qt and kt [d / 2 * 16] dwords. */
+static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lanes, const uint16_t *k, int64_t ko,
+                              int64_t ks, const uint16_t *v, int64_t vo, int64_t vs, int64_t prefix,
+                              const int64_t *const *path, const int64_t *total, float *const *o, int64_t d,
+                              float scale, float *s, uint32_t *eh, uint32_t *qt, uint32_t *kt) {
+    const int64_t half = d / 2, chunks = d / LANES;
+    int64_t most = 0;
+    for (int64_t l = 0; l < lanes; l++) most = total[l] > most ? total[l] : most;
+    /* the queries as dword columns: qt[j] holds dword j (elements 2j, 2j + 1) of every lane's query */
+    memset(qt, 0, (size_t)(half * GROUP) * sizeof(uint32_t));
+    for (int64_t l = 0; l < lanes; l++) {
+        const uint32_t *row = (const uint32_t *)(q + qo[l]);
+        for (int64_t j = 0; j < half; j++) qt[j * GROUP + l] = row[j];
+    }
+    __m512 totals;
+    {
+        float tf[GROUP];
+        for (int64_t l = 0; l < GROUP; l++) tf[l] = l < lanes ? (float)total[l] : 0.0f;
+        totals = _mm512_loadu_ps(tf);
+    }
+    const __m512 scale_v = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    /* prefix scores, KEY_BATCH keys at a time (each key's chain is its own: the batch only interleaves them) */
+    int64_t t = 0;
+    if (lanes <= FEW_LANES) {
+        prefix_scores_by_key(q, qo, lanes, k, ko, ks, prefix / GROUP, half, scale, s, kt);
+        t = prefix / GROUP * GROUP;
+    }
+    for (; t + KEY_BATCH <= prefix; t += KEY_BATCH) {
+        __m512 acc[KEY_BATCH];
+        const uint32_t *rows[KEY_BATCH];
+        for (int64_t b = 0; b < KEY_BATCH; b++) {
+            acc[b] = _mm512_setzero_ps();
+            rows[b] = (const uint32_t *)(k + ko + (t + b) * ks);
+        }
+        for (int64_t j = 0; j < half; j++) {
+            const __m512i qj = _mm512_loadu_si512(qt + j * GROUP);
+            for (int64_t b = 0; b < KEY_BATCH; b++) acc[b] = dp(acc[b], qj, _mm512_set1_epi32((int)rows[b][j]));
+        }
+        for (int64_t b = 0; b < KEY_BATCH; b++) _mm512_storeu_ps(s + (t + b) * GROUP, _mm512_mul_ps(acc[b], scale_v));
+    }
+    for (; t < prefix; t++) {
+        __m512 acc = _mm512_setzero_ps();
+        const uint32_t *row = (const uint32_t *)(k + ko + t * ks);
+        for (int64_t j = 0; j < half; j++)
+            acc = dp(acc, _mm512_loadu_si512(qt + j * GROUP), _mm512_set1_epi32((int)row[j]));
+        _mm512_storeu_ps(s + t * GROUP, _mm512_mul_ps(acc, scale_v));
+    }
+    /* tree scores: each lane its own key (its path's), gathered into dword columns like the queries */
+    for (; t < most; t++) {
+        memset(kt, 0, (size_t)(half * GROUP) * sizeof(uint32_t));
+        for (int64_t l = 0; l < lanes; l++) {
+            if (t >= total[l]) continue;
+            const uint32_t *row = (const uint32_t *)(k + ko + path[l][t - prefix] * ks);
+            for (int64_t j = 0; j < half; j++) kt[j * GROUP + l] = row[j];
+        }
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < half; j++)
+            acc = dp(acc, _mm512_loadu_si512(qt + j * GROUP), _mm512_loadu_si512(kt + j * GROUP));
+        const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)t), totals, _CMP_LT_OQ);
+        _mm512_storeu_ps(s + t * GROUP, _mm512_mask_mov_ps(ninf, seen, _mm512_mul_ps(acc, scale_v)));
+    }
+    /* weights: lane-wise max, exp, rounding to bf16 and the sum z, t in order */
+    vf top = splat(-INFINITY);
+    for (t = 0; t < most; t++) {
+        vf x;
+        memcpy(&x, s + t * GROUP, sizeof x);
+        top = pick(x > top, x, top);
+    }
+    vf zl = {0};
+    for (t = 0; t < most; t++) {
+        vf x;
+        memcpy(&x, s + t * GROUP, sizeof x);
+        const vi bits = (vi)vexp(x - top);
+        const vi rounded = (vi)(((vu)bits + 0x7fffu + (((vu)bits >> 16) & 1u)) & 0xffff0000u);
+        zl = zl + (vf)rounded;
+        memcpy(s + t * GROUP, &rounded, sizeof rounded);
+    }
+    if (most % 2) memset(s + most * GROUP, 0, GROUP * sizeof(float)); /* the odd last key's partner: weight 0 */
+    for (t = 0; t < most; t += 2) {
+        vi a, b;
+        memcpy(&a, s + t * GROUP, sizeof a);
+        memcpy(&b, s + (t + 1) * GROUP, sizeof b);
+        const vi pair = (vi)(((vu)a >> 16) | ((vu)b & 0xffff0000u));
+        memcpy(eh + (t / 2) * GROUP, &pair, sizeof pair);
+    }
+    float z[GROUP];
+    memcpy(z, &zl, sizeof z);
+    /* values: tiles of pairs within the registers */
+    const int64_t widest = TILE_VECTORS / chunks > 0 ? TILE_VECTORS / chunks : 1;
+    for (int64_t first = 0; first < lanes; first += widest) {
+        const int64_t tile = lanes - first < widest ? lanes - first : widest;
+        int lane[MAX_TILE];
+        for (int64_t i = 0; i < tile; i++) lane[i] = (int)(first + i);
+        const int64_t *const *tp = path + first;
+        const int64_t *tt = total + first;
+        float *const *to = o + first;
+        if (chunks == 4) {
+            switch (tile) {
+            case 6: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 6); break;
+            case 5: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 5); break;
+            case 4: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 4); break;
+            case 3: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 3); break;
+            case 2: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 2); break;
+            default: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 1); break;
+            }
+        } else if (chunks == 8) {
+            switch (tile) {
+            case 3: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 8, 3); break;
+            case 2: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 8, 2); break;
+            default: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 8, 1); break;
+            }
+        } else {
+            for (int64_t i = 0; i < tile; i++)
+                values_tile(v, vo, vs, prefix, tp + i, tt + i, eh, lane + i, to + i, z, chunks, 1);
+        }
+    }
+}
+#endif
+
+/* Whether inputs of head size d (bf16: bfloat16, else float32) take the bf16 route, which rounds the softmax
+ * weights to bf16 (`attend_group_bf16`); 0: `attend_tile`, float32 throughout. */
+int spectree_rounds_weights(int64_t d, int bf16) { return HAVE_DPBF16 && bf16 && d > 0 && d % (2 * LANES) == 0; }
+
 /* Tree attention over q [B, Hq, N, D], k / v [B, Hkv, S, D] (S = L + N; the last dimension contiguous, the others
  * at the given strides in elements: batch, head, position), the packed mask [B, N, words] (contiguous) into out
  * [B, Hq, N, D] (contiguous float32). bf16: q, k and v hold bfloat16 (as uint16) rather than float32. Returns 0, or
@@ -285,6 +505,52 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
     const int64_t tiles = (pairs + tile_max - 1) / tile_max;
     const int64_t padded = (s + LANES - 1) / LANES * LANES;
     int failed = 0;
+#if HAVE_DPBF16
+    if (spectree_rounds_weights(d, bf16)) {
+        const int64_t groups = (pairs + GROUP - 1) / GROUP;
+#pragma omp parallel
+        {
+            float *sc = malloc((size_t)((s + KEY_BATCH + 1) * GROUP) * sizeof(float));
+            uint32_t *eh = malloc((size_t)((s / 2 + 2) * GROUP) * sizeof(uint32_t));
+            uint32_t *qt = malloc((size_t)(d / 2 * GROUP) * sizeof(uint32_t));
+            uint32_t *kt = malloc((size_t)(d / 2 * GROUP) * sizeof(uint32_t));
+            int64_t *paths = malloc((size_t)(GROUP * n + 1) * sizeof(int64_t));
+            if (!sc || !eh || !qt || !kt || !paths) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < batch * hkv * groups; item++) {
+                if (failed) continue;
+                const int64_t first = (item % groups) * GROUP, g = (item / groups) % hkv, b = item / (groups * hkv);
+                const int64_t lanes = pairs - first < GROUP ? pairs - first : GROUP;
+                int64_t qo[GROUP], total[GROUP];
+                const int64_t *path[GROUP];
+                float *o[GROUP];
+                for (int64_t i = 0; i < lanes; i++) {
+                    const int64_t row = (first + i) / group, h = g * group + (first + i) % group;
+                    const int32_t *bits = mask + (b * n + row) * words;
+                    int64_t *mine = paths + i * n, count = 0;
+                    for (int64_t j = 0; j < n; j++)
+                        if ((bits[j >> 5] >> (j & 31)) & 1) mine[count++] = prefix + j;
+                    path[i] = mine;
+                    total[i] = prefix + count;
+                    qo[i] = b * q_sb + h * q_sh + row * q_sn;
+                    o[i] = out + ((b * hq + h) * n + row) * d;
+                }
+                attend_group_bf16((const uint16_t *)q, qo, lanes, (const uint16_t *)k, b * k_sb + g * k_sh, k_ss,
+                                  (const uint16_t *)v, b * v_sb + g * v_sh, v_ss, prefix, path, total, o, d, scale, sc,
+                                  eh, qt, kt);
+            }
+            free(sc);
+            free(eh);
+            free(qt);
+            free(kt);
+            free(paths);
+        }
+        return failed ? -1 : 0;
+    }
+#endif
 #pragma omp parallel
     {
         /* at least one lane's worth each: aligned_alloc / malloc of 0 bytes may give NULL */

@@ -3,8 +3,11 @@
 Why: a bfloat16 model on CPU must give a token the same logits whether it is verified in a tree or decoded alone
 (runtime/model.py, "batch invariance"). torch's SDPA does not: its reductions run in orders that depend on the number
 of query rows and on where the masked keys sit, so the runtime used to attend in float64 to push those differences
-below a bf16 rounding step. This kernel is row-invariant by construction (invariant.c says how) and computes in
+below a bf16 rounding step. This kernel is row-invariant by construction (invariant.c says how) and accumulates in
 float32 over bf16 or float32 K/V: 2-3x faster than float64 SDPA at 16 rows, and a quarter of its cache memory in bf16.
+On CPUs with AVX512-BF16, bf16 inputs with a head size that is a multiple of 32 take a route built on bf16 pair dot
+products, with 16 (row, head) pairs per vector, which multiplies the values by softmax weights rounded to bf16 (as GPU
+flash attention does): ~1.5x faster again at 8-24 rows (`Native.rounds_weights`).
 
 Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (it runs where it is built) with OpenMP, which
 resolves to the libgomp torch has already loaded, so its threads are torch's (torch.set_num_threads applies). The
@@ -49,6 +52,12 @@ class Native:
     fn: ctypes._CFuncPtr
     path: Path
     threaded: bool  # built with OpenMP
+    rounds_weights_fn: ctypes._CFuncPtr  # spectree_rounds_weights
+
+    def rounds_weights(self, head_size: int, dtype: torch.dtype) -> bool:
+        """Whether inputs of this head size and dtype take the kernel's bf16 route (this CPU has AVX512-BF16, bf16,
+        head size a multiple of 32), which multiplies the values by softmax weights rounded to bf16 (invariant.c)."""
+        return bool(self.rounds_weights_fn(head_size, int(dtype == torch.bfloat16)))
 
 
 _lock = threading.Lock()
@@ -139,7 +148,10 @@ def _build() -> Native:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
                        ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-        return Native(fn, path, threaded)
+        rounds = lib.spectree_rounds_weights
+        rounds.restype = ctypes.c_int
+        rounds.argtypes = [i64, ctypes.c_int]
+        return Native(fn, path, threaded, rounds)
     raise RuntimeError("; ".join(errors))
 
 

@@ -52,7 +52,31 @@ def test_matches_the_reference(kernel, dtype, d, hq, hkv, n, prefix):
     out = native.tree_attention_native(q, k, v, packed, 0.3)
     assert out.dtype == torch.float32 and out.shape == q.shape
     ref = tree_attention_reference(q.double(), k.double(), v.double(), packed, 0.3)
-    torch.testing.assert_close(out.double(), ref, atol=3e-6, rtol=3e-6)
+    if not kernel.rounds_weights(d, dtype):
+        torch.testing.assert_close(out.double(), ref, atol=3e-6, rtol=3e-6)
+        return
+    # the bf16 route multiplies the values by softmax weights rounded to bf16: what it computes, in float64 (a weight
+    # whose float32 exp lies within an ulp of a bf16 rounding boundary may round the other way: rare), ...
+    off = (out.double() - _rounded_weights_reference(q, k, v, masks, 0.3)).abs() > 2e-5
+    assert off.double().mean() < 1e-3, int(off.sum())
+    # ... and how far that is from exact attention: each weight within 2^-9 of itself, so each output within 2^-8 of
+    # the largest value
+    assert (out.double() - ref).abs().max() <= 2**-8 * v.double().abs().max()
+
+
+def _rounded_weights_reference(q, k, v, masks, scale):
+    """Attention in float64 whose weights exp(score - max) are rounded to bf16 (to nearest even, via float32) before
+    they multiply the values and are summed into the normaliser. masks [B, N, N] bool; returns [B, Hq, N, D]."""
+    b, hq, n, d = q.shape
+    hkv, prefix = k.shape[1], k.shape[2] - n
+    group = hq // hkv
+    keys = k.double().repeat_interleave(group, 1)  # [B, Hq, L + N, D]
+    values = v.double().repeat_interleave(group, 1)
+    scores = q.double() @ keys.transpose(-1, -2) * scale  # [B, Hq, N, L + N]
+    seen = torch.cat([torch.ones(b, n, prefix, dtype=torch.bool), masks], -1)[:, None]  # [B, 1, N, L + N]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp().float().to(torch.bfloat16).double()
+    return (weights @ values) / weights.sum(-1, keepdim=True)
 
 
 def _path_alone(q, k, v, row, path, prefix, scale):
