@@ -30,11 +30,11 @@ import torch
 from runtime.errors import RequestError
 from runtime.kv_cache import KVCache
 from runtime.model import Segment, TargetModel, causal_mask
-from runtime.protocol import Draft, Drafter, DraftSession
+from runtime.protocol import Draft, Drafter, DraftSession, Verdict
 from runtime.sampling import Penalties, SamplingParams, greedy_tokens, sample, target_probs, token_logprobs
 from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
 from runtime.tree import Tree
-from runtime.verify import verify
+from runtime.verify import greedy_walk, likely_path, verify
 
 
 @dataclass(frozen=True)
@@ -343,6 +343,7 @@ class RequestState:
         self._prefill_forwards = 0
         self._prompt_hidden: list[torch.Tensor] = []  # [n, H] per prompt chunk, until the drafter starts
         self._pending: Draft | int | None = None  # the last segment handed out: its draft, or a chunk's size
+        self._logit_rows: list[int] | None = None  # the pending tree's nodes whose logits its forward computes
 
     @property
     def finished(self) -> bool:
@@ -396,12 +397,28 @@ class RequestState:
         tree = draft.tree
         cache.reserve(cache.length + tree.num_nodes)
         self._pending = draft
+        # Greedy verification reads the logits of the nodes on the matching path only: the forward computes those
+        # it most likely needs (a few rows of the lm_head instead of one per node; absorb computes any other).
+        # Penalties and logprobs read other rows' logits: all of them then.
+        lazy = tree.num_nodes > 1 and self.params.greedy and self._penalties is None and self.params.logprobs is None
         return Segment(cache, draft.tokens.to(self.device), (cache.length + tree.depth).to(self.device),
-                       tree.packed_mask.to(self.device))
+                       tree.packed_mask.to(self.device), logit_rows=self._likely_rows if lazy else None)
+
+    def _likely_rows(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, H] -> node indices [M] int64
+        """The pending tree's nodes whose argmax greedy verification will likely read (`runtime.verify.likely_path`),
+        each child scored by its token's logit at its parent (a dot product per node, not a vocabulary's worth)."""
+        draft = self._pending
+        tree = draft.tree
+        weight = self.decoder.model.lm_head_weight  # [V, H]
+        parents = torch.tensor(tree.parent_list[1:], dtype=torch.int64, device=hidden.device)  # [N - 1]
+        child_logits = (hidden[parents].float() * weight[draft.tokens[1:].to(weight.device)].float()).sum(-1)
+        self._logit_rows = likely_path(draft, child_logits)
+        return torch.tensor(self._logit_rows, dtype=torch.int64, device=hidden.device)
 
     def absorb(
         self,
-        logits: torch.Tensor,  # [N - logits_from, V] float32: the target's logits for the last segment's rows
+        logits: torch.Tensor,  # [M, V] float32: the target's logits for the last segment's rows (logits_from or
+        #                        logit_rows)
         hidden: torch.Tensor,  # [N, H]: its hidden states
         forward_seconds: float,  # the target forward's time, charged to prefill / verify
     ) -> GenerationDelta | None:
@@ -437,9 +454,13 @@ class RequestState:
         draft = pending
         tree = draft.tree
         t0 = time.perf_counter()
-        if self._penalties is not None:  # every node against its own path: p stays the (penalised) target
-            logits = self._penalties.apply(logits, draft.tokens, tree.mask, tree.depth)
-        verdict = verify(draft, logits, self.params, self.generator)
+        rows, self._logit_rows = self._logit_rows, None
+        if rows is not None:
+            verdict = self._verify_rows(draft, rows, logits, hidden)
+        else:
+            if self._penalties is not None:  # every node against its own path: p stays the (penalised) target
+                logits = self._penalties.apply(logits, draft.tokens, tree.mask, tree.depth)
+            verdict = verify(draft, logits, self.params, self.generator)
         if self.params.logprobs is not None:
             self._rows = logits[verdict.path.to(logits.device)]  # emitted token k was drawn at path[k]
         clock.verify += forward_seconds + time.perf_counter() - t0
@@ -459,6 +480,26 @@ class RequestState:
         self.session.advance(draft.tokens.to(device)[path], hidden[path])
         clock.draft += time.perf_counter() - t0
         return self._emit(verdict.tokens.tolist())
+
+    def _verify_rows(
+        self,
+        draft: Draft,
+        rows: list[int],  # the nodes whose logits the forward computed
+        logits: torch.Tensor,  # [len(rows), V] float32
+        hidden: torch.Tensor,  # [N, H]
+    ) -> Verdict:
+        """Greedy verification from the logits of some nodes: the lm_head runs on any other node the walk needs
+        (a child whose token scored within rounding of a sibling's), the same rows' logits plain decoding gets."""
+        argmax: list[int | None] = [None] * draft.tree.num_nodes
+        for r, a in zip(rows, greedy_tokens(logits).tolist()):
+            argmax[r] = a
+        while True:
+            verdict = greedy_walk(draft, argmax)
+            if isinstance(verdict, Verdict):
+                return verdict
+            more = self.decoder.model.lm_head(hidden[torch.tensor(verdict, dtype=torch.int64, device=hidden.device)])
+            for r, a in zip(verdict, greedy_tokens(more).tolist()):
+                argmax[r] = a
 
     # ---- output -------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -410,6 +410,9 @@ class Segment:
     positions: torch.Tensor  # [N] int64
     tree_mask: torch.Tensor  # [N, ceil(N / 32)] int32 packed
     logits_from: int = 0  # lm_head runs on rows [logits_from, N) only (a prompt chunk needs at most its last row)
+    # Or the rows to run it on, chosen from the segment's hidden states once they exist: hidden # [N, H] -> row
+    # indices # [M] int64 (a greedy tree step: the nodes verification will likely read, `runtime.verify.likely_path`)
+    logit_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -701,7 +704,8 @@ class TargetModel(nn.Module):
     def forward_segments(self, segments: Sequence[Segment],
                          check: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over several sequences (see the module docstring); per segment, in order,
-        (logits # [N - logits_from, V] float32, hidden # [N, H]). Writes each segment's K/V at
+        (logits # [N - logits_from, V] float32, or [M, V] for the rows its `logit_rows` picked, hidden # [N, H]).
+        Writes each segment's K/V at
         [cache.length, +N) of its cache, advances none of them. check=False skips `check_segment` (for a caller
         that ran it on each segment already)."""
         if not segments:
@@ -713,10 +717,12 @@ class TargetModel(nn.Module):
         positions = torch.cat([seg.positions for seg in segments])[None]  # [1, T]
         caches = SegmentCaches(segments)
         hidden = self.hidden_states(tokens, positions, caches, None)[0]  # [T, H]
-        rows = [hidden[a + seg.logits_from:b] for seg, (a, b) in zip(segments, caches.bounds)]
+        rows = [hidden[a:b][seg.logit_rows(hidden[a:b])] if seg.logit_rows is not None else hidden[a + seg.logits_from:b]
+                for seg, (a, b) in zip(segments, caches.bounds)]
         wanted = [r.shape[0] for r in rows]
-        picked = hidden if all(seg.logits_from == 0 for seg in segments) else torch.cat(rows)  # [sum wanted, H]
-        logits = self.lm_head(picked).split(wanted)
+        whole = all(seg.logits_from == 0 and seg.logit_rows is None for seg in segments)
+        picked = hidden if whole else torch.cat(rows)  # [sum wanted, H]
+        logits = self.lm_head(picked).split(wanted)  # one matmul for every segment's rows
         return [(lg, hidden[a:b]) for lg, (a, b) in zip(logits, caches.bounds)]
 
     def check_segment(self, seg: Segment) -> None:
@@ -729,6 +735,9 @@ class TargetModel(nn.Module):
         n = seg.size
         if isinstance(seg.logits_from, bool) or not isinstance(seg.logits_from, int) or not 0 <= seg.logits_from <= n:
             raise RequestError(f"segment logits_from must be an int in [0, {n}], got {seg.logits_from!r}")
+        if seg.logit_rows is not None and (seg.logits_from != 0 or not callable(seg.logit_rows)):
+            raise RequestError(f"segment logit_rows must be callable and logits_from 0 with it, got "
+                               f"{type(seg.logit_rows).__name__} and logits_from {seg.logits_from}")
         self._check_inputs(seg.tokens[None], seg.positions[None], seg.cache, seg.tree_mask[None])
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

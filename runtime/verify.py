@@ -16,6 +16,8 @@ The residual update depends on how the drafter produced the children (`Draft.pro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from runtime.errors import ConfigError
@@ -60,23 +62,69 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
     Siblings may share a token (e.g. lookup + model candidates); the deepest matching branch wins, ties going
     to the lower node index (rank order). The proposal kind is irrelevant: greedy is exact for any draft.
     """
-    tokens = _check_inputs(draft, target_logits)
+    _check_inputs(draft, target_logits)
+    verdict = greedy_walk(draft, greedy_tokens(target_logits).tolist())
+    assert isinstance(verdict, Verdict)  # every argmax is known
+    return verdict
+
+
+def greedy_walk(draft: Draft, argmax: Sequence[int | None]) -> Verdict | list[int]:
+    """`verify_greedy` over the target argmax of the nodes whose logits are known (None: not computed): its
+    Verdict, or, where the walk needs the argmax of nodes that are not known, those nodes (ascending) to compute
+    before walking again. A node's argmax is needed iff it is on the matching path: its children are matched
+    against it, or it ends the path (its argmax is then the bonus / residual token).
+
+    argmax  # num_nodes entries
+    """
+    tokens = draft.tokens.tolist()
     tree = draft.tree
-    argmax = greedy_tokens(target_logits).tolist()  # [num_nodes]
+    if len(argmax) != len(tokens):
+        raise ConfigError(f"argmax must have one entry per draft node ({len(tokens)}), got {len(argmax)}")
     parents, choices = tree.parent_list, tree.choices
     # One pass in canonical order (parents first; by depth, then rank): node i is on a matching path iff its parent
     # is and its token is the parent's argmax. The first such node at a new depth is the lowest-index deepest one.
     on_path = [True] + [False] * (len(tokens) - 1)
+    missing = [] if argmax[0] is not None else [0]
     best, best_depth = 0, 0
     for i in range(1, len(tokens)):
         p = parents[i]
-        if on_path[p] and tokens[i] == argmax[p]:
+        if not on_path[p] or argmax[p] is None:
+            continue
+        if tokens[i] == argmax[p]:
             on_path[i] = True
+            if argmax[i] is None:
+                missing.append(i)
             if len(choices[i - 1]) > best_depth:
                 best, best_depth = i, len(choices[i - 1])
+    if missing:
+        return missing
     path = tree.path(best)
     emitted = [tokens[i] for i in path[1:]] + [argmax[best]]
     return _verdict(list(path), emitted, bonus=tree.is_leaf(best))
+
+
+def likely_path(
+    draft: Draft,
+    child_logits: torch.Tensor,  # [num_nodes - 1] float32: node i's token's logit at its parent, for i >= 1
+) -> list[int]:
+    """The nodes whose argmax greedy verification will most likely need: the root, then, below each such node, its
+    children carrying the token of its best-scoring child (the matching path if each node's argmax is among its
+    children, plus one level below a node whose argmax is not). Where `child_logits` are the target's own, this
+    holds every node `greedy_walk` asks for; approximate ones only cost a second pass at a near tie."""
+    tokens = draft.tokens.tolist()
+    tree = draft.tree
+    parents = tree.parent_list
+    scores = child_logits.tolist()
+    best: dict[int, tuple[float, int]] = {}  # parent -> (its best child's logit, that child's token)
+    for i in range(1, len(tokens)):  # first best on ties: the lower node index, as greedy_walk
+        p = parents[i]
+        if p not in best or scores[i - 1] > best[p][0]:
+            best[p] = (scores[i - 1], tokens[i])
+    on = [True] + [False] * (len(tokens) - 1)
+    for i in range(1, len(tokens)):
+        p = parents[i]
+        on[i] = on[p] and tokens[i] == best[p][1]
+    return [i for i, x in enumerate(on) if x]
 
 
 def _uniforms(m: int, generator: torch.Generator | None) -> list[float]:
@@ -187,4 +235,4 @@ def _verdict(path: list[int], emitted: list[int], bonus: bool) -> Verdict:
     )
 
 
-__all__ = ["verify", "verify_greedy", "verify_sampling"]
+__all__ = ["greedy_walk", "likely_path", "verify", "verify_greedy", "verify_sampling"]

@@ -123,6 +123,45 @@ def test_greedy_teacher_identity_with_acceptance(ckpts, variant, tree):
             assert s.tau > 1.5, s.accepted_per_step
 
 
+@pytest.mark.parametrize("predictor", ["exact", "adversarial"])
+def test_greedy_steps_run_the_lm_head_on_the_likely_path(ckpts, monkeypatch, predictor):
+    """A greedy tree step runs the lm_head on the nodes verification will likely read (runtime.verify.likely_path),
+    not on every node, and on any other node the walk asks for: the output stays greedy decoding's. With the target's
+    own child logits one pass suffices; with a predictor that picks each node's worst child the walk asks for more."""
+    import runtime.decode as decode_module
+
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    t = Tree.parse("mc_sim_7b_63")
+    if predictor == "adversarial":
+        likely = decode_module.likely_path
+        monkeypatch.setattr(decode_module, "likely_path", lambda draft, child_logits: likely(draft, -child_logits))
+    forward, walk, rows, asked = model.forward_segments, decode_module.greedy_walk, [], []
+
+    def counted_forward(segments, check=True):
+        out = forward(segments, check)
+        rows.append(out[0][0].shape[0])
+        return out
+
+    def counted_walk(draft, argmax):
+        verdict = walk(draft, argmax)
+        asked.append(isinstance(verdict, list))  # a second lm_head pass
+        return verdict
+
+    monkeypatch.setattr(model, "forward_segments", counted_forward)
+    monkeypatch.setattr(decode_module, "greedy_walk", counted_walk)
+    for i, prompt in enumerate(PROMPTS):
+        want = greedy_reference(model, prompt, 20)
+        rows.clear()
+        asked.clear()
+        dec = SpecDecoder(model, None, TeacherDrafter(model, t, seed=i), max_tree_nodes=t.num_nodes)
+        out = dec.generate(prompt, max_tokens=20, ignore_eos=True)
+        assert list(out.token_ids) == want
+        s = out.stats
+        assert s.tau > 1.5 and len(rows) == s.target_forwards
+        assert sum(rows[1:]) <= s.steps * (t.max_depth + 1), rows  # the likely path: about one node per level
+        assert any(asked) is (predictor == "adversarial"), asked
+
+
 @pytest.mark.parametrize("variant", ["llama2", "mistral"])
 def test_greedy_lookup_identity(ckpts, variant):
     plain = decoder(ckpts[variant])
