@@ -254,7 +254,6 @@ static inline __attribute__((always_inline)) void attend_tile(
  * so each output stays a convex combination of the values. */
 #define GROUP LANES
 #define KEY_BATCH 8 /* keys whose scores are accumulated together (independent chains) */
-#define FEW_LANES 6 /* at most this many pairs in a group: the prefix scores take the keys as the lanes */
 
 static inline __m512 dp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
@@ -308,62 +307,6 @@ static inline __attribute__((always_inline)) void values_tile(
     }
 }
 
-/* A 16 x 16 transpose of 32-bit elements, in place: r[i] holds row i, then column i. */
-static inline void transpose16(__m512i r[GROUP]) {
-    __m512i a[GROUP], b[GROUP];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* b[4i + m], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + m */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int m = 0; m < 4; m++) {
-        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
-        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88);
-        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
-        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
-        r[m + 4] = _mm512_shuffle_i32x4(c1, c3, 0x88);
-        r[m + 8] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
-        r[m + 12] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
-    }
-}
-
-/* The prefix scores of a group of at most FEW_LANES pairs, 16 keys at a time with the keys as the lanes (each block
- * of keys transposed into dword columns kt, shared by the pairs): per score the same chain of pair dot products, in
- * the same order, as with the pairs as the lanes, since a pair dot product is symmetric in its two operands. Fills
- * s for keys [0, blocks * 16). */
-static inline void prefix_scores_by_key(const uint16_t *q, const int64_t *qo, int64_t lanes, const uint16_t *k,
-                                        int64_t ko, int64_t ks, int64_t blocks, int64_t half, float scale, float *s,
-                                        uint32_t *kt) {
-    const __m512 scale_v = _mm512_set1_ps(scale);
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t t0 = blk * GROUP;
-        for (int64_t col = 0; col < half; col += GROUP) {
-            __m512i r[GROUP];
-            for (int i = 0; i < GROUP; i++)
-                r[i] = _mm512_loadu_si512((const uint32_t *)(k + ko + (t0 + i) * ks) + col);
-            transpose16(r);
-            for (int i = 0; i < GROUP; i++) _mm512_storeu_si512(kt + (col + i) * GROUP, r[i]);
-        }
-        __m512 acc[FEW_LANES];
-        for (int64_t l = 0; l < lanes; l++) acc[l] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < half; j++) {
-            const __m512i kj = _mm512_loadu_si512(kt + j * GROUP);
-            for (int64_t l = 0; l < lanes; l++)
-                acc[l] = dp(acc[l], _mm512_set1_epi32((int)((const uint32_t *)(q + qo[l]))[j]), kj);
-        }
-        for (int64_t l = 0; l < lanes; l++) {
-            float sc[GROUP];
-            _mm512_storeu_ps(sc, _mm512_mul_ps(acc[l], scale_v));
-            for (int i = 0; i < GROUP; i++) s[(t0 + i) * GROUP + l] = sc[i];
-        }
-    }
-}
-
 /* One group: `lanes` pairs (<= 16) of one kv head; pair l's query at q + qo[l], its logical keys the prefix [0,
  * prefix) then path[l][0 .. total[l] - prefix). Scratch: s [(most + KEY_BATCH) * 16] floats, eh [(most / 2 + 1) *
  * 16], qt and kt [d / 2 * 16] dwords. */
@@ -389,10 +332,6 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
     const __m512 scale_v = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     /* prefix scores, KEY_BATCH keys at a time (each key's chain is its own: the batch only interleaves them) */
     int64_t t = 0;
-    if (lanes <= FEW_LANES) {
-        prefix_scores_by_key(q, qo, lanes, k, ko, ks, prefix / GROUP, half, scale, s, kt);
-        t = prefix / GROUP * GROUP;
-    }
     for (; t + KEY_BATCH <= prefix; t += KEY_BATCH) {
         __m512 acc[KEY_BATCH];
         const uint32_t *rows[KEY_BATCH];
