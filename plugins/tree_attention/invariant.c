@@ -240,6 +240,9 @@ static inline __attribute__((always_inline)) void attend_tile(
                          BF16); break;                                                                             \
     }
 
+#define GROUP LANES /* (row, head) pairs per work item on the bf16 route: a vector's lanes */
+#define KEY_BATCH 8 /* keys whose scores the bf16 route accumulates together (independent chains) */
+
 #if HAVE_DPBF16
 /* The bf16 route (AVX512-BF16, head size a multiple of 32): up to 16 (query row, head) pairs of one kv head as the
  * 16 lanes of a vector, the arithmetic lane-wise, so a pair's result cannot depend on the other lanes:
@@ -252,8 +255,6 @@ static inline __attribute__((always_inline)) void attend_tile(
  *                                                        D at a time (pairs in register tiles that share the values).
  * Rounding the weights to bf16 is what GPU flash attention does for its second matmul; z sums the rounded weights,
  * so each output stays a convex combination of the values. */
-#define GROUP LANES
-#define KEY_BATCH 8 /* keys whose scores are accumulated together (independent chains) */
 
 static inline __m512 dp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
@@ -424,6 +425,25 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
 }
 #endif
 
+/* (row, head) pairs [first, first + count) of kv head g in batch b (pair p: row p / group, head g * group + p %
+ * group): each one's query offset, output row, key count and tree slots (written to paths, n slots each). */
+static void pairs_of(int64_t first, int64_t count, int64_t g, int64_t b, int64_t group, int64_t hq, int64_t n,
+                     int64_t d, int64_t prefix, const int32_t *mask, int64_t words, int64_t q_sb, int64_t q_sh,
+                     int64_t q_sn, float *out, int64_t *paths, int64_t *qo, int64_t *total, const int64_t **path,
+                     float **o) {
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t row = (first + i) / group, h = g * group + (first + i) % group;
+        const int32_t *bits = mask + (b * n + row) * words;
+        int64_t *mine = paths + i * n, seen = 0;
+        for (int64_t j = 0; j < n; j++)
+            if ((bits[j >> 5] >> (j & 31)) & 1) mine[seen++] = prefix + j;
+        path[i] = mine;
+        total[i] = prefix + seen;
+        qo[i] = b * q_sb + h * q_sh + row * q_sn;
+        o[i] = out + ((b * hq + h) * n + row) * d;
+    }
+}
+
 /* Whether inputs of head size d (bf16: bfloat16, else float32) take the bf16 route, which rounds the softmax
  * weights to bf16 (`attend_group_bf16`); 0: `attend_tile`, float32 throughout. */
 int spectree_rounds_weights(int64_t d, int bf16) { return HAVE_DPBF16 && bf16 && d > 0 && d % (2 * LANES) == 0; }
@@ -441,85 +461,41 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
     /* pairs (row, head) of one kv head, row-major, cut into tiles; the common head sizes get wide tiles */
     const int64_t widest = (d == 64 || d == 128) ? TILE_VECTORS / chunks : 1;
     const int64_t pairs = n * group, tile_max = widest < pairs ? widest : pairs;
-    const int64_t tiles = (pairs + tile_max - 1) / tile_max;
     const int64_t padded = (s + LANES - 1) / LANES * LANES;
     int failed = 0;
-#if HAVE_DPBF16
-    if (spectree_rounds_weights(d, bf16)) {
-        const int64_t groups = (pairs + GROUP - 1) / GROUP;
-#pragma omp parallel
-        {
-            float *sc = malloc((size_t)((s + KEY_BATCH + 1) * GROUP) * sizeof(float));
-            uint32_t *eh = malloc((size_t)((s / 2 + 2) * GROUP) * sizeof(uint32_t));
-            uint32_t *qt = malloc((size_t)(d / 2 * GROUP) * sizeof(uint32_t));
-            uint32_t *kt = malloc((size_t)(d / 2 * GROUP) * sizeof(uint32_t));
-            int64_t *paths = malloc((size_t)(GROUP * n + 1) * sizeof(int64_t));
-            if (!sc || !eh || !qt || !kt || !paths) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(static)
-            for (int64_t item = 0; item < batch * hkv * groups; item++) {
-                if (failed) continue;
-                const int64_t first = (item % groups) * GROUP, g = (item / groups) % hkv, b = item / (groups * hkv);
-                const int64_t lanes = pairs - first < GROUP ? pairs - first : GROUP;
-                int64_t qo[GROUP], total[GROUP];
-                const int64_t *path[GROUP];
-                float *o[GROUP];
-                for (int64_t i = 0; i < lanes; i++) {
-                    const int64_t row = (first + i) / group, h = g * group + (first + i) % group;
-                    const int32_t *bits = mask + (b * n + row) * words;
-                    int64_t *mine = paths + i * n, count = 0;
-                    for (int64_t j = 0; j < n; j++)
-                        if ((bits[j >> 5] >> (j & 31)) & 1) mine[count++] = prefix + j;
-                    path[i] = mine;
-                    total[i] = prefix + count;
-                    qo[i] = b * q_sb + h * q_sh + row * q_sn;
-                    o[i] = out + ((b * hq + h) * n + row) * d;
-                }
-                attend_group_bf16((const uint16_t *)q, qo, lanes, (const uint16_t *)k, b * k_sb + g * k_sh, k_ss,
-                                  (const uint16_t *)v, b * v_sb + g * v_sh, v_ss, prefix, path, total, o, d, scale, sc,
-                                  eh, qt, kt);
-            }
-            free(sc);
-            free(eh);
-            free(qt);
-            free(kt);
-            free(paths);
-        }
-        return failed ? -1 : 0;
-    }
-#endif
+    /* work items: groups of 16 pairs on the bf16 route, tiles otherwise */
+    const int grouped = spectree_rounds_weights(d, bf16);
+    const int64_t unit = grouped ? GROUP : tile_max, units = (pairs + unit - 1) / unit;
 #pragma omp parallel
     {
         /* at least one lane's worth each: aligned_alloc / malloc of 0 bytes may give NULL */
-        float *w = aligned_alloc(sizeof(vf), (size_t)(tile_max * padded + LANES) * sizeof(float));
-        int64_t *paths = malloc((size_t)(tile_max * n + 1) * sizeof(int64_t)); /* each pair's tree slots */
-        if (!w || !paths) {
+        float *w = grouped ? malloc((size_t)((s + KEY_BATCH + 1) * GROUP) * sizeof(float))
+                           : aligned_alloc(sizeof(vf), (size_t)(tile_max * padded + LANES) * sizeof(float));
+        uint32_t *eh = grouped ? malloc((size_t)((s / 2 + 2) * GROUP) * sizeof(uint32_t)) : NULL;
+        uint32_t *qt = grouped ? malloc((size_t)(d / 2 * GROUP) * sizeof(uint32_t)) : NULL;
+        uint32_t *kt = grouped ? malloc((size_t)(d / 2 * GROUP) * sizeof(uint32_t)) : NULL;
+        int64_t *paths = malloc((size_t)(unit * n + 1) * sizeof(int64_t)); /* each pair's tree slots */
+        if (!w || !paths || (grouped && (!eh || !qt || !kt))) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < batch * hkv * tiles; item++) {
+        for (int64_t item = 0; item < batch * hkv * units; item++) {
             if (failed) continue;
-            const int64_t first = (item % tiles) * tile_max, g = (item / tiles) % hkv, b = item / (tiles * hkv);
-            const int64_t tile = pairs - first < tile_max ? pairs - first : tile_max;
-            int64_t qo[MAX_TILE], total[MAX_TILE];
-            const int64_t *path[MAX_TILE];
-            float *o[MAX_TILE];
-            for (int64_t i = 0; i < tile; i++) {
-                const int64_t row = (first + i) / group, h = g * group + (first + i) % group;
-                const int32_t *bits = mask + (b * n + row) * words;
-                int64_t *mine = paths + i * n, count = 0;
-                for (int64_t j = 0; j < n; j++)
-                    if ((bits[j >> 5] >> (j & 31)) & 1) mine[count++] = prefix + j;
-                path[i] = mine;
-                total[i] = prefix + count;
-                qo[i] = b * q_sb + h * q_sh + row * q_sn;
-                o[i] = out + ((b * hq + h) * n + row) * d;
-            }
+            const int64_t first = (item % units) * unit, g = (item / units) % hkv, b = item / (units * hkv);
+            const int64_t tile = pairs - first < unit ? pairs - first : unit;
+            int64_t qo[GROUP], total[GROUP];
+            const int64_t *path[GROUP];
+            float *o[GROUP];
+            pairs_of(first, tile, g, b, group, hq, n, d, prefix, mask, words, q_sb, q_sh, q_sn, out, paths, qo, total,
+                     path, o);
             const int64_t ko = b * k_sb + g * k_sh, vo = b * v_sb + g * v_sh;
-            if (d == 64) {
+            if (grouped) {
+#if HAVE_DPBF16
+                attend_group_bf16((const uint16_t *)q, qo, tile, (const uint16_t *)k, ko, k_ss, (const uint16_t *)v, vo,
+                                  v_ss, prefix, path, total, o, d, scale, w, eh, qt, kt);
+#endif
+            } else if (d == 64) {
                 if (bf16) { TILES(64, 4, 1) } else { TILES(64, 4, 0) }
             } else if (d == 128) {
                 if (bf16) { TILES(128, 8, 1) } else { TILES(128, 8, 0) }
@@ -531,6 +507,9 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
             }
         }
         free(w);
+        free(eh);
+        free(qt);
+        free(kt);
         free(paths);
     }
     return failed ? -1 : 0;
