@@ -705,9 +705,8 @@ class TargetModel(nn.Module):
                          check: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over several sequences (see the module docstring); per segment, in order,
         (logits # [N - logits_from, V] float32, or [M, V] for the rows its `logit_rows` picked, hidden # [N, H]).
-        Writes each segment's K/V at
-        [cache.length, +N) of its cache, advances none of them. check=False skips `check_segment` (for a caller
-        that ran it on each segment already)."""
+        Writes each segment's K/V at [cache.length, +N) of its cache, advances none of them. check=False skips
+        `check_segment` (for a caller that ran it on each segment already)."""
         if not segments:
             raise RequestError("forward_segments needs at least one segment")
         if check:
@@ -717,8 +716,8 @@ class TargetModel(nn.Module):
         positions = torch.cat([seg.positions for seg in segments])[None]  # [1, T]
         caches = SegmentCaches(segments)
         hidden = self.hidden_states(tokens, positions, caches, None)[0]  # [T, H]
-        rows = [hidden[a:b][seg.logit_rows(hidden[a:b])] if seg.logit_rows is not None else hidden[a + seg.logits_from:b]
-                for seg, (a, b) in zip(segments, caches.bounds)]
+        rows = [hidden[a:b][seg.logit_rows(hidden[a:b])] if seg.logit_rows is not None
+                else hidden[a + seg.logits_from:b] for seg, (a, b) in zip(segments, caches.bounds)]
         wanted = [r.shape[0] for r in rows]
         whole = all(seg.logits_from == 0 and seg.logit_rows is None for seg in segments)
         picked = hidden if whole else torch.cat(rows)  # [sum wanted, H]

@@ -139,8 +139,9 @@ def test_bf16_eagle_head_drafts_from_packed_copies(target_dir, tmp_path):
     root = int(logits[0, -1].argmax())
     feats = []
     for drafter in (packed, bare):
-        f = drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None], hidden, torch.arange(len(prompt))[None],
-                         drafter.head.new_cache(32), runtime.model.causal_mask(len(prompt)))
+        f = drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None], hidden,
+                         torch.arange(len(prompt))[None], drafter.head.new_cache(32),
+                         runtime.model.causal_mask(len(prompt)))
         feats.append((f, drafter.draft_logits(f[0])))
     assert torch.equal(feats[0][0], feats[1][0]) and torch.equal(feats[0][1], feats[1][1])
     shared = load_eagle_head(heads, model)

@@ -258,6 +258,16 @@ static inline __attribute__((always_inline)) void attend_tile(
 
 static inline __m512 dp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
+/* Elements [c * 16, c * 16 + 16) of a bf16 row. */
+static inline __m256i half_row(const uint16_t *row, int64_t c) {
+    return _mm256_loadu_si256((const __m256i *)(row + c * LANES));
+}
+
+/* Two keys' 16 elements as 16 bf16 pairs (a[i], b[i]), the layout of a pair dot product's operand. */
+static inline __m512i interleave(__m256i a, __m256i b, __m512i inter) {
+    return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), inter, _mm512_castsi256_si512(b));
+}
+
 static inline __attribute__((always_inline)) void values_tile(
     const uint16_t *v, int64_t vo, int64_t vs, int64_t prefix, const int64_t *const *path, const int64_t *total,
     const uint32_t *eh, const int *lane, float *const *o, const float *z, int64_t chunks, int64_t tile) {
@@ -275,9 +285,7 @@ static inline __attribute__((always_inline)) void values_tile(
             __m512i vc[chunks];
             const uint16_t *r0 = v + vo + t * vs, *r1 = r0 + vs;
             for (int64_t c = 0; c < chunks; c++)
-                vc[c] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + c * LANES))),
-                                                  inter,
-                                                  _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r1 + c * LANES))));
+                vc[c] = interleave(half_row(r0, c), half_row(r1, c), inter);
             for (int64_t i = 0; i < tile; i++) {
                 const __m512i p = _mm512_set1_epi32((int)pairs[lane[i]]);
                 for (int64_t c = 0; c < chunks; c++) acc[i][c] = dp(acc[i][c], p, vc[c]);
@@ -290,11 +298,8 @@ static inline __attribute__((always_inline)) void values_tile(
                 const uint16_t *r1 = second ? v + vo + (t + 1 < prefix ? t + 1 : path[i][t + 1 - prefix]) * vs : r0;
                 const __m512i p = _mm512_set1_epi32((int)pairs[lane[i]]);
                 for (int64_t c = 0; c < chunks; c++) {
-                    const __m256i b = second ? _mm256_loadu_si256((const __m256i *)(r1 + c * LANES)) : _mm256_setzero_si256();
-                    const __m512i vc = _mm512_permutex2var_epi16(
-                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + c * LANES))), inter,
-                        _mm512_castsi256_si512(b));
-                    acc[i][c] = dp(acc[i][c], p, vc);
+                    const __m256i b = second ? half_row(r1, c) : _mm256_setzero_si256();
+                    acc[i][c] = dp(acc[i][c], p, interleave(half_row(r0, c), b, inter));
                 }
             }
         }
