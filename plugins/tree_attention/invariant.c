@@ -244,17 +244,8 @@ static inline __attribute__((always_inline)) void attend_tile(
 #define KEY_BATCH 8 /* keys whose scores the bf16 route accumulates together (independent chains) */
 
 #if HAVE_DPBF16
-/* The bf16 route (AVX512-BF16, head size a multiple of 32): up to 16 (query row, head) pairs of one kv head as the
- * 16 lanes of a vector, the arithmetic lane-wise, so a pair's result cannot depend on the other lanes:
- *   score_t = scale * sum_j q[2j..2j+1] . k_t[2j..2j+1]   a bf16 pair dot product per j, j = 0 .. D/2 - 1 in order
- *                                                        (the key's dwords broadcast: a prefix key serves all lanes);
- *   m = max_t score_t;  e_t = bf16(exp(score_t - m))      rounded to nearest even: the weight the values are
- *                                                        multiplied by; z = sum_t e_t, t in order;
- *   out = (sum_u (e_2u v_2u + e_2u+1 v_2u+1)) / z        bf16 pair dot products over logical keys 2u, 2u + 1 (past
- *                                                        the row's end: weight 0, value 0), u in order, 16 lanes of
- *                                                        D at a time (pairs in register tiles that share the values).
- * Rounding the weights to bf16 is what GPU flash attention does for its second matmul; z sums the rounded weights,
- * so each output stays a convex combination of the values. */
+/* The bf16 route (the header says what it computes): a prefix key's dwords are broadcast to all 16 lanes; the values
+ * are summed in register tiles of pairs that share each key pair's interleaved values. */
 
 static inline __m512 dp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
@@ -268,9 +259,11 @@ static inline __m512i interleave(__m256i a, __m256i b, __m512i inter) {
     return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), inter, _mm512_castsi256_si512(b));
 }
 
+/* The weighted values of a tile of pairs: eh, z, path, total and o start at the tile's first pair (eh strided by
+ * GROUP per key pair); each output is divided by its pair's z. */
 static inline __attribute__((always_inline)) void values_tile(
     const uint16_t *v, int64_t vo, int64_t vs, int64_t prefix, const int64_t *const *path, const int64_t *total,
-    const uint32_t *eh, const int *lane, float *const *o, const float *z, int64_t chunks, int64_t tile) {
+    const uint32_t *eh, float *const *o, const float *z, int64_t chunks, int64_t tile) {
     const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     __m512 acc[tile][chunks];
@@ -287,7 +280,7 @@ static inline __attribute__((always_inline)) void values_tile(
             for (int64_t c = 0; c < chunks; c++)
                 vc[c] = interleave(half_row(r0, c), half_row(r1, c), inter);
             for (int64_t i = 0; i < tile; i++) {
-                const __m512i p = _mm512_set1_epi32((int)pairs[lane[i]]);
+                const __m512i p = _mm512_set1_epi32((int)pairs[i]);
                 for (int64_t c = 0; c < chunks; c++) acc[i][c] = dp(acc[i][c], p, vc[c]);
             }
         } else {
@@ -296,7 +289,7 @@ static inline __attribute__((always_inline)) void values_tile(
                 const uint16_t *r0 = v + vo + (t < prefix ? t : path[i][t - prefix]) * vs;
                 const int second = t + 1 < total[i];
                 const uint16_t *r1 = second ? v + vo + (t + 1 < prefix ? t + 1 : path[i][t + 1 - prefix]) * vs : r0;
-                const __m512i p = _mm512_set1_epi32((int)pairs[lane[i]]);
+                const __m512i p = _mm512_set1_epi32((int)pairs[i]);
                 for (int64_t c = 0; c < chunks; c++) {
                     const __m256i b = second ? half_row(r1, c) : _mm256_setzero_si256();
                     acc[i][c] = dp(acc[i][c], p, interleave(half_row(r0, c), b, inter));
@@ -305,7 +298,7 @@ static inline __attribute__((always_inline)) void values_tile(
         }
     }
     for (int64_t i = 0; i < tile; i++) {
-        const float zi = z[lane[i]];
+        const float zi = z[i];
         for (int64_t c = 0; c < chunks; c++) {
             const __m512 r = zi > 0.0f ? _mm512_div_ps(acc[i][c], _mm512_set1_ps(zi)) : _mm512_setzero_ps();
             _mm512_storeu_ps(o[i] + c * LANES, r); /* a row that sees nothing: zeros */
@@ -402,29 +395,30 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
     const int64_t widest = TILE_VECTORS / chunks > 0 ? TILE_VECTORS / chunks : 1;
     for (int64_t first = 0; first < lanes; first += widest) {
         const int64_t tile = lanes - first < widest ? lanes - first : widest;
-        int lane[MAX_TILE];
-        for (int64_t i = 0; i < tile; i++) lane[i] = (int)(first + i);
+        /* the tile's pairs: lanes [first, first + tile) of the weights, their sums, paths and outputs */
+        const uint32_t *te = eh + first;
+        const float *tz = z + first;
         const int64_t *const *tp = path + first;
         const int64_t *tt = total + first;
         float *const *to = o + first;
         if (chunks == 4) {
             switch (tile) {
-            case 6: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 6); break;
-            case 5: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 5); break;
-            case 4: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 4); break;
-            case 3: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 3); break;
-            case 2: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 2); break;
-            default: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 4, 1); break;
+            case 6: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 6); break;
+            case 5: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 5); break;
+            case 4: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 4); break;
+            case 3: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 3); break;
+            case 2: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 2); break;
+            default: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 1); break;
             }
         } else if (chunks == 8) {
             switch (tile) {
-            case 3: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 8, 3); break;
-            case 2: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 8, 2); break;
-            default: values_tile(v, vo, vs, prefix, tp, tt, eh, lane, to, z, 8, 1); break;
+            case 3: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 8, 3); break;
+            case 2: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 8, 2); break;
+            default: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 8, 1); break;
             }
         } else {
             for (int64_t i = 0; i < tile; i++)
-                values_tile(v, vo, vs, prefix, tp + i, tt + i, eh, lane + i, to + i, z, chunks, 1);
+                values_tile(v, vo, vs, prefix, tp + i, tt + i, te + i, to + i, tz + i, chunks, 1);
         }
     }
 }
