@@ -34,7 +34,7 @@ from runtime.protocol import Draft, Drafter, DraftSession, Verdict
 from runtime.sampling import Penalties, SamplingParams, greedy_tokens, sample, target_probs, token_logprobs
 from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
 from runtime.tree import Tree
-from runtime.verify import greedy_walk, likely_path, verify
+from runtime.verify import greedy_walk_computing, likely_path, verify
 
 
 @dataclass(frozen=True)
@@ -493,13 +493,12 @@ class RequestState:
         argmax: list[int | None] = [None] * draft.tree.num_nodes
         for r, a in zip(rows, greedy_tokens(logits).tolist()):
             argmax[r] = a
-        while True:
-            verdict = greedy_walk(draft, argmax)
-            if isinstance(verdict, Verdict):
-                return verdict
-            more = self.decoder.model.lm_head(hidden[torch.tensor(verdict, dtype=torch.int64, device=hidden.device)])
-            for r, a in zip(verdict, greedy_tokens(more).tolist()):
-                argmax[r] = a
+
+        def argmax_of(nodes: list[int]) -> list[int]:
+            index = torch.tensor(nodes, dtype=torch.int64, device=hidden.device)
+            return greedy_tokens(self.decoder.model.lm_head(hidden[index])).tolist()
+
+        return greedy_walk_computing(draft, argmax, argmax_of)
 
     # ---- output -------------------------------------------------------------------------------------
 

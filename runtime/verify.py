@@ -16,7 +16,7 @@ The residual update depends on how the drafter produced the children (`Draft.pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -101,6 +101,17 @@ def greedy_walk(draft: Draft, argmax: Sequence[int | None]) -> Verdict | list[in
     path = tree.path(best)
     emitted = [tokens[i] for i in path[1:]] + [argmax[best]]
     return _verdict(list(path), emitted, bonus=tree.is_leaf(best))
+
+
+def greedy_walk_computing(
+    draft: Draft, argmax: list[int | None], argmax_of: Callable[[list[int]], Sequence[int]]
+) -> Verdict:
+    """`greedy_walk` until it has what it needs: `argmax_of(nodes)` gives the target argmax of nodes it asks for
+    (their logits computed now), filled into `argmax` (num_nodes entries, None: not known yet) before it walks again."""
+    while not isinstance(verdict := greedy_walk(draft, argmax), Verdict):
+        for node, a in zip(verdict, argmax_of(verdict)):
+            argmax[node] = a
+    return verdict
 
 
 def likely_path(
@@ -235,4 +246,4 @@ def _verdict(path: list[int], emitted: list[int], bonus: bool) -> Verdict:
     )
 
 
-__all__ = ["greedy_walk", "likely_path", "verify", "verify_greedy", "verify_sampling"]
+__all__ = ["greedy_walk", "greedy_walk_computing", "likely_path", "verify", "verify_greedy", "verify_sampling"]

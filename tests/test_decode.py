@@ -129,13 +129,14 @@ def test_greedy_steps_run_the_lm_head_on_the_likely_path(ckpts, monkeypatch, pre
     not on every node, and on any other node the walk asks for: the output stays greedy decoding's. With the target's
     own child logits one pass suffices; with a predictor that picks each node's worst child the walk asks for more."""
     import runtime.decode as decode_module
+    import runtime.verify as verify_module
 
     model = TargetModel.from_pretrained(ckpts["llama3"])
     t = Tree.parse("mc_sim_7b_63")
     if predictor == "adversarial":
         likely = decode_module.likely_path
         monkeypatch.setattr(decode_module, "likely_path", lambda draft, child_logits: likely(draft, -child_logits))
-    forward, walk, rows, asked = model.forward_segments, decode_module.greedy_walk, [], []
+    forward, walk, rows, asked = model.forward_segments, verify_module.greedy_walk, [], []
 
     def counted_forward(segments, check=True):
         out = forward(segments, check)
@@ -148,7 +149,7 @@ def test_greedy_steps_run_the_lm_head_on_the_likely_path(ckpts, monkeypatch, pre
         return verdict
 
     monkeypatch.setattr(model, "forward_segments", counted_forward)
-    monkeypatch.setattr(decode_module, "greedy_walk", counted_walk)
+    monkeypatch.setattr(verify_module, "greedy_walk", counted_walk)
     for i, prompt in enumerate(PROMPTS):
         want = greedy_reference(model, prompt, 20)
         rows.clear()

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 from plugins.tree_attention.mask import random_parents
 from runtime.errors import ConfigError
-from runtime.protocol import Draft, Proposal, Verdict
+from runtime.protocol import Draft, Proposal
 from runtime.sampling import SamplingParams, target_probs
 from runtime.tree import Tree
-from runtime.verify import _try_deterministic, greedy_walk, likely_path, verify, verify_greedy, verify_sampling
+from runtime.verify import (
+    _try_deterministic, greedy_walk, greedy_walk_computing, likely_path, verify, verify_greedy, verify_sampling,
+)
 
 GREEDY = SamplingParams()
 # nodes: [0]=1 [1]=2 [0,0]=3 [0,1]=4 [1,0]=5 [0,0,0]=6
@@ -77,44 +79,6 @@ def test_greedy_path_is_the_deepest_lowest_index_match_on_random_trees(num_nodes
     assert verdict.bonus is tree.is_leaf(best)
 
 
-def _walk_filling(draft: Draft, logits: torch.Tensor, known: list[int]) -> tuple:
-    """greedy_walk starting from the argmax of `known` nodes, computing what it asks for: (verdict, nodes computed)."""
-    full = logits.argmax(-1).tolist()
-    argmax = [full[i] if i in known else None for i in range(len(full))]
-    computed = list(known)
-    while not isinstance(verdict := greedy_walk(draft, argmax), Verdict):
-        assert verdict and all(argmax[i] is None for i in verdict)
-        for i in verdict:
-            argmax[i] = full[i]
-        computed += verdict
-    return verdict, computed
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.deferred(lambda: drafted_trees()), st.integers(0, 10_000))
-def test_greedy_walk_from_the_likely_path(drafted, seed):
-    """The lazy lm_head of a greedy step (runtime/decode.py): with the target's own child logits, `likely_path` holds
-    every node the walk reads (one lm_head pass); from any child logits, walking and computing what it asks for
-    ends in verify_greedy's verdict."""
-    tree, tokens = drafted
-    model = PrefixModel(vocab=4, seed=seed)
-    draft = Draft(tree, torch.tensor(tokens))
-    logits = model.tree_logits(tree, tokens)  # [N, V]
-    want = verify_greedy(draft, logits)
-    parents = list(tree.parent_list[1:])
-    exact = logits[parents, tokens[1:]] if tree.num_nodes > 1 else torch.zeros(0)  # [N - 1]
-    rows = likely_path(draft, exact)
-    verdict, computed = _walk_filling(draft, logits, rows)
-    assert computed == rows  # no second pass
-    assert set(want.path.tolist()) <= set(rows)
-    g = torch.Generator().manual_seed(seed)
-    for guess in (torch.randn(tree.num_nodes - 1, generator=g), -exact):  # poor and adversarial predictors
-        verdict, _ = _walk_filling(draft, logits, likely_path(draft, guess))
-        assert verdict.path.tolist() == want.path.tolist() and verdict.tokens.tolist() == want.tokens.tolist()
-        assert verdict.bonus is want.bonus
-    assert greedy_walk(draft, [None] * tree.num_nodes) == [0]
-
-
 class PrefixModel:
     """A deterministic toy 'model': logits for the next token are a fixed random function of the token prefix."""
 
@@ -146,6 +110,45 @@ def drafted_trees(draw, vocab: int = 4, max_nodes: int = 25):
     tree = Tree.from_choices(paths) if paths else Tree.root_only()
     tokens = [0] + [draw(st.integers(0, vocab - 1)) for _ in range(tree.num_nodes - 1)]
     return tree, tokens
+
+
+def _walk_filling(draft: Draft, logits: torch.Tensor, known: list[int]) -> tuple:
+    """greedy_walk_computing from the argmax of `known` nodes: (verdict, nodes computed, known ones first)."""
+    full = logits.argmax(-1).tolist()
+    argmax = [full[i] if i in known else None for i in range(len(full))]
+    computed = list(known)
+
+    def argmax_of(nodes):
+        assert nodes and all(argmax[i] is None for i in nodes)  # only what is not known yet
+        computed.extend(nodes)
+        return [full[i] for i in nodes]
+
+    return greedy_walk_computing(draft, argmax, argmax_of), computed
+
+
+@settings(max_examples=150, deadline=None)
+@given(drafted_trees(), st.integers(0, 10_000))
+def test_greedy_walk_from_the_likely_path(drafted, seed):
+    """The lazy lm_head of a greedy step (runtime/decode.py): with the target's own child logits, `likely_path` holds
+    every node the walk reads (one lm_head pass); from any child logits, walking and computing what it asks for
+    ends in verify_greedy's verdict."""
+    tree, tokens = drafted
+    model = PrefixModel(vocab=4, seed=seed)
+    draft = Draft(tree, torch.tensor(tokens))
+    logits = model.tree_logits(tree, tokens)  # [N, V]
+    want = verify_greedy(draft, logits)
+    parents = list(tree.parent_list[1:])
+    exact = logits[parents, tokens[1:]] if tree.num_nodes > 1 else torch.zeros(0)  # [N - 1]
+    rows = likely_path(draft, exact)
+    verdict, computed = _walk_filling(draft, logits, rows)
+    assert computed == rows  # no second pass
+    assert set(want.path.tolist()) <= set(rows)
+    g = torch.Generator().manual_seed(seed)
+    for guess in (torch.randn(tree.num_nodes - 1, generator=g), -exact):  # poor and adversarial predictors
+        verdict, _ = _walk_filling(draft, logits, likely_path(draft, guess))
+        assert verdict.path.tolist() == want.path.tolist() and verdict.tokens.tolist() == want.tokens.tolist()
+        assert verdict.bonus is want.bonus
+    assert greedy_walk(draft, [None] * tree.num_nodes) == [0]
 
 
 @settings(max_examples=150, deadline=None)
