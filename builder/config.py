@@ -9,6 +9,7 @@
                                                  # or {dynamic: {total_tokens: 60, depth: 5, top_k: 10}} (eagle)
       lookup: {max_ngram: 3, num_draft_tokens: 10}   # lookup; on medusa / eagle: merged into their trees
       quantization: int8                         # eagle: its head's weights as drafting reads them (CPU)
+      pruning: {min_path_prob: 0.02}             # eagle: nodes the head finds less likely are not verified
     build:
       dtype: float16                             # float32 | bfloat16 | float16 (default: the checkpoint's)
       tp_size: 1
@@ -41,7 +42,7 @@ import torch
 from runtime import schema
 from runtime.api import LoadConfig
 from runtime.config import ModelConfig
-from runtime.draft_spec import DYNAMIC, KINDS, DraftSpec, DynamicTreeOptions, LookupOptions, field_names
+from runtime.draft_spec import DYNAMIC, KINDS, DraftSpec, DynamicTreeOptions, LookupOptions, PruneOptions, field_names
 from runtime.drafters import load_drafter
 from runtime.engine import QKVLayout
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
@@ -99,7 +100,7 @@ class TreeSection:
 # DraftSpec's fields as the YAML names them.
 DRAFT_KEYS = {"kind": "draft.method", "path": "draft.checkpoint", "tree": "draft.tree",
               "dynamic": "draft.tree.dynamic", "lookup": "draft.lookup", "max_draft_len": "build.max_draft_len",
-              "quantization": "draft.quantization"}
+              "quantization": "draft.quantization", "pruning": "draft.pruning"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class DraftSection:
     # prompt-lookup bounds: method lookup's own, or (medusa / eagle) continuations merged into each step's tree
     lookup: LookupOptions | None = None
     quantization: str | None = None  # "int8": the head's weights as drafting reads them (eagle, CPU)
+    pruning: PruneOptions | None = None  # eagle: each step verifies only the nodes the head finds likely enough
 
     def __post_init__(self) -> None:
         with field_names(DRAFT_KEYS, BuildConfigError):
@@ -122,7 +124,7 @@ class DraftSection:
         with field_names(DRAFT_KEYS, BuildConfigError):
             return DraftSpec(self.method, path=self.checkpoint, tree=None if self.tree is None else self.tree.draft_tree,
                              dynamic=None if self.tree is None else self.tree.dynamic, lookup=self.lookup,
-                             max_draft_len=max_draft_len, quantization=self.quantization)
+                             max_draft_len=max_draft_len, quantization=self.quantization, pruning=self.pruning)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from builder.config import BuildConfig, BuildConfigError, load_config, plan_buil
 from builder.tree_search import best_tree, expected_tokens
 from runtime import schema
 from runtime.decode import SpecDecoder
-from runtime.draft_spec import WEIGHTED_KINDS, DraftSpec
+from runtime.draft_spec import WEIGHTED_KINDS, DraftSpec, PruneOptions
 from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.model import TargetModel
@@ -165,15 +165,16 @@ class RecordingDrafter:
         return _RecordingSession(self.inner.start(prompt, hidden, max_nodes), self.counts, [1, self.max_tokens])
 
 
-def _drafter_with_tree(drafter, model: TargetModel, tree: Tree):
-    """The same loaded heads with another static tree (no re-reading of weights)."""
+def _drafter_with_tree(drafter, model: TargetModel, tree: Tree, pruning: PruneOptions | None = None):
+    """The same loaded heads with another static tree (no re-reading of weights); pruning: EAGLE's, for timing a
+    tree as the config runs it (the acceptance comb is measured whole)."""
     from runtime.drafters.eagle import EagleDrafter
     from runtime.drafters.medusa import MedusaDrafter
 
     if isinstance(drafter, MedusaDrafter):
         return MedusaDrafter(drafter.heads, tree)
     if isinstance(drafter, EagleDrafter):
-        return EagleDrafter(drafter.head, model, tree=tree, quantization=drafter.quantization)
+        return EagleDrafter(drafter.head, model, tree=tree, quantization=drafter.quantization, pruning=pruning)
     raise BuildConfigError(f"tune-tree tunes static trees of medusa / eagle drafters, not {drafter.name!r}")
 
 
@@ -341,7 +342,7 @@ def tune(
     timed_set = {id(c) for group in by_depth.values() for c in (group[0], group[len(group) // 2], group[-1])}
     timed = [c for c in found_trees if id(c) in timed_set] + ref_trees
     say(f"timing {len(timed)} trees and plain decoding, interleaved over {len(timing_prompts)} prompts")
-    timings = time_trees(model, tokenizer, [(name, _drafter_with_tree(base, model, tree), tree.num_nodes,
+    timings = time_trees(model, tokenizer, [(name, _drafter_with_tree(base, model, tree, d.pruning), tree.num_nodes,
                                              tree.max_depth) for name, tree, _ in timed]
                          + [("plain", NoneDrafter(), 1, 0)], timing_prompts, max_tokens)
     plain_t = timings.pop("plain")
@@ -378,7 +379,7 @@ def tune(
             fastest_run = max(ran, key=lambda c: c.measured_tokens_per_s)
             picks += [fastest_run] if fastest_run not in picks else []
         say(f"timing the finalists {', '.join(c.name for c in picks)} against plain decoding")
-        final = time_trees(model, tokenizer, [(c.name, _drafter_with_tree(base, model, Tree.from_choices(c.choices)),
+        final = time_trees(model, tokenizer, [(c.name, _drafter_with_tree(base, model, Tree.from_choices(c.choices), d.pruning),
                                                c.num_nodes, c.depth) for c in picks]
                            + [("plain", NoneDrafter(), 1, 0)], timing_prompts, max_tokens)
         finalists = {name: {"tau": t.tau, "tokens_per_s": t.tokens_per_s} for name, t in final.items()}

@@ -67,7 +67,7 @@ class VariantSpec:
         NAME   optional label for reports (default: DRAFT as written), e.g. "medusa-tuned=medusa:[[0],...]"
         DRAFT  a drafter in DraftSpec's grammar, KIND[:TREE][+KEY=VALUE...] (runtime.draft_spec.DraftSpec.parse);
                "plain" is kind none (plain decoding, already a baseline). What it leaves unset comes from the
-               configured drafter (`resolve`): the tree (its options, its quantization) when KIND is the configured drafter's and
+               configured drafter (`resolve`): the tree (its options, quantization and pruning) when KIND is the configured drafter's and
                neither a tree nor options are given, the weights from --draft-model or the configured drafter's,
                max_draft_len (most draft nodes per step, which cuts a static tree to a prefix of its canonical
                order) from the config's / engine's limit.
@@ -278,7 +278,8 @@ def resolve(spec: VariantSpec, target: Target, draft_models: Mapping[str, Path])
     if same and draft.dynamic is None and draft.lookup is None:  # no options given: the configured ones
         if draft.tree is None:
             draft = dataclasses.replace(draft, tree=conf.tree, dynamic=conf.dynamic, lookup=conf.lookup,
-                                        quantization=draft.quantization or conf.quantization)
+                                        quantization=draft.quantization or conf.quantization,
+                                        pruning=draft.pruning or conf.pruning)
         elif draft.tree == DYNAMIC and conf.static_tree is None:
             draft = dataclasses.replace(draft, dynamic=conf.dynamic)
     return dataclasses.replace(draft, path=path, max_draft_len=max_draft_len)

@@ -21,7 +21,7 @@ from runtime.tokenizer import Tokenizer
 # DraftSpec's fields as LoadConfig (runtime.load's keywords, python -m runtime's flags) names them.
 DRAFT_KEYS = {"kind": "draft", "path": "draft_model", "tree": "tree", "dynamic": "draft_options",
               "lookup": "draft_options", "options": "draft_options", "max_draft_len": "max_draft_len",
-              "quantization": "draft_quantization"}
+              "pruning": "draft_options", "quantization": "draft_quantization"}
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,9 @@ def load(
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
     draft_quantization  "int8": the EAGLE head runs on int8 copies of its weights (CPU; drafts change slightly,
                  the output never)
-    draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; lookup: max_ngram, ...; lookup's on
-                 medusa / eagle merge prompt lookup into their trees)
+    draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; EAGLE: min_path_prob, the path
+                 probability below which drafted nodes are not verified; lookup: max_ngram, ...; lookup's on medusa /
+                 eagle merge prompt lookup into their trees)
     """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")

@@ -15,6 +15,8 @@ Fields:
     dynamic        DynamicTreeOptions of the dynamic tree (None: the defaults); setting them makes tree DYNAMIC
     lookup         LookupOptions: drafter lookup's own (None: the defaults); on medusa / eagle, prompt-lookup
                    continuations merged into each step's model-drafted tree (None: no merge)
+    pruning        PruneOptions (eagle only): each step's draft nodes whose path is less likely than min_path_prob
+                   under the head are not verified (None: every node is)
     max_draft_len  most draft nodes per step, root excluded (TensorRT-LLM's meaning); None: the caller's limit
     quantization   the draft head's weights as drafting reads them: None (their own dtype) or "int8" (weight-only,
                    per-row scales, CPU; eagle only): drafting reads a few rows per call, so their bytes are its cost;
@@ -28,7 +30,7 @@ The rules, written here only (`DraftSpec.__post_init__`, `with_options`, `requir
 KINDS; only medusa / eagle have weights, and need them to load; lookup takes no tree (it builds its trees from
 matches) and none only a root-only one; the dynamic tree and its options are EAGLE's only and never go with a
 static tree; lookup options go with lookup (its own) or with medusa / eagle (continuations merged into their trees),
-never with none; quantization is one of QUANTIZATIONS, for QUANTIZED_KINDS only. Errors are `DraftSpecError`s naming the field, so each front end names its own key for it
+never with none; pruning is EAGLE's only; quantization is one of QUANTIZATIONS, for QUANTIZED_KINDS only. Errors are `DraftSpecError`s naming the field, so each front end names its own key for it
 (`field_names`).
 """
 
@@ -136,10 +138,29 @@ class LookupOptions:
         return self.num_draft_tokens if self.max_depth is None else min(self.max_depth, self.num_draft_tokens)
 
 
-OPTIONS: dict[str, type] = {"dynamic": DynamicTreeOptions, "lookup": LookupOptions}  # DraftSpec field -> its type
+@dataclass(frozen=True)
+class PruneOptions:
+    """Which of a step's draft nodes are verified (EAGLE, static or dynamic tree).
+
+    min_path_prob   a node is verified only if the head's probability of its path (the product of its draft
+                    probabilities from the root down: EAGLE-2's score) is at least this; 0: every node is. A path
+                    is never likelier than its parent's, so what is kept is a tree; prompt-lookup nodes merged
+                    under a kept node stay. On CPU every node beyond ~8 costs a share of a target step (the
+                    matmuls are compute-bound there), while the head's path probability tracks how often the target
+                    accepts the node: a node the head gives 1% is accepted about 1% of the time.
+    """
+
+    min_path_prob: float = setting(0.0, ge=0.0, le=1.0)
+
+    def __post_init__(self) -> None:
+        schema.check(self, ConfigError, "pruning")
+
+
+OPTIONS: dict[str, type] = {"dynamic": DynamicTreeOptions, "lookup": LookupOptions,
+                            "pruning": PruneOptions}  # DraftSpec field -> its type
 # The option sets each kind takes (DraftSpec fields); their field names never overlap, so KEY=VALUE options are
 # routed to their set by name.
-KIND_OPTIONS: dict[str, tuple[str, ...]] = {"eagle": ("dynamic", "lookup"), "medusa": ("lookup",),
+KIND_OPTIONS: dict[str, tuple[str, ...]] = {"eagle": ("dynamic", "lookup", "pruning"), "medusa": ("lookup",),
                                             "lookup": ("lookup",)}
 
 
@@ -195,6 +216,7 @@ class DraftSpec:
     lookup: LookupOptions | None = None
     max_draft_len: int | None = None
     quantization: str | None = None
+    pruning: PruneOptions | None = None  # PruneOptions() (nothing pruned) is kept as None: one form per meaning
 
     def __post_init__(self) -> None:
         kind, tree = self.kind, self.tree
@@ -210,10 +232,16 @@ class DraftSpec:
         if tree is not None and tree != DYNAMIC and not isinstance(tree, Tree):
             raise DraftSpecError("tree", f"expected a Tree, {DYNAMIC!r} or None, got {tree!r} "
                                          "(DraftSpec.create parses preset names, JSON and choice paths)")
-        for name, cls in (("dynamic", DynamicTreeOptions), ("lookup", LookupOptions)):
+        for name, cls in OPTIONS.items():
             value = getattr(self, name)
             if value is not None and not isinstance(value, cls):
                 raise DraftSpecError(name, f"expected {cls.__name__}, got {value!r}")
+        if self.pruning is not None:
+            if kind != "eagle":
+                raise DraftSpecError("pruning", f"pruning by path probability is EAGLE's (its head scores its "
+                                                f"paths), not drafter {kind!r}'s")
+            if self.pruning == PruneOptions():
+                object.__setattr__(self, "pruning", None)
         if self.dynamic is not None:
             if kind != "eagle":
                 raise DraftSpecError("dynamic", _no_dynamic_tree(kind))
@@ -262,9 +290,9 @@ class DraftSpec:
         quantization: str | None = None,
     ) -> DraftSpec:
         """From loose values: `tree` a Tree, a preset name ("mc_sim_7b_63", "chain-4"), JSON choice paths, a list
-        of choice paths or "dynamic"; `options` the kind's options by name (eagle: total_tokens, depth, top_k;
-        lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches; medusa / eagle also take lookup's,
-        which merge prompt-lookup continuations into their trees)."""
+        of choice paths or "dynamic"; `options` the kind's options by name (eagle: total_tokens, depth, top_k,
+        min_path_prob; lookup: max_ngram, min_ngram, num_draft_tokens, max_depth, max_branches; medusa / eagle also
+        take lookup's, which merge prompt-lookup continuations into their trees)."""
         spec = cls(kind, path=path, tree=_tree(tree), max_draft_len=max_draft_len, quantization=quantization)
         return spec.with_options(options or {})
 
@@ -356,7 +384,8 @@ class DraftSpec:
                     "num_nodes": self.tree.num_nodes, "max_depth": self.tree.max_depth}
         elif self.tree == DYNAMIC:
             tree = {"kind": DYNAMIC, **({} if self.dynamic is None else dataclasses.asdict(self.dynamic))}
-        options = {k: v for o in (self.dynamic, self.lookup) if o is not None for k, v in dataclasses.asdict(o).items()}
+        options = {k: v for name in OPTIONS if (o := getattr(self, name)) is not None
+                   for k, v in dataclasses.asdict(o).items()}
         d: dict[str, Any] = {"method": self.kind, "path": self.path, "tree": tree, "options": options}
         if self.max_draft_len is not None:
             d["max_draft_len"] = self.max_draft_len
@@ -377,6 +406,8 @@ class DraftSpec:
             parts.append("the drafter's default tree")
         if self.lookup is not None:
             parts.append(_pairs(self.lookup) if self.kind == "lookup" else f"merged prompt lookup: {_pairs(self.lookup)}")
+        if self.pruning is not None:
+            parts.append(f"paths below probability {self.pruning.min_path_prob:g} pruned")
         if self.max_draft_len is not None:
             parts.append(f"max_draft_len {self.max_draft_len}")
         if self.quantization is not None:
@@ -444,5 +475,5 @@ def option_value(text: str) -> Any:
 
 __all__ = [
     "KINDS", "QUANTIZATIONS", "QUANTIZED_KINDS", "WEIGHTED_KINDS", "DYNAMIC", "GRAMMAR", "KIND_OPTIONS", "OPTIONS", "DraftSpec", "DraftSpecError", "DynamicTreeOptions",
-    "LookupOptions", "as_tree", "field_names", "option_names", "option_value",
+    "LookupOptions", "PruneOptions", "as_tree", "field_names", "option_names", "option_value",
 ]

@@ -350,8 +350,10 @@ def _check_pool(parents: torch.Tensor, scores: torch.Tensor, tokens: torch.Tenso
         )
 
 
-def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_tokens: int) -> tuple[Tree, torch.Tensor]:
-    """EAGLE-2 rerank: keep the best (total_tokens - 1) pool entries plus the root, as an ancestor-closed tree.
+def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_tokens: int,
+                        min_score: float | None = None) -> tuple[Tree, torch.Tensor]:
+    """EAGLE-2 rerank: keep the best (total_tokens - 1) pool entries plus the root, as an ancestor-closed tree;
+    with min_score, only entries whose effective score (below) is at least min_score (pruning: fewer nodes).
 
     parents  # [P] int: pool index of each entry's parent, -1 for children of the root; parents[i] < i
     scores   # [P] float: cumulative draft log-probability of each entry's path
@@ -375,7 +377,9 @@ def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_token
         if p >= 0:
             eff[i] = min(eff[i], eff[p])  # parents precede children, so eff[p] is final here
     order = sorted(range(len(par)), key=lambda i: (-eff[i], i))
-    keep = sorted(order[: max(0, min(total_tokens - 1, len(par)))])
+    if min_score is not None:
+        order = [i for i in order if eff[i] >= min_score]  # a prefix of the order: still ancestor-closed
+    keep = sorted(order[: max(0, min(total_tokens - 1, len(order)))])
     siblings: dict[int, list[int]] = {}
     for i in keep:
         siblings.setdefault(par[i], []).append(i)
@@ -394,7 +398,8 @@ def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_token
 
 
 def select_dynamic_tree(
-    parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, total_tokens: int, root_token: int = -1
+    parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, total_tokens: int, root_token: int = -1,
+    min_score: float | None = None,
 ) -> tuple[Tree, torch.Tensor]:
     """EAGLE-2 dynamic tree from a candidate pool (see `select_dynamic_pool` for the selection rule).
 
@@ -405,7 +410,7 @@ def select_dynamic_tree(
     result can go straight into a `Draft`).
     """
     _check_pool(parents, scores, tokens)
-    tree, pool_index = select_dynamic_pool(parents, scores, total_tokens)
+    tree, pool_index = select_dynamic_pool(parents, scores, total_tokens, min_score)
     node_tokens = torch.full((tree.num_nodes,), root_token, dtype=torch.int64, device=tokens.device)
     if tree.num_nodes > 1:
         node_tokens[1:] = tokens[pool_index[1:].to(tokens.device)].to(torch.int64)

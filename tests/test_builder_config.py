@@ -140,6 +140,12 @@ def test_config_is_frozen_and_hash_ignores_output():
         ("model: {checkpoint: ck}\ndraft: {method: lookup, lookup: {min_ngram: 4, max_ngram: 2}}",
          ["draft.lookup", "min_ngram (4)", "max_ngram (2)"]),
         ("model: {checkpoint: ck}\ndraft: {method: none, lookup: {max_ngram: 2}}", ["draft.lookup", "'none'"]),
+        ("model: {checkpoint: ck}\ndraft: {method: eagle, checkpoint: h, pruning: {min_path_prob: 2}}",
+         ["draft.pruning.min_path_prob", "2", "[0, 1]"]),
+        ("model: {checkpoint: ck}\ndraft: {method: eagle, checkpoint: h, pruning: {min_prob: 0.1}}",
+         ["draft.pruning.min_prob", "unknown key", "min_path_prob"]),
+        ("model: {checkpoint: ck}\ndraft: {method: medusa, checkpoint: h, pruning: {min_path_prob: 0.1}}",
+         ["draft.pruning", "EAGLE's", "'medusa'"]),
     ],
 )
 def test_bad_configs_name_key_value_and_expectation(text, expected):

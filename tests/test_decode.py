@@ -196,6 +196,8 @@ def heads(ckpts, tmp_path_factory):
         ("eagle", None, {}),
         ("eagle", None, {"total_tokens": 12, "depth": 3, "top_k": 4}),
         ("eagle", '[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]', {}),
+        ("eagle", '[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]', {"min_path_prob": 0.1}),
+        ("eagle", None, {"total_tokens": 12, "depth": 3, "top_k": 4, "min_path_prob": 0.05}),
     ],
 )
 @pytest.mark.parametrize("variant", ["llama3", "qwen2"])
@@ -399,6 +401,44 @@ def test_sampled_distribution_with_reduced_draft_vocabulary(ckpts, tmp_path, kw)
     out = dec.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True, seed=0, **kw))
     assert out.stats.drafted_tokens > 0
     assert any(set(seq) - set(keep) for seq in counts)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
+                         ids=["T1.0", "T0.7"])
+def test_sampled_distribution_with_pruned_trees(ckpts, tmp_path, monkeypatch, kw):
+    """Pruning by path probability (min_path_prob) with a reduced draft vocabulary, as the default configuration
+    drafts: each step's tree is whatever part of the static tree the head finds likely (a function of the drafter's
+    state, never of the target), and the output distribution stays exact. The steps' trees are recorded: both pruned
+    and whole trees occur."""
+    from runtime.drafters import eagle
+    from runtime.drafters.draft_vocab import DraftVocab
+    from tests.heads import write_eagle_head
+
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    prompt = PROMPTS[1]
+    logits, _ = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
+    keep = sorted(logits[0, -1].argsort(descending=True)[:24].tolist())
+    vocab = DraftVocab(torch.tensor(keep), model.config.vocab_size)
+    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3, state_hook=lambda st: {**st, **vocab.state()})
+    tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    spec = DraftSpec.create("eagle", path=head, tree=tree, options={"min_path_prob": 0.1})
+    drafter = load_drafter(spec, model)
+    sizes: list[int] = []
+    draft_static = eagle.EagleSession._draft_static
+
+    def recording(self, *args, **kwargs):
+        draft = draft_static(self, *args, **kwargs)
+        sizes.append(draft.tree.num_nodes)
+        return draft
+
+    monkeypatch.setattr(eagle.EagleSession, "_draft_static", recording)
+    dec = SpecDecoder(model, None, drafter, tree.num_nodes)
+    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
+    trials = 1500
+    counts = sample_counts(dec, prompt, kw, 3, trials)
+    stat, df = chi2_stat(counts, exact, trials)
+    assert stat < chi2_threshold(df), (stat, df)
+    assert min(sizes) < tree.num_nodes and max(sizes) > 1, (min(sizes), max(sizes))
 
 
 def _echo_prompt(model: TargetModel) -> list[int]:

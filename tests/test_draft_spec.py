@@ -19,6 +19,7 @@ from runtime.draft_spec import (
     DraftSpecError,
     DynamicTreeOptions,
     LookupOptions,
+    PruneOptions,
     field_names,
 )
 from runtime.errors import ConfigError
@@ -41,6 +42,11 @@ from runtime.tree import Tree
                                                        lookup=LookupOptions(max_branches=1))),
     ("medusa:chain-3+max_ngram=2", DraftSpec("medusa", tree=Tree.chain(3), lookup=LookupOptions(max_ngram=2))),
     ("eagle:chain-2+quantization=int8", DraftSpec("eagle", tree=Tree.chain(2), quantization="int8")),
+    # pruning by path probability: static or dynamic EAGLE trees; 0 prunes nothing and is stored as no pruning
+    ("eagle:chain-2+min_path_prob=0.02", DraftSpec("eagle", tree=Tree.chain(2), pruning=PruneOptions(0.02))),
+    ("eagle+top_k=4+min_path_prob=0.5", DraftSpec("eagle", dynamic=DynamicTreeOptions(top_k=4),
+                                                  pruning=PruneOptions(0.5))),
+    ("eagle:chain-2+min_path_prob=0", DraftSpec("eagle", tree=Tree.chain(2))),
 ])
 def test_grammar(text, expected):
     spec = DraftSpec.parse(text)
@@ -68,6 +74,9 @@ def test_grammar(text, expected):
     ("lookup+max_draft_len=-1", "max_draft_len", "got -1, expected an integer >= 0"),
     ("eagle+quantization=int4", "quantization", "got 'int4', expected one of int8 (or none: the weights' own dtype)"),
     ("medusa:chain-2+quantization=int8", "quantization", "drafter 'medusa' runs its weights as they are"),
+    ("eagle+min_path_prob=1.5", "options", "pruning.min_path_prob: got 1.5, expected a number in [0, 1]"),
+    ("eagle+min_path_prob=-0.1", "options", "pruning.min_path_prob: got -0.1, expected a number in [0, 1]"),
+    ("medusa:chain-2+min_path_prob=0.1", "options", "unknown option(s) ['min_path_prob'] for drafter 'medusa'"),
 ])
 def test_rules_name_the_field(text, field, message):
     with pytest.raises(DraftSpecError) as info:
@@ -90,6 +99,11 @@ def test_rules_on_typed_fields():
         DraftSpec("medusa", tree="chain-2")  # text is parsed by create / parse, not the constructor
     with pytest.raises(DraftSpecError, match="path: required for drafter 'eagle'"):
         DraftSpec("eagle").require_weights()
+    with pytest.raises(DraftSpecError, match="pruning: pruning by path probability is EAGLE's"):
+        DraftSpec("medusa", tree=Tree.chain(2), pruning=PruneOptions(0.1))
+    with pytest.raises(DraftSpecError, match="pruning: expected PruneOptions, got 0.1"):
+        DraftSpec("eagle", pruning=0.1)
+    assert DraftSpec("eagle", pruning=PruneOptions()) == DraftSpec("eagle")  # nothing pruned: one form
     DraftSpec("none", tree=Tree.root_only()).require_weights()
     assert DraftSpec("medusa", path=Path("/h")).path == "/h"  # paths are kept as text
 
@@ -126,6 +140,8 @@ def test_describe_and_tree_shape():
     assert DraftSpec("eagle", dynamic=DynamicTreeOptions(30, 4, 5)).describe() == (
         "eagle (dynamic tree: total_tokens 30, depth 4, top_k 5)")
     assert DraftSpec("medusa").describe() == "medusa (the drafter's default tree)"
+    assert DraftSpec("eagle", tree=Tree.chain(2), pruning=PruneOptions(0.02)).describe() == (
+        "eagle (static tree: 3 nodes, depth 2, paths below probability 0.02 pruned)")
     assert (DraftSpec("eagle").draft_nodes, DraftSpec("eagle").max_tree_depth) == (59, 6)
     assert (DraftSpec("eagle", dynamic=DynamicTreeOptions(3, 5)).max_tree_depth) == 2  # 3 nodes: depth 2 at most
     lookup = DraftSpec("lookup", lookup=LookupOptions(num_draft_tokens=7, max_depth=4))

@@ -5,6 +5,7 @@ dynamic (EAGLE-2) trees across several steps, bounds and errors."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,96 @@ def test_step_budgets_draft_the_pruned_tree(head_dir, target, hf_target):
                        target)
     for k, want in [(None, 12), (20, 12), (7, 7), (2, 2), (1, 1)]:
         run_steps(dyn, Sequence(hf_target, [0, 17, 3, 3]), ref, [1], check_dynamic(want, 3, 4), step_nodes=[k])
+
+
+def reference_scores(tree: Tree, rd: ReferenceDrafts) -> tuple[dict, dict]:
+    """The reference's unpruned static draft: rank path -> token path, and rank path -> cumulative log-prob."""
+    tokens_of, score = {(): ()}, {(): 0.0}
+    for p in tree.choices:  # canonical order: parents first
+        parent = tokens_of[p[:-1]]
+        lp = rd.logprobs(parent)
+        tok = int(lp.topk(p[-1] + 1).indices[p[-1]])
+        tokens_of[p], score[p] = parent + (tok,), score[p[:-1]] + float(lp[tok])
+    return tokens_of, score
+
+
+def check_pruned(tree: Tree, min_path_prob: float, seen: list[tuple[int, int]]):
+    """The draft keeps exactly the nodes of `tree` whose reference path probability is >= min_path_prob (nodes
+    within 1e-3 of it in log space are not judged: float rounding may put them on either side), with the tokens the
+    unpruned draft has there; `seen` collects (kept, pruned) counts per step."""
+    floor = math.log(min_path_prob)
+
+    def check(draft, rd: ReferenceDrafts) -> None:
+        tokens_of, score = reference_scores(tree, rd)
+        got = set(draft.tree.choices)
+        assert got <= set(tree.choices)
+        for p in tree.choices:
+            if abs(score[p] - floor) > 1e-3:
+                assert (p in got) == (score[p] >= floor), (p, score[p], floor)
+        paths = token_paths(draft)
+        assert all(paths[i + 1] == tokens_of[p] for i, p in enumerate(draft.tree.choices))
+        seen.append((len(got), tree.num_nodes - 1 - len(got)))
+
+    return check
+
+
+@pytest.mark.parametrize("tree", ["mc_sim_7b_63", "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]"])
+def test_pruned_static_tree_keeps_the_likely_paths_over_steps(head_dir, target, hf_target, tree):
+    """min_path_prob: each step verifies the nodes whose path the head finds at least that likely (the reference's
+    cumulative log-probs), tokens unchanged; the floor sits at the median path of the first step, so both kept and
+    pruned nodes occur."""
+    tree = Tree.parse(tree)
+    ref = ReferenceEagle(head_dir, hf_target)
+    seq = Sequence(hf_target, [0, 9, 8, 7, 6])
+    _, score = reference_scores(tree, ReferenceDrafts(ref, seq.hidden(), seq.tokens, seq.next_token([])))
+    ordered = sorted(score[p] for p in tree.choices)
+    mid = len(ordered) // 2
+    min_path_prob = math.exp((ordered[mid - 1] + ordered[mid]) / 2)
+    spec = DraftSpec.create("eagle", path=head_dir, tree=tree, options={"min_path_prob": min_path_prob})
+    drafter = load_drafter(spec, target)
+    assert drafter.spec.pruning.min_path_prob == min_path_prob
+    seen: list[tuple[int, int]] = []
+    run_steps(drafter, seq, ref, accepted=[1, 0, 2, 1], check=check_pruned(tree, min_path_prob, seen))
+    assert seen[0][0] > 0 and seen[0][1] > 0, seen
+
+
+@pytest.mark.parametrize("quantile", [0.25, 0.75])
+def test_pruned_dynamic_tree_matches_reference(head_dir, target, hf_target, quantile):
+    """EAGLE-2 with min_path_prob: the reference's selection, less the entries below the floor (placed at a quantile
+    of the first step's selection)."""
+    ref = ReferenceEagle(head_dir, hf_target)
+    seq = Sequence(hf_target, [0, 17, 3, 3, 250, 8])
+    first = sorted(ReferenceDrafts(ref, seq.hidden(), seq.tokens, seq.next_token([])).dynamic_pool(16, 3, 4).values())
+    i = int(quantile * len(first))
+    floor = (first[i - 1] + first[i]) / 2
+    options = {"total_tokens": 16, "depth": 3, "top_k": 4, "min_path_prob": math.exp(floor)}
+    drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, options=options), target)
+    sizes = []
+
+    def check(draft, rd: ReferenceDrafts) -> None:
+        want = rd.dynamic_pool(16, 3, 4)
+        got = {p for i, p in token_paths(draft).items() if i > 0}
+        assert got <= set(want)
+        for p, score in want.items():
+            if abs(score - floor) > 1e-3:
+                assert (p in got) == (score >= floor), (p, score, floor)
+        sizes.append(len(got))
+
+    run_steps(drafter, seq, ref, accepted=[1, 0, 2], check=check)
+    assert 0 < sizes[0] < 15, sizes
+
+
+def test_pruning_nothing_drafts_the_same_tree(head_dir, target, hf_target):
+    """A floor below every path (1e-30) keeps the whole tree with the same tokens as no pruning at all."""
+    ref = ReferenceEagle(head_dir, hf_target)
+    drafts = []
+    for options in ({}, {"min_path_prob": 1e-30}):
+        drafter = load_drafter(DraftSpec.create("eagle", path=head_dir, tree="mc_sim_7b_63", options=options), target)
+        got = []
+        run_steps(drafter, Sequence(hf_target, [0, 9, 8, 7]), ref, [1, 2], lambda d, rd: got.append(d))
+        drafts.append(got)
+    for a, b in zip(*drafts):
+        assert a.tree == b.tree and torch.equal(a.tokens, b.tokens)
 
 
 def test_redraft_and_advance_without_draft(head_dir, target, hf_target):

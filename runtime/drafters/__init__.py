@@ -75,7 +75,7 @@ def load_drafter(spec: DraftSpec, model: Any) -> Drafter:
 
     head = load_eagle_head(spec.path, model)
     dynamic = None if static is not None else spec.dynamic if spec.dynamic is not None else DynamicTreeOptions()
-    return EagleDrafter(head, model, tree=static, dynamic=dynamic, quantization=spec.quantization)
+    return EagleDrafter(head, model, tree=static, dynamic=dynamic, quantization=spec.quantization, pruning=spec.pruning)
 
 
 __all__ = ["load_drafter"]

@@ -19,6 +19,12 @@ a `DraftTreeCache`: each forward stores its nodes' K/V after the committed slots
 and its rows attend to the committed prefix plus their own ancestors among the drafted nodes (an explicit mask,
 since the tree-attention op masks only the forward's own block); the step's nodes are dropped when it ends.
 
+Pruning (`PruneOptions.min_path_prob`): a node's path probability is the product of the head's probabilities of
+its tokens from the root down (EAGLE-2's score; cumulative log-probs here); nodes below the floor are not verified,
+and a static tree's deeper levels are not drafted once every node of a level is below it (their children could
+only be less likely). Which nodes are kept depends on the drafter's state only, never on the target, so the kept
+tree is one more fixed candidate tree: verification stays exact.
+
 Checkpoint: a directory with config.json (Llama-style, num_hidden_layers 1; "bias" (default true) says whether
 fc has a bias, "qkv_bias" whether q/k/v do) and pytorch_model.bin (torch.load weights_only=True) or
 model.safetensors with keys fc.weight, fc.bias, layers.{i}.self_attn.{q,k,v,o}_proj.weight,
@@ -31,6 +37,8 @@ scores only those K rows of the target's lm_head and maps its picks back to targ
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DynamicTreeOptions
+from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DynamicTreeOptions, PruneOptions
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
@@ -258,6 +266,12 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
 # ---- drafting -------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=512)
+def _kept_subtree(tree: Tree, keep: tuple[int, ...]) -> Tree:
+    """tree.subtree(keep), built once per (tree, kept nodes): a pruned static tree keeps few distinct shapes."""
+    return tree.subtree(keep)
+
+
 def _ids(values: list[int], device: torch.device) -> torch.Tensor:  # [len(values)] int64
     return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -379,10 +393,10 @@ class EagleDrafter:
 
     def __init__(
         self, head: EagleHead, model: Any, tree: Tree | None = None, dynamic: DynamicTreeOptions | None = None,
-        quantization: str | None = None,
+        quantization: str | None = None, pruning: PruneOptions | None = None,
     ) -> None:
         """quantization: DraftSpec.quantization; "int8": the head and its draft output layer run on int8 copies of
-        their weights (`Int8Weight`; CPU)."""
+        their weights (`Int8Weight`; CPU). pruning: DraftSpec.pruning (None: every drafted node is verified)."""
         if (tree is None) == (dynamic is None):
             raise ConfigError("EagleDrafter needs exactly one of tree= (static) or dynamic= (EAGLE-2 options)")
         if head.config.hidden_size != model.config.hidden_size:
@@ -397,6 +411,11 @@ class EagleDrafter:
         self.model = model
         self.tree = tree
         self.dynamic = dynamic
+        if pruning is not None and not isinstance(pruning, PruneOptions):
+            raise ConfigError(f"pruning must be PruneOptions or None, got {pruning!r}")
+        self.pruning = pruning if pruning != PruneOptions() else None
+        # the cumulative log-prob a verified node needs (None: no pruning)
+        self.min_score = None if self.pruning is None else math.log(max(self.pruning.min_path_prob, 1e-300))
         # The draft output layer: the target's lm_head, or its rows for the reduced draft vocabulary (a copy, so
         # each drafting step reads K x H instead of V x H).
         weight = model.lm_head_weight
@@ -428,7 +447,7 @@ class EagleDrafter:
     def spec(self) -> DraftSpec:
         """What it drafts: its static tree, or the dynamic tree and its options (the weights path is not kept)."""
         return DraftSpec("eagle", tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic,
-                         quantization=self.quantization)
+                         quantization=self.quantization, pruning=self.pruning)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""
@@ -584,25 +603,42 @@ class EagleSession:
         tokens = torch.full((tree.num_nodes,), root, dtype=torch.int64, device=device)
         if plan is None:
             return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
+        min_score = self.drafter.min_score
+        scores = None  # [num_nodes] float32 cumulative log-probs, when pruning (-inf: not drafted)
+        if min_score is not None:
+            scores = torch.full((tree.num_nodes,), -math.inf, device=device)
+            scores[0] = 0.0
         out = torch.empty(tree.num_nodes, root_out.shape[0], dtype=root_out.dtype, device=device)  # [num_nodes, H]
         out[0] = root_out
-        self._fill_children(plan.root, out, tokens)
+        self._fill_children(plan.root, out, tokens, scores)
         self._reserve(plan.forwarded)
         step = DraftTreeCache(self.head, self.cache)
         base = step.base  # a node at depth d sits at position L - 1 + d = base - 1 + d
         try:
             for level in plan.levels:
+                if scores is not None and bool((scores[level.new] < min_score).all()):
+                    break  # the next levels hold only their descendants: pruned too
                 out[level.new] = step.forward(self._embed(tokens[level.new]), out[level.parents], base + level.offsets,
                                               level.visible)
-                self._fill_children(level.expand, out, tokens)
+                self._fill_children(level.expand, out, tokens, scores)
         finally:
             step.close()
-        return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
+        if scores is None:
+            return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
+        keep = (scores >= min_score).nonzero().flatten().cpu()  # ascending, the root first; ancestor-closed
+        return Draft(_kept_subtree(tree, tuple(keep.tolist())), tokens.cpu()[keep], Proposal.DETERMINISTIC)
 
-    def _fill_children(self, expand: Expansion, out: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The child of rank r of node i gets the r-th top token of the draft head at out[i]; tokens # [num_nodes]."""
-        top = torch.topk(self.drafter.draft_logits(out[expand.nodes]), expand.k, dim=-1).indices  # [m, k]
-        tokens[expand.kids] = self.drafter.to_target(top[expand.rows, expand.ranks])
+    def _fill_children(self, expand: Expansion, out: torch.Tensor, tokens: torch.Tensor,
+                       scores: torch.Tensor | None = None) -> None:
+        """The child of rank r of node i gets the r-th top token of the draft head at out[i]; tokens # [num_nodes].
+        scores # [num_nodes] (when pruning): a child's is its parent's plus the log-prob of its token."""
+        logits = self.drafter.draft_logits(out[expand.nodes])  # [m, K]
+        if scores is not None:
+            logits = torch.log_softmax(logits, dim=-1)  # the same ranking; top-k values are then log-probs
+        top = torch.topk(logits, expand.k, dim=-1)  # [m, k]
+        tokens[expand.kids] = self.drafter.to_target(top.indices[expand.rows, expand.ranks])
+        if scores is not None:
+            scores[expand.kids] = scores[expand.nodes][expand.rows] + top.values[expand.rows, expand.ranks]
 
     # ---- dynamic trees (EAGLE-2) --------------------------------------------------------------------------
 
@@ -626,12 +662,15 @@ class EagleSession:
         front_in = root_out[None].expand(frontier.shape[0], -1)  # [k, H]
         parent_rows = None  # [k] each frontier node's parent's row (None: the root, in the committed cache)
         forwarded = rounds * opts.top_k  # at most top_k frontier nodes per round
+        min_score = self.drafter.min_score
         anc = torch.zeros(forwarded, forwarded, dtype=torch.bool, device=device)  # ancestor-or-self among rows
         self._reserve(forwarded)
         step = DraftTreeCache(self.head, self.cache)
         base = step.base  # a node at depth d sits at position base - 1 + d
         try:
             for level in range(1, rounds + 1):
+                if min_score is not None and bool((front_scores < min_score).all()):
+                    break  # every candidate from here down is pruned
                 k, r0 = frontier.shape[0], step.drafted
                 rows = torch.arange(r0, r0 + k, device=device)
                 if parent_rows is not None:
@@ -652,6 +691,7 @@ class EagleSession:
         finally:
             step.close()
         tree, node_tokens = select_dynamic_tree(
-            torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores), opts.total_tokens, root_token=root
+            torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores), opts.total_tokens, root_token=root,
+            min_score=min_score,
         )
         return Draft(tree, node_tokens.cpu(), Proposal.DETERMINISTIC)
