@@ -379,8 +379,9 @@ def tune(
             fastest_run = max(ran, key=lambda c: c.measured_tokens_per_s)
             picks += [fastest_run] if fastest_run not in picks else []
         say(f"timing the finalists {', '.join(c.name for c in picks)} against plain decoding")
-        final = time_trees(model, tokenizer, [(c.name, _drafter_with_tree(base, model, Tree.from_choices(c.choices), d.pruning),
-                                               c.num_nodes, c.depth) for c in picks]
+        final = time_trees(model, tokenizer, [(c.name, _drafter_with_tree(base, model, Tree.from_choices(c.choices),
+                                                                          d.pruning), c.num_nodes, c.depth)
+                                              for c in picks]
                            + [("plain", NoneDrafter(), 1, 0)], timing_prompts, max_tokens)
         finalists = {name: {"tau": t.tau, "tokens_per_s": t.tokens_per_s} for name, t in final.items()}
         picks = [dataclasses.replace(c, measured_tau=final[c.name].tau,

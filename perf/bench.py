@@ -67,10 +67,10 @@ class VariantSpec:
         NAME   optional label for reports (default: DRAFT as written), e.g. "medusa-tuned=medusa:[[0],...]"
         DRAFT  a drafter in DraftSpec's grammar, KIND[:TREE][+KEY=VALUE...] (runtime.draft_spec.DraftSpec.parse);
                "plain" is kind none (plain decoding, already a baseline). What it leaves unset comes from the
-               configured drafter (`resolve`): the tree (its options, quantization and pruning) when KIND is the configured drafter's and
-               neither a tree nor options are given, the weights from --draft-model or the configured drafter's,
-               max_draft_len (most draft nodes per step, which cuts a static tree to a prefix of its canonical
-               order) from the config's / engine's limit.
+               configured drafter (`resolve`): the tree (its options, quantization and pruning) when KIND is the
+               configured drafter's and neither a tree nor options are given, the weights from --draft-model or the
+               configured drafter's, max_draft_len (most draft nodes per step, which cuts a static tree to a prefix
+               of its canonical order) from the config's / engine's limit.
     e.g. "medusa:mc_sim_7b_63", "medusa:chain-3", "eagle", "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4".
     """
 

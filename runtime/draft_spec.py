@@ -30,8 +30,8 @@ The rules, written here only (`DraftSpec.__post_init__`, `with_options`, `requir
 KINDS; only medusa / eagle have weights, and need them to load; lookup takes no tree (it builds its trees from
 matches) and none only a root-only one; the dynamic tree and its options are EAGLE's only and never go with a
 static tree; lookup options go with lookup (its own) or with medusa / eagle (continuations merged into their trees),
-never with none; pruning is EAGLE's only; quantization is one of QUANTIZATIONS, for QUANTIZED_KINDS only. Errors are `DraftSpecError`s naming the field, so each front end names its own key for it
-(`field_names`).
+never with none; pruning is EAGLE's only; quantization is one of QUANTIZATIONS, for QUANTIZED_KINDS only. Errors are
+`DraftSpecError`s naming the field, so each front end names its own key for it (`field_names`).
 """
 
 from __future__ import annotations
