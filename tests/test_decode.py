@@ -320,6 +320,16 @@ def chi2_stat(counts: Counter, exact: dict[tuple, float], trials: int) -> tuple[
     return stat, max(df - 1, 1)
 
 
+def distribution_stat(dec: SpecDecoder, model: TargetModel, prompt, kw, n_tok: int = 3,
+                      trials: int = 1500) -> tuple[float, int, Counter]:
+    """`trials` seeded n_tok-token samples from `dec` against the target's exact joint law of that many tokens:
+    (Pearson statistic, degrees of freedom, the samples' counts)."""
+    exact = exact_joint(model, prompt, SamplingParams(**kw), n_tok)
+    counts = sample_counts(dec, prompt, kw, n_tok, trials)
+    stat, df = chi2_stat(counts, exact, trials)
+    return stat, df, counts
+
+
 SAMPLING_CASES = [
     dict(temperature=1.0, top_k=4),
     dict(temperature=0.7, top_k=6, top_p=0.9),
@@ -332,11 +342,7 @@ def test_sampled_first_tokens_match_target(ckpts, kw):
     tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     dec = SpecDecoder(model, None, RankedDrafter(model, tree), tree.num_nodes)
     prompt = PROMPTS[1]
-    params = SamplingParams(**kw)
-    exact = exact_joint(model, prompt, params, 3)
-    trials = 1500
-    counts = sample_counts(dec, prompt, kw, 3, trials)
-    stat, df = chi2_stat(counts, exact, trials)
+    stat, df, _ = distribution_stat(dec, model, prompt, kw)
     assert stat < chi2_threshold(df), (stat, df)
 
 
@@ -366,9 +372,7 @@ def test_sampled_distribution_test_catches_lossy_acceptance(ckpts, monkeypatch):
     tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     dec = SpecDecoder(model, None, RankedDrafter(model, tree), tree.num_nodes)
     kw = SAMPLING_CASES[0]
-    exact = exact_joint(model, PROMPTS[1], SamplingParams(**kw), 3)
-    counts = sample_counts(dec, PROMPTS[1], kw, 3, 1500)
-    stat, df = chi2_stat(counts, exact, 1500)
+    stat, df, _ = distribution_stat(dec, model, PROMPTS[1], kw)
     assert stat > chi2_threshold(df), (stat, df)
 
 
@@ -392,10 +396,7 @@ def test_sampled_distribution_with_reduced_draft_vocabulary(ckpts, tmp_path, kw)
     drafter = load_drafter(DraftSpec.create("eagle", path=head, tree=tree), model)
     assert drafter.head.vocab.target_ids.tolist() == keep
     dec = SpecDecoder(model, None, drafter, tree.num_nodes)
-    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
-    trials = 1500
-    counts = sample_counts(dec, prompt, kw, 3, trials)
-    stat, df = chi2_stat(counts, exact, trials)
+    stat, df, counts = distribution_stat(dec, model, prompt, kw)
     assert stat < chi2_threshold(df), (stat, df)
     # The draft really is confined to the vocabulary, and tokens outside it are still emitted (from the target).
     out = dec.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True, seed=0, **kw))
@@ -433,10 +434,7 @@ def test_sampled_distribution_with_pruned_trees(ckpts, tmp_path, monkeypatch, kw
 
     monkeypatch.setattr(eagle.EagleSession, "_draft_static", recording)
     dec = SpecDecoder(model, None, drafter, tree.num_nodes)
-    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
-    trials = 1500
-    counts = sample_counts(dec, prompt, kw, 3, trials)
-    stat, df = chi2_stat(counts, exact, trials)
+    stat, df, _ = distribution_stat(dec, model, prompt, kw)
     assert stat < chi2_threshold(df), (stat, df)
     assert min(sizes) < tree.num_nodes and max(sizes) > 1, (min(sizes), max(sizes))
 
@@ -486,10 +484,7 @@ def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw, dat
         first = greedy_reference(model, prompt, 1)[0]
         assert len(session.lookup.stored_continuation(first)) == 3
     dec = SpecDecoder(model, None, drafter, spec.draft_nodes + 1)
-    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
-    trials = 1500
-    counts = sample_counts(dec, prompt, kw, 3, trials)
-    stat, df = chi2_stat(counts, exact, trials)
+    stat, df, _ = distribution_stat(dec, model, prompt, kw)
     assert stat < chi2_threshold(df), (stat, df)
 
 
@@ -504,9 +499,7 @@ def test_merged_lookup_distribution_test_catches_lossy_acceptance(ckpts, tmp_pat
     spec = _merged_lookup_spec(ckpts["llama3"], tmp_path, model if datastore else None)
     dec = SpecDecoder(model, None, load_drafter(spec, model), spec.draft_nodes + 1)
     kw = dict(temperature=1.0, top_k=4)
-    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
-    counts = sample_counts(dec, prompt, kw, 3, 1500)
-    stat, df = chi2_stat(counts, exact, 1500)
+    stat, df, _ = distribution_stat(dec, model, prompt, kw)
     assert stat > chi2_threshold(df), (stat, df)
 
 
@@ -538,9 +531,7 @@ def test_reduced_vocabulary_distribution_test_catches_a_restricted_target(ckpts,
     dec = SpecDecoder(model, None, load_drafter(DraftSpec.create("eagle", path=head, tree=tree), model),
                       tree.num_nodes)
     kw = dict(temperature=1.0, top_k=4)
-    exact = exact_joint(model, prompt, SamplingParams(**kw), 3)
-    counts = sample_counts(dec, prompt, kw, 3, 1500)
-    stat, df = chi2_stat(counts, exact, 1500)
+    stat, df, _ = distribution_stat(dec, model, prompt, kw)
     assert stat > chi2_threshold(df), (stat, df)
 
 
