@@ -249,7 +249,7 @@ def run_args(plan: BuildPlan) -> list[str]:
     add_common_args; the checks quoted are run.py's own)."""
     tree = plan.draft.static_tree
     # A medusa / eagle drafter with prompt lookup merged in runs here as the model drafter alone: TensorRT-LLM has no
-    # such merge (the merge is spectree's runtime's).
+    # such merge (the merge is spectree's runtime's), nor pruning by path probability (an EAGLE tree runs whole).
     if plan.draft.kind == "medusa":
         assert tree is not None
         # run.py asserts `args.temperature == 1.0, "Medusa should use temperature == 1.0"`; greedy is top-k 1 (its
