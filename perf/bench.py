@@ -291,6 +291,8 @@ def describe_drafter(drafter: Any) -> dict[str, Any]:
     shape = {"tree_nodes": spec.draft_nodes + 1, "tree_depth": spec.max_tree_depth}
     # prompt lookup merged into a model drafter's trees: its options beside the model drafter's tree
     merged = {"merged_lookup": dataclasses.asdict(spec.lookup)} if spec.merges_lookup else {}
+    # pruned by path probability: each step verifies part of the tree
+    merged |= {"pruning": dataclasses.asdict(spec.pruning)} if spec.pruning is not None else {}
     if spec.static_tree is not None:
         return {"tree": "static", **shape, "choices": [list(c) for c in spec.static_tree.choices], **merged}
     if spec.tree == DYNAMIC:

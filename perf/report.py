@@ -56,8 +56,10 @@ def _tree_cell(v: dict[str, Any]) -> str:
     mean = v.get("mean_tree_nodes")
     limit = v.get("tree_nodes")
     merged = "merged_lookup" in v  # prompt lookup merged in: the tree size varies per step
-    bound = "≤" if tree in ("dynamic", "lookup") or merged else ""
-    return f"{tree}{' + lookup' if merged else ''} {bound}{limit} (mean {_num(mean, '.1f')})"
+    pruned = "pruning" in v  # pruned by path probability: so does it
+    bound = "≤" if tree in ("dynamic", "lookup") or merged or pruned else ""
+    kind = f"{tree}{' pruned' if pruned else ''}{' + lookup' if merged else ''}"
+    return f"{kind} {bound}{limit} (mean {_num(mean, '.1f')})"
 
 
 def label(v: dict[str, Any]) -> str:

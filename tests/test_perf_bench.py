@@ -40,7 +40,7 @@ from tests.test_chat import CHATML, with_template
 from tests.tiny import make_checkpoint, vocab_size
 
 PNG = b"\x89PNG\r\n\x1a\n"
-DRAFTERS = "lookup,medusa:chain-2,small=medusa:[[0],[0,0],[1]],eagle"
+DRAFTERS = "lookup,medusa:chain-2,small=medusa:[[0],[0,0],[1]],eagle,pruned=eagle:mc_sim_7b_63+min_path_prob=0.1"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_bench_cli_writes_json_markdown_and_plots(bench_run):
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     names = [v["name"] for v in report["variants"]]
-    assert names == ["plain", "hf", "lookup", "medusa:chain-2", "small", "eagle"]
+    assert names == ["plain", "hf", "lookup", "medusa:chain-2", "small", "eagle", "pruned"]
     assert report["greedy_identical"] is True and report["mismatches"] == []
     assert report["settings"]["threads"] == 1 and report["machine"]["torch"] == torch.__version__
     assert {"cpu_model", "usable_cores", "torch_threads", "python", "transformers"} <= set(report["machine"])
@@ -89,7 +89,7 @@ def test_bench_cli_writes_json_markdown_and_plots(bench_run):
     assert by["plain"]["tau"] == 1.0 and by["plain"]["target_forwards_per_token"] == 1.0
     assert by["hf"]["target_forwards_per_token"] == 1.0  # counted by a forward hook, not assumed
     assert by["hf"].get("tau") is None and by["hf"]["attn_implementation"]
-    for name in ("lookup", "medusa:chain-2", "small", "eagle"):
+    for name in ("lookup", "medusa:chain-2", "small", "eagle", "pruned"):
         v = by[name]
         assert v["kind"] == "speculative" and v["tau"] >= 1.0 and v["speedup_vs_hf"] > 0
         assert v["target_forwards_per_token"] <= 1.0
@@ -102,7 +102,10 @@ def test_bench_cli_writes_json_markdown_and_plots(bench_run):
         assert v["tau"] * v["steps"] + v["prompts"] == pytest.approx(v["generated_tokens"])
     assert (by["medusa:chain-2"]["tree_nodes"], by["medusa:chain-2"]["tree_depth"]) == (3, 2)
     assert (by["small"]["tree_nodes"], by["eagle"]["tree"]) == (4, "dynamic")
+    assert by["pruned"]["pruning"] == {"min_path_prob": 0.1} and "pruning" not in by["eagle"]
+    assert by["pruned"]["mean_tree_nodes"] < by["pruned"]["tree_nodes"] == 41  # max_draft_len 40; pruned below 10%
     md = (out / "bench.md").read_text()
+    assert "| pruned | static pruned ≤41 (mean " in md
     assert "Greedy outputs identical** to plain decoding for every variant and prompt: **yes**" in md
     for name in names:
         assert f"| {name} |" in md
