@@ -639,7 +639,10 @@ class EagleSession:
         top = torch.topk(logits, expand.k, dim=-1)  # [m, k]
         tokens[expand.kids] = self.drafter.to_target(top.indices[expand.rows, expand.ranks])
         if scores is not None:
-            scores[expand.kids] = scores[expand.nodes][expand.rows] + top.values[expand.rows, expand.ranks]
+            # clamped at 0: a rounded log-softmax can come out a hair above it, and a child must never score above
+            # its parent (what is kept must stay a tree)
+            logprob = top.values[expand.rows, expand.ranks].clamp(max=0.0)  # [c]
+            scores[expand.kids] = scores[expand.nodes][expand.rows] + logprob
 
     # ---- dynamic trees (EAGLE-2) --------------------------------------------------------------------------
 
