@@ -633,9 +633,9 @@ class EagleSession:
                        scores: torch.Tensor | None = None) -> None:
         """The child of rank r of node i gets the r-th top token of the draft head at out[i]; tokens # [num_nodes].
         scores # [num_nodes] (when pruning): a child's is its parent's plus the log-prob of its token."""
-        logits = self.drafter.draft_logits(out[expand.nodes])  # [m, K]
-        if scores is not None:
-            logits = torch.log_softmax(logits, dim=-1)  # the same ranking; top-k values are then log-probs
+        feats = out[expand.nodes]
+        # log-probs rank as the logits do; their top-k values then add up to path scores
+        logits = self.drafter.draft_logits(feats) if scores is None else self._logprobs(feats)  # [m, K]
         top = torch.topk(logits, expand.k, dim=-1)  # [m, k]
         tokens[expand.kids] = self.drafter.to_target(top.indices[expand.rows, expand.ranks])
         if scores is not None:
