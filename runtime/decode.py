@@ -128,14 +128,16 @@ class _Clock:
 
 
 def _prune(draft: Draft, max_depth: int, max_nodes: int) -> Draft:
-    """Keep nodes with depth <= max_depth, at most max_nodes of them: the subtree `Tree.best_nodes` picks."""
+    """Keep nodes with depth <= max_depth, at most max_nodes of them: the subtree `Tree.best_nodes` picks (by the
+    drafter's path scores when it gives them)."""
     tree = draft.tree
-    keep = tree.best_nodes(max_nodes, max_depth)
+    keep = tree.best_nodes(max_nodes, max_depth, None if draft.scores is None else draft.scores.tolist())
     if len(keep) == tree.num_nodes:
         return draft
     index = torch.tensor(keep, dtype=torch.int64)  # ascending: the kept nodes stay in canonical order
     probs = None if draft.draft_probs is None else draft.draft_probs[index.to(draft.draft_probs.device)]
-    return Draft(tree.subtree(keep), draft.tokens[index.to(draft.tokens.device)], draft.proposal, probs)
+    scores = None if draft.scores is None else draft.scores[index.to(draft.scores.device)]
+    return Draft(tree.subtree(keep), draft.tokens[index.to(draft.tokens.device)], draft.proposal, probs, scores)
 
 
 class StopChecker:

@@ -47,11 +47,19 @@ class Draft:
     proposal: Proposal = Proposal.DETERMINISTIC
     # q at each node over its children's vocabulary; required for IID / WITHOUT_REPLACEMENT, None otherwise.
     draft_probs: torch.Tensor | None = None  # [num_nodes, vocab] float32
+    # Each node's path score, when the drafter ranks its nodes: the log-probability it gives the node's whole path
+    # (EAGLE-2's score; root 0, a child never above its parent). Used to merge drafts under a node budget
+    # (`runtime.drafters.merged`); verification never reads it.
+    scores: torch.Tensor | None = None  # [num_nodes] float32
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1 or self.tokens.shape[0] != self.tree.num_nodes:
             raise ValueError(
                 f"draft tokens shape {tuple(self.tokens.shape)} does not match tree with {self.tree.num_nodes} nodes"
+            )
+        if self.scores is not None and self.scores.shape != self.tokens.shape:
+            raise ValueError(
+                f"draft scores shape {tuple(self.scores.shape)} does not match tree with {self.tree.num_nodes} nodes"
             )
         if self.proposal is not Proposal.DETERMINISTIC and self.draft_probs is None:
             raise ValueError(f"proposal {self.proposal.value} needs draft_probs")

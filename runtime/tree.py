@@ -253,7 +253,8 @@ class Tree:
     def is_leaf(self, i: int) -> bool:
         return not self._children[i]
 
-    def best_nodes(self, max_nodes: int, max_depth: int | None = None) -> tuple[int, ...]:
+    def best_nodes(self, max_nodes: int, max_depth: int | None = None,
+                   scores: Sequence[float] | None = None) -> tuple[int, ...]:
         """The node indices (ascending: canonical order, root first) of the ancestor-closed subtree of at most
         max_nodes nodes, none deeper than max_depth, that pruning keeps.
 
@@ -263,6 +264,10 @@ class Tree:
         siblings kept are the first ones in rank order (what the verification of sampled proposals needs). A node's
         parent sorts before it (no larger sum, smaller depth), so every prefix of the priority order is
         ancestor-closed, and a smaller budget keeps a subset of what a larger one keeps.
+
+        scores # [num_nodes] (a drafter's path log-probs, `Draft.scores`): the highest score goes first instead,
+        ties by the rule above. A node never counts above an ancestor (its score is capped at its parent's), so
+        prefixes stay ancestor-closed.
         """
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
             raise ConfigError(f"max_nodes must be an int >= 1 (the root counts), got {max_nodes!r}")
@@ -270,10 +275,15 @@ class Tree:
             return tuple(range(self.num_nodes))  # every decode step's common case: nothing to prune
         depth_ok = [max_depth is None or len(p) <= max_depth for p in self.choices]
         rank_sum = [0] * self.num_nodes
+        capped = [0.0] * self.num_nodes
         for j, p in enumerate(self.choices):  # parents come first in canonical order
-            rank_sum[j + 1] = rank_sum[self._parents[j + 1]] + p[-1]
+            parent = self._parents[j + 1]
+            rank_sum[j + 1] = rank_sum[parent] + p[-1]
+            if scores is not None:
+                s = float(scores[j + 1])
+                capped[j + 1] = min(-math.inf if math.isnan(s) else s, capped[parent])
         order = sorted((i for i in range(1, self.num_nodes) if depth_ok[i - 1]),
-                       key=lambda i: (rank_sum[i], len(self.choices[i - 1]), i))
+                       key=lambda i: (-capped[i], rank_sum[i], len(self.choices[i - 1]), i))
         return (0,) + tuple(sorted(order[: max_nodes - 1]))
 
     def subtree(self, nodes: Sequence[int]) -> Tree:
@@ -400,21 +410,26 @@ def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_token
 def select_dynamic_tree(
     parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, total_tokens: int, root_token: int = -1,
     min_score: float | None = None,
-) -> tuple[Tree, torch.Tensor]:
+) -> tuple[Tree, torch.Tensor, torch.Tensor]:
     """EAGLE-2 dynamic tree from a candidate pool (see `select_dynamic_pool` for the selection rule).
 
     parents  # [P] int: -1 for children of the root, else an earlier pool index
     tokens   # [P] int64: each entry's token
     scores   # [P] float: cumulative draft log-probability
-    Returns (tree, node_tokens # [num_nodes] int64) with node_tokens[0] = root_token (pass the root so the
-    result can go straight into a `Draft`).
+    Returns (tree, node_tokens # [num_nodes] int64, node_scores # [num_nodes] float32, on the CPU) with
+    node_tokens[0] = root_token (pass the root so the result can go straight into a `Draft`) and node_scores the
+    effective scores the selection ranked by (the root's 0).
     """
     _check_pool(parents, scores, tokens)
     tree, pool_index = select_dynamic_pool(parents, scores, total_tokens, min_score)
-    node_tokens = torch.full((tree.num_nodes,), root_token, dtype=torch.int64, device=tokens.device)
+    node_tokens = torch.full((tree.num_nodes,), root_token, dtype=torch.int64)
+    effective = [0.0]  # a node never above its path (the ranking's rule), NaN as -inf
     if tree.num_nodes > 1:
-        node_tokens[1:] = tokens[pool_index[1:].to(tokens.device)].to(torch.int64)
-    return tree, node_tokens
+        node_tokens[1:] = tokens.cpu()[pool_index[1:]].to(torch.int64)
+        parents = tree.parent_list
+        for node, s in enumerate(scores.cpu()[pool_index[1:]].double().tolist(), 1):
+            effective.append(min(-math.inf if math.isnan(s) else s, effective[parents[node]]))
+    return tree, node_tokens, torch.tensor(effective, dtype=torch.float32)
 
 
 class Expansion(NamedTuple):

@@ -170,12 +170,15 @@ DRAFTERS = [
     # as the default configuration drafts: pruned by path probability (each request's tree shrinks step by step)
     ("eagle", "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]",
      {"num_draft_tokens": 4, "max_branches": 2, "draft_quantization": "int8", "min_path_prob": 0.1}),
+    # EAGLE-2's scored nodes and prompt lookup's competing for each request's node budget (the scored merge)
+    ("eagle", None, {"total_tokens": 8, "depth": 3, "top_k": 4, "num_draft_tokens": 4, "max_branches": 2,
+                     "max_draft_len": 7}),
 ]
 
 
 @pytest.mark.parametrize("kind,tree,opts", DRAFTERS,
                          ids=["none", "lookup", "medusa", "eagle2", "eagle-static", "eagle-int8-merged-lookup",
-                              "eagle-pruned"])
+                              "eagle-pruned", "eagle2-scored-lookup"])
 def test_greedy_batch_equals_plain_decoding(ckpt, heads, references, kind, tree, opts):
     """Five requests with different prompt lengths and budgets through a batch of 3: requests join as others
     leave, and every output equals its plain greedy decoding."""
@@ -236,7 +239,8 @@ def record_steps(monkeypatch, dec: SpecDecoder) -> list[list[tuple[bool, int | N
 
 
 @pytest.mark.parametrize("kind,tree,opts", DRAFTERS[2:],
-                         ids=["medusa", "eagle2", "eagle-static", "eagle-int8-merged-lookup", "eagle-pruned"])
+                         ids=["medusa", "eagle2", "eagle-static", "eagle-int8-merged-lookup", "eagle-pruned",
+                              "eagle2-scored-lookup"])
 def test_tree_budget_splits_over_the_batch_and_keeps_greedy_output(ckpt, heads, references, monkeypatch, kind,
                                                                     tree, opts):
     """A budget of 5 nodes per step over a batch of up to 3: shares of 1 (plain steps, no drafting), 2 and 5 as

@@ -446,10 +446,12 @@ def _echo_prompt(model: TargetModel) -> list[int]:
     return base + greedy_reference(model, base, 6) + base
 
 
-def _merged_lookup_spec(ckpt, tmp_path, model: TargetModel | None = None) -> DraftSpec:
+def _merged_lookup_spec(ckpt, tmp_path, model: TargetModel | None = None, scored: bool = False) -> DraftSpec:
     """A random EAGLE head's 6-node tree with up to 5 prompt-lookup nodes (two continuations) merged in; given the
     model, also up to 3 nodes from a datastore (runtime/drafters/datastore.py) of the target's greedy answers to
-    the echo prompt and to its other prompts, matched from one token on, so that it proposes at most steps."""
+    the echo prompt and to its other prompts, matched from one token on, so that it proposes at most steps.
+    scored: an EAGLE-2 dynamic tree of 6 nodes instead (scored nodes: lookup's compete with the head's for a
+    budget, `SCORED_BUDGET`)."""
     from runtime.drafters.datastore import DATASTORE_FILE, Datastore
     from tests.heads import write_eagle_head
 
@@ -459,45 +461,73 @@ def _merged_lookup_spec(ckpt, tmp_path, model: TargetModel | None = None) -> Dra
         answers = [greedy_reference(model, p, 8) for p in (_echo_prompt(model), *PROMPTS)]
         Datastore.from_answers(answers, min_ngram=1).save(head / DATASTORE_FILE)
         options.update(datastore_tokens=3, datastore_min_ngram=1, datastore_max_ngram=3, datastore_min_share=0.0)
+    if scored:
+        return DraftSpec.create("eagle", path=head, tree="dynamic",
+                                options=dict(options, total_tokens=6, top_k=3, depth=2))
     return DraftSpec.create("eagle", path=head, tree=Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]]),
                             options=options)
 
 
+SCORED_BUDGET = 6  # nodes per step, root included, for the scored merge: the head's 6 and lookup's compete for it
+
+
+def _tree_paths(draft) -> set[tuple[int, ...]]:
+    """Every node of a draft as its token path from the root."""
+    toks, parents, out = draft.tokens.tolist(), draft.tree.parent_list, set()
+    for node in range(1, draft.tree.num_nodes):
+        path, n = [], node
+        while n:
+            path.append(toks[n])
+            n = parents[n]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["static", "scored"])
 @pytest.mark.parametrize("datastore", [False, True], ids=["prompt", "datastore"])
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
                          ids=["T1.0", "T0.7"])
-def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw, datastore):
+def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw, datastore, scored):
     """An EAGLE tree with prompt-lookup continuations merged in (runtime/drafters/merged.py), and with a datastore's
     continuation too, leaves the output distribution exact. The prompt echoes itself (`_echo_prompt`) and the
     datastore holds the target's answers, so the merged trees really are larger than the head's own (checked) and
-    their lookup branches are accepted and rejected in turn."""
+    their lookup branches are accepted and rejected in turn. scored: an EAGLE-2 tree whose nodes compete with
+    lookup's for a 6-node budget by score (some of the head's nodes give way to lookup's: checked)."""
     model = TargetModel.from_pretrained(ckpts["llama3"])
     prompt = _echo_prompt(model)
-    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path, model if datastore else None)
+    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path, model if datastore else None, scored)
+    budget = SCORED_BUDGET if scored else spec.draft_nodes + 1
     drafter = load_drafter(spec, model)
     assert drafter.spec == dataclasses.replace(spec, path=None)
     hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))[1][0]
-    session = drafter.start(torch.tensor(prompt), hidden, spec.draft_nodes + 1)
+    session = drafter.start(torch.tensor(prompt), hidden, budget)
     echoed = prompt[len(PROMPTS[1])]  # the token that followed PROMPTS[1] the first time
-    assert session.draft(echoed, None, None).tree.num_nodes > spec.static_tree.num_nodes
+    merged = session.draft(echoed, None, None)
+    if scored:
+        own = session.primary.draft(echoed, None, None)
+        assert merged.tree.num_nodes == own.tree.num_nodes == budget
+        assert _tree_paths(merged) - _tree_paths(own) and _tree_paths(own) - _tree_paths(merged)
+    else:
+        assert merged.tree.num_nodes > spec.static_tree.num_nodes
     if datastore:  # the stored answer to the echo prompt begins with its greedy token: a chain of 3 from the root
         first = greedy_reference(model, prompt, 1)[0]
         assert len(session.lookup.stored_continuation(first)) == 3
-    dec = SpecDecoder(model, None, drafter, spec.draft_nodes + 1)
+    dec = SpecDecoder(model, None, drafter, budget)
     stat, df, _ = distribution_stat(dec, model, prompt, kw)
     assert stat < chi2_threshold(df), (stat, df)
 
 
+@pytest.mark.parametrize("scored", [False, True], ids=["static", "scored"])
 @pytest.mark.parametrize("datastore", [False, True], ids=["prompt", "datastore"])
-def test_merged_lookup_distribution_test_catches_lossy_acceptance(ckpts, tmp_path, monkeypatch, datastore):
+def test_merged_lookup_distribution_test_catches_lossy_acceptance(ckpts, tmp_path, monkeypatch, datastore, scored):
     """Negative control: the same merged drafter and prompt under a lossy acceptance rule fail the statistic."""
     import runtime.decode as decode_mod
 
     monkeypatch.setattr(decode_mod, "verify", lossy_verify)
     model = TargetModel.from_pretrained(ckpts["llama3"])
     prompt = _echo_prompt(model)
-    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path, model if datastore else None)
-    dec = SpecDecoder(model, None, load_drafter(spec, model), spec.draft_nodes + 1)
+    spec = _merged_lookup_spec(ckpts["llama3"], tmp_path, model if datastore else None, scored)
+    dec = SpecDecoder(model, None, load_drafter(spec, model), SCORED_BUDGET if scored else spec.draft_nodes + 1)
     kw = dict(temperature=1.0, top_k=4)
     stat, df, _ = distribution_stat(dec, model, prompt, kw)
     assert stat > chi2_threshold(df), (stat, df)

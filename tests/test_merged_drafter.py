@@ -4,6 +4,7 @@ distributed: tests/test_decode.py::test_sampled_distribution_with_merged_prompt_
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -90,6 +91,79 @@ def test_random_merges_keep_every_path_and_distinct_siblings():
         assert all(parents[n] < n for n in range(1, merged.tree.num_nodes))
 
 
+def _scored(draft: Draft, scores_by_path: dict[tuple[int, ...], float]) -> Draft:
+    """The draft with each node's score given by its token path."""
+    paths = {}
+    toks, parents = draft.tokens.tolist(), draft.tree.parent_list
+    scores = [0.0]
+    for node in range(1, draft.tree.num_nodes):
+        paths[node] = paths.get(parents[node], ()) + (toks[node],)
+        scores.append(scores_by_path[paths[node]])
+    return Draft(draft.tree, draft.tokens, draft.proposal, scores=torch.tensor(scores))
+
+
+def _node_scores(draft: Draft) -> dict[tuple[int, ...], float]:
+    toks, parents, out, paths = draft.tokens.tolist(), draft.tree.parent_list, {}, {0: ()}
+    for node in range(1, draft.tree.num_nodes):
+        paths[node] = paths[parents[node]] + (toks[node],)
+        out[paths[node]] = float(draft.scores[node])
+    return out
+
+
+def test_scored_merge_keeps_the_best_nodes_of_both():
+    # head: 5 -> 7 (-0.2) -> 9 (-1.5), 5 -> 8 (-2.0); lookup: 5 -> 7 -> 9 -> 4 and 5 -> 3, at -0.5 per token
+    head = _scored(_draft([[0], [1], [0, 0]], [5, 7, 8, 9]), {(7,): -0.2, (8,): -2.0, (7, 9): -1.5})
+    look = _scored(_draft([[0], [0, 0], [0, 0, 0], [1]], [5, 7, 9, 4, 3]),
+                   {(7,): -0.5, (7, 9): -1.0, (7, 9, 4): -1.5, (3,): -0.5})
+    merged = merge_drafts(head, look, 5)
+    # the union: 7 (-0.2, head's), 3 (-0.5), 7->9 (-1.0, lookup's), 7->9->4 (-1.5), 8 (-2.0): the best 4 are kept
+    assert _node_scores(merged) == pytest.approx({(7,): -0.2, (3,): -0.5, (7, 9): -1.0, (7, 9, 4): -1.5})
+    assert merged.tree.num_nodes == 5 and merged.proposal is Proposal.DETERMINISTIC
+    # siblings ranked by score: 7 before 3
+    assert [int(merged.tokens[c]) for c in merged.tree.children(0)] == [7, 3]
+    assert _paths(merge_drafts(head, look, 2)) == {(7,)}
+    assert _paths(merge_drafts(head, look, 16)) == _paths(head) | _paths(look)
+    # without scores on either side: the head's tree first, lookup in what budget is left
+    assert _paths(merge_drafts(head, _draft([[0]], [5, 3]), 4)) == {(7,), (8,), (7, 9)}
+
+
+def test_random_scored_merges_are_the_top_nodes_of_the_union():
+    rng = random.Random(1)
+    for _ in range(200):
+        def rand(n):
+            choices, tokens, score = [], {}, {(): 0.0}
+            for _ in range(n):
+                parent = rng.choice([()] + [tuple(c) for c in choices])
+                rank = sum(1 for c in choices if tuple(c[:-1]) == parent)
+                c = parent + (rank,)
+                used = {tokens[o] for o in tokens if o[:-1] == parent}
+                free = [t for t in range(2, 9) if t not in used]
+                if not free:
+                    continue
+                choices.append(c)
+                tokens[c] = rng.choice(free)
+                score[c] = score[parent] - rng.random() - 1e-3  # a child below its parent, no ties
+            draft = _draft([list(c) for c in choices], [1] + [tokens[c] for c in choices])
+            by_path = {}
+            for c in choices:
+                by_path[tuple(tokens[c[:i]] for i in range(1, len(c) + 1))] = score[c]
+            return _scored(draft, by_path)
+
+        head, look = rand(rng.randint(0, 7)), rand(rng.randint(1, 7))
+        budget = rng.randint(1, 16)
+        union = dict(_node_scores(look))
+        for path, score in _node_scores(head).items():
+            union[path] = max(score, union.get(path, -math.inf))
+        # a node's effective score is the lowest along its path (a union node may be likelier than its parent)
+        eff = {p: min(union[p[:i]] for i in range(1, len(p) + 1)) for p in union}
+        best = sorted(eff, key=lambda p: -eff[p])[: budget - 1]
+        merged = merge_drafts(head, look, budget)
+        assert _paths(merged) == set(best)
+        assert _node_scores(merged) == pytest.approx({p: eff[p] for p in best})
+        parents = merged.tree.parent_list
+        assert all(merged.scores[n] <= merged.scores[parents[n]] for n in range(1, merged.tree.num_nodes))
+
+
 def test_merge_refuses_sampled_proposals_and_other_roots():
     head = _draft([[0]], [5, 7])
     with pytest.raises(ConfigError, match="roots differ"):
@@ -124,6 +198,17 @@ def test_greedy_output_identical_to_plain_decoding(target, tmp_path, kind):
     assert out.token_ids == plain.token_ids
     # lookup nodes really were drafted: more than the chain's 2 per step
     assert out.stats.drafted_tokens > 2 * out.stats.steps
+
+
+def test_scored_merge_greedy_output_identical_to_plain_decoding(target, tmp_path):
+    """EAGLE-2's scored nodes and prompt lookup's share a 6-node budget (`merge_drafts`' scored rule)."""
+    heads = write_eagle_head(tmp_path / "eagle", target, seed=1)
+    plain = runtime.load(str(target), draft="none").generate(PROMPT, max_tokens=40, ignore_eos=True)
+    dec = runtime.load(str(target), draft="eagle", draft_model=str(heads), max_draft_len=5, total_tokens=6, top_k=3,
+                       depth=3, num_draft_tokens=6, max_branches=2)
+    out = dec.generate(PROMPT, max_tokens=40, ignore_eos=True)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted_tokens <= 5 * out.stats.steps
 
 
 def test_engine_keeps_the_merge(target, tmp_path):

@@ -265,11 +265,12 @@ def test_dynamic_tree_matches_plain_topk_for_monotone_scores():
     parents = torch.tensor([-1, -1, -1, 0, 0, 1, 3])
     tokens = torch.tensor([10, 11, 12, 13, 14, 15, 16])
     scores = torch.tensor([-0.1, -0.5, -2.0, -0.3, -1.5, -0.9, -0.6])
-    tree, node_tokens = select_dynamic_tree(parents, tokens, scores, total_tokens=6, root_token=99)
+    tree, node_tokens, node_scores = select_dynamic_tree(parents, tokens, scores, total_tokens=6, root_token=99)
     # best 5 by score: a(-0.1) d(-0.3) b(-0.5) g(-0.6) f(-0.9)
     assert tree.num_nodes == 6
     assert tree.choices == ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
     assert node_tokens.tolist() == [99, 10, 11, 13, 15, 16]
+    assert node_scores.tolist() == pytest.approx([0.0, -0.1, -0.5, -0.3, -0.9, -0.6])
     _, pool_index = select_dynamic_pool(parents, scores, 6)
     assert pool_index.tolist() == [-1, 0, 1, 3, 5, 6]
     assert select_dynamic_tree(parents, tokens, scores, 1)[0] == Tree.root_only()
@@ -280,7 +281,7 @@ def test_dynamic_tree_sibling_ranks_follow_scores():
     parents = torch.tensor([-1, -1, -1])
     tokens = torch.tensor([5, 6, 7])
     scores = torch.tensor([-2.0, -0.5, -1.0])
-    tree, node_tokens = select_dynamic_tree(parents, tokens, scores, 4, root_token=1)
+    tree, node_tokens, _ = select_dynamic_tree(parents, tokens, scores, 4, root_token=1)
     assert node_tokens.tolist() == [1, 6, 7, 5]  # rank 0 = best score
 
 
@@ -289,10 +290,12 @@ def test_dynamic_tree_closure_with_child_above_parent_and_nan():
     parents = torch.tensor([-1, -1, 1])
     tokens = torch.tensor([3, 4, 5])
     scores = torch.tensor([-1.0, float("nan"), 0.0])
-    tree, node_tokens = select_dynamic_tree(parents, tokens, scores, 3, root_token=0)
+    tree, node_tokens, _ = select_dynamic_tree(parents, tokens, scores, 3, root_token=0)
     assert tree.choices == ((0,), (1,)) and node_tokens.tolist() == [0, 3, 4]
-    tree, node_tokens = select_dynamic_tree(parents, tokens, scores, 4, root_token=0)
+    tree, node_tokens, node_scores = select_dynamic_tree(parents, tokens, scores, 4, root_token=0)
     assert tree.num_nodes == 4 and sorted(node_tokens.tolist()) == [0, 3, 4, 5]
+    # the child scored above its NaN parent counts as its path does: -inf, like the parent
+    assert sorted(node_scores.tolist(), reverse=True) == [0.0, -1.0, -math.inf, -math.inf]
 
 
 @st.composite
@@ -316,9 +319,18 @@ def pools(draw):
 def test_dynamic_tree_always_ancestor_closed(pool):
     parents, tokens, scores, total = pool
     tree, pool_index = select_dynamic_pool(parents, scores, total)
-    tree2, node_tokens = select_dynamic_tree(parents, tokens, scores, total, root_token=-7)
+    tree2, node_tokens, node_scores = select_dynamic_tree(parents, tokens, scores, total, root_token=-7)
     assert tree2 == tree and node_tokens[0] == -7
     _check_dynamic_result(parents, tokens, scores, total, tree, node_tokens, pool_index)
+    # node_scores: the lowest score along the node's pool path (NaN as -inf), never above the root's 0
+    raw = [-math.inf if math.isnan(x) else x for x in scores.tolist()]
+    assert node_scores[0] == 0.0
+    for node in range(1, tree.num_nodes):
+        i, low = int(pool_index[node]), 0.0
+        while i >= 0:
+            low, i = min(low, raw[i]), int(parents[i])
+        assert node_scores[node] == pytest.approx(low)
+        assert node_scores[node] <= node_scores[tree.parent_list[node]]
 
 
 @settings(max_examples=100, deadline=None)
@@ -387,6 +399,22 @@ def test_best_nodes_keeps_the_top1_chain_first():
     for bad in (0, -1, True, 2.0, None):
         with pytest.raises(ConfigError, match="max_nodes"):
             tree.best_nodes(bad)
+
+
+def test_best_nodes_by_scores():
+    tree = Tree.from_choices(CONFIGURED_LIKE)
+    chosen = lambda ids: [list(tree.choices[i - 1]) for i in ids[1:]]  # noqa: E731
+    # a drafter's path log-probs: [2] and [1, 0] likelier than the top-1 chain's deeper nodes
+    by_path = {(0,): -0.1, (1,): -1.0, (2,): -0.3, (3,): -4.0, (4,): -5.0, (0, 0): -0.9, (0, 1): -3.0,
+               (1, 0): -1.1, (0, 0, 0): -2.0, (0, 0, 1): -2.5, (0, 1, 0): -3.5}
+    scores = [0.0] + [by_path[p] for p in tree.choices]
+    assert chosen(tree.best_nodes(5, scores=scores)) == [[0], [1], [2], [0, 0]]
+    assert chosen(tree.best_nodes(6, scores=scores)) == [[0], [1], [2], [0, 0], [1, 0]]
+    assert chosen(tree.best_nodes(4, max_depth=1, scores=scores)) == [[0], [1], [2]]
+    # a child scored above its parent counts as its parent does (ties: the rank-sum rule): never kept without it
+    scores[tree.index((0, 1, 0))] = 0.0
+    assert chosen(tree.best_nodes(3, scores=scores)) == [[0], [2]]
+    assert tree.best_nodes(100, scores=scores) == tuple(range(12))
 
 
 @settings(max_examples=150, deadline=None)

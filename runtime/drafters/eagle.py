@@ -627,7 +627,8 @@ class EagleSession:
         if scores is None:
             return Draft(tree, tokens.cpu(), Proposal.DETERMINISTIC)
         keep = (scores >= min_score).nonzero().flatten().cpu()  # ascending, the root first; ancestor-closed
-        return Draft(_kept_subtree(tree, tuple(keep.tolist())), tokens.cpu()[keep], Proposal.DETERMINISTIC)
+        return Draft(_kept_subtree(tree, tuple(keep.tolist())), tokens.cpu()[keep], Proposal.DETERMINISTIC,
+                     scores=scores.cpu()[keep])
 
     def _fill_children(self, expand: Expansion, out: torch.Tensor, tokens: torch.Tensor,
                        scores: torch.Tensor | None = None) -> None:
@@ -694,8 +695,8 @@ class EagleSession:
                 pool_size += exp.tokens.shape[0]
         finally:
             step.close()
-        tree, node_tokens = select_dynamic_tree(
+        tree, node_tokens, node_scores = select_dynamic_tree(
             torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores), opts.total_tokens, root_token=root,
             min_score=min_score,
         )
-        return Draft(tree, node_tokens.cpu(), Proposal.DETERMINISTIC)
+        return Draft(tree, node_tokens, Proposal.DETERMINISTIC, scores=node_scores)

@@ -17,6 +17,7 @@ with its own node budget.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -156,7 +157,9 @@ class LookupSession:
             return Draft(Tree.root_only(), torch.tensor([int(root)], dtype=torch.int64))
         tree = Tree.from_choices(list(node_token))
         tokens = [int(root)] + [node_token[p] for p in tree.choices]
-        return Draft(tree, torch.tensor(tokens, dtype=torch.int64), Proposal.DETERMINISTIC)
+        # a node's score: token_prob per token of its path (what it counts as beside a scored drafter's nodes)
+        scores = torch.tensor([0] + [len(p) for p in tree.choices], dtype=torch.float32) * math.log(opts.token_prob)
+        return Draft(tree, torch.tensor(tokens, dtype=torch.int64), Proposal.DETERMINISTIC, scores=scores)
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """tokens # [a] int64: the newly committed x_L .. x_{L+a-1}; hidden is ignored."""
