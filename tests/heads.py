@@ -4,6 +4,7 @@
                                                            medusa_lm_head.safetensors or medusa_lm_head.pt
     write_eagle_head(dir, target_dir, ...)                 SafeAILab EAGLE-1: config.json (Llama-style, one
                                                            layer) + pytorch_model.bin or model.safetensors
+    draft_paths(draft)                                     every node of a drafted tree as its token path
 
 The Medusa state dict is produced by the FasterDecoding module structure itself (nn.ModuleList of
 nn.Sequential(ResBlock..., Linear)); the EAGLE layer weights by transformers' LlamaDecoderLayer, so the key
@@ -232,4 +233,16 @@ def write_eagle_head(
         from safetensors.torch import save_file
 
         save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def draft_paths(draft: Any) -> set[tuple[int, ...]]:
+    """Every node of a `runtime.protocol.Draft` as its token path from the root (root excluded)."""
+    toks, parents, out = draft.tokens.tolist(), draft.tree.parent_list, set()
+    for node in range(1, draft.tree.num_nodes):
+        path, n = [], node
+        while n:
+            path.append(toks[n])
+            n = parents[n]
+        out.add(tuple(reversed(path)))
     return out

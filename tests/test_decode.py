@@ -21,6 +21,7 @@ from runtime.protocol import Draft, Proposal, Verdict
 from runtime.sampling import SamplingParams, target_probs
 from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
+from tests.heads import draft_paths
 from tests.tiny import EOS_ID, make_checkpoint
 
 PROMPTS = [
@@ -471,18 +472,6 @@ def _merged_lookup_spec(ckpt, tmp_path, model: TargetModel | None = None, scored
 SCORED_BUDGET = 6  # nodes per step, root included, for the scored merge: the head's 6 and lookup's compete for it
 
 
-def _tree_paths(draft) -> set[tuple[int, ...]]:
-    """Every node of a draft as its token path from the root."""
-    toks, parents, out = draft.tokens.tolist(), draft.tree.parent_list, set()
-    for node in range(1, draft.tree.num_nodes):
-        path, n = [], node
-        while n:
-            path.append(toks[n])
-            n = parents[n]
-        out.add(tuple(reversed(path)))
-    return out
-
-
 @pytest.mark.parametrize("scored", [False, True], ids=["static", "scored"])
 @pytest.mark.parametrize("datastore", [False, True], ids=["prompt", "datastore"])
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
@@ -506,7 +495,7 @@ def test_sampled_distribution_with_merged_prompt_lookup(ckpts, tmp_path, kw, dat
     if scored:
         own = session.primary.draft(echoed, None, None)
         assert merged.tree.num_nodes == own.tree.num_nodes == budget
-        assert _tree_paths(merged) - _tree_paths(own) and _tree_paths(own) - _tree_paths(merged)
+        assert draft_paths(merged) - draft_paths(own) and draft_paths(own) - draft_paths(merged)
     else:
         assert merged.tree.num_nodes > spec.static_tree.num_nodes
     if datastore:  # the stored answer to the echo prompt begins with its greedy token: a chain of 3 from the root

@@ -18,7 +18,7 @@ from runtime.errors import ConfigError
 from runtime.model import TargetModel
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
-from tests.heads import write_eagle_head, write_medusa_head
+from tests.heads import draft_paths, write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
 
 
@@ -29,34 +29,21 @@ def _draft(choices, tokens) -> Draft:
     return Draft(tree, torch.tensor(toks))
 
 
-def _paths(draft: Draft) -> set[tuple[int, ...]]:
-    """Every node as its token path from the root (root excluded)."""
-    toks, parents = draft.tokens.tolist(), draft.tree.parent_list
-    out = set()
-    for node in range(1, draft.tree.num_nodes):
-        path, n = [], node
-        while n:
-            path.append(toks[n])
-            n = parents[n]
-        out.add(tuple(reversed(path)))
-    return out
-
-
 def test_shared_prefixes_are_shared_and_new_branches_added():
     head = _draft([[0], [1], [0, 0]], [5, 7, 8, 9])  # 5 -> 7 -> 9, 5 -> 8
     look = _draft([[0], [0, 0], [0, 0, 0]], [5, 7, 9, 4])  # 5 -> 7 -> 9 -> 4
     merged = merge_drafts(head, look, 16)
-    assert _paths(merged) == {(7,), (8,), (7, 9), (7, 9, 4)}
+    assert draft_paths(merged) == {(7,), (8,), (7, 9), (7, 9, 4)}
     assert merged.tree.num_nodes == 5 and merged.proposal is Proposal.DETERMINISTIC
     other = merge_drafts(head, _draft([[0], [0, 0]], [5, 8, 1]), 16)  # grafted under the head's 8
-    assert _paths(other) == {(7,), (8,), (7, 9), (8, 1)}
+    assert draft_paths(other) == {(7,), (8,), (7, 9), (8, 1)}
 
 
 def test_budget_and_nothing_new():
     head = _draft([[0], [1]], [5, 7, 8])
     look = _draft([[0], [0, 0], [0, 0, 0], [1]], [5, 3, 4, 6, 2])
     # lookup's nodes in its own order (parents first: 3, 2, 3->4, 3->4->6) until the tree has 5 nodes
-    assert _paths(merge_drafts(head, look, 5)) == {(7,), (8,), (3,), (2,)}
+    assert draft_paths(merge_drafts(head, look, 5)) == {(7,), (8,), (3,), (2,)}
     assert merge_drafts(head, look, 3) is head  # no room
     assert merge_drafts(head, _draft([[0]], [5, 8]), 16) is head  # everything already there
 
@@ -80,10 +67,10 @@ def test_random_merges_keep_every_path_and_distinct_siblings():
         head, look = rand(rng.randint(0, 6)), rand(rng.randint(1, 6))
         budget = rng.randint(1, 14)
         merged = merge_drafts(head, look, budget)
-        assert _paths(head) <= _paths(merged) <= _paths(head) | _paths(look)
+        assert draft_paths(head) <= draft_paths(merged) <= draft_paths(head) | draft_paths(look)
         assert merged.tree.num_nodes <= max(budget, head.tree.num_nodes)
-        if head.tree.num_nodes + len(_paths(look) - _paths(head)) <= budget:
-            assert _paths(merged) == _paths(head) | _paths(look)
+        if head.tree.num_nodes + len(draft_paths(look) - draft_paths(head)) <= budget:
+            assert draft_paths(merged) == draft_paths(head) | draft_paths(look)
         toks, parents = merged.tokens.tolist(), merged.tree.parent_list
         for node in range(merged.tree.num_nodes):
             kids = [toks[c] for c in merged.tree.children(node)]
@@ -121,10 +108,10 @@ def test_scored_merge_keeps_the_best_nodes_of_both():
     assert merged.tree.num_nodes == 5 and merged.proposal is Proposal.DETERMINISTIC
     # siblings ranked by score: 7 before 3
     assert [int(merged.tokens[c]) for c in merged.tree.children(0)] == [7, 3]
-    assert _paths(merge_drafts(head, look, 2)) == {(7,)}
-    assert _paths(merge_drafts(head, look, 16)) == _paths(head) | _paths(look)
+    assert draft_paths(merge_drafts(head, look, 2)) == {(7,)}
+    assert draft_paths(merge_drafts(head, look, 16)) == draft_paths(head) | draft_paths(look)
     # without scores on either side: the head's tree first, lookup in what budget is left
-    assert _paths(merge_drafts(head, _draft([[0]], [5, 3]), 4)) == {(7,), (8,), (7, 9)}
+    assert draft_paths(merge_drafts(head, _draft([[0]], [5, 3]), 4)) == {(7,), (8,), (7, 9)}
 
 
 def test_random_scored_merges_are_the_top_nodes_of_the_union():
@@ -158,7 +145,7 @@ def test_random_scored_merges_are_the_top_nodes_of_the_union():
         eff = {p: min(union[p[:i]] for i in range(1, len(p) + 1)) for p in union}
         best = sorted(eff, key=lambda p: -eff[p])[: budget - 1]
         merged = merge_drafts(head, look, budget)
-        assert _paths(merged) == set(best)
+        assert draft_paths(merged) == set(best)
         assert _node_scores(merged) == pytest.approx({p: eff[p] for p in best})
         parents = merged.tree.parent_list
         assert all(merged.scores[n] <= merged.scores[parents[n]] for n in range(1, merged.tree.num_nodes))
