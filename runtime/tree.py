@@ -275,13 +275,9 @@ class Tree:
             return tuple(range(self.num_nodes))  # every decode step's common case: nothing to prune
         depth_ok = [max_depth is None or len(p) <= max_depth for p in self.choices]
         rank_sum = [0] * self.num_nodes
-        capped = [0.0] * self.num_nodes
+        capped = [0.0] * self.num_nodes if scores is None else capped_scores(self._parents, scores)
         for j, p in enumerate(self.choices):  # parents come first in canonical order
-            parent = self._parents[j + 1]
-            rank_sum[j + 1] = rank_sum[parent] + p[-1]
-            if scores is not None:
-                s = float(scores[j + 1])
-                capped[j + 1] = min(-math.inf if math.isnan(s) else s, capped[parent])
+            rank_sum[j + 1] = rank_sum[self._parents[j + 1]] + p[-1]
         order = sorted((i for i in range(1, self.num_nodes) if depth_ok[i - 1]),
                        key=lambda i: (-capped[i], rank_sum[i], len(self.choices[i - 1]), i))
         return (0,) + tuple(sorted(order[: max_nodes - 1]))
@@ -407,6 +403,17 @@ def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_token
     return tree, pool_index
 
 
+def capped_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float]:
+    """Path scores as the rankings use them: each node's capped at its parent's, NaN as -inf, the root's 0, so a
+    node never ranks above an ancestor. parents # [num_nodes] (canonical order: a parent before its children);
+    scores # [num_nodes]."""
+    out = [0.0]
+    for node in range(1, len(parents)):
+        s = float(scores[node])
+        out.append(min(-math.inf if math.isnan(s) else s, out[parents[node]]))
+    return out
+
+
 def select_dynamic_tree(
     parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, total_tokens: int, root_token: int = -1,
     min_score: float | None = None,
@@ -423,12 +430,10 @@ def select_dynamic_tree(
     _check_pool(parents, scores, tokens)
     tree, pool_index = select_dynamic_pool(parents, scores, total_tokens, min_score)
     node_tokens = torch.full((tree.num_nodes,), root_token, dtype=torch.int64)
-    effective = [0.0]  # a node never above its path (the ranking's rule), NaN as -inf
+    effective = [0.0]
     if tree.num_nodes > 1:
         node_tokens[1:] = tokens.cpu()[pool_index[1:]].to(torch.int64)
-        parents = tree.parent_list
-        for node, s in enumerate(scores.cpu()[pool_index[1:]].double().tolist(), 1):
-            effective.append(min(-math.inf if math.isnan(s) else s, effective[parents[node]]))
+        effective = capped_scores(tree.parent_list, [0.0] + scores.cpu()[pool_index[1:]].double().tolist())
     return tree, node_tokens, torch.tensor(effective, dtype=torch.float32)
 
 
