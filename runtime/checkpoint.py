@@ -7,10 +7,13 @@ The builder reuses these to export engines.
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from runtime.config import ModelConfig
 from runtime.errors import CheckpointError
@@ -23,6 +26,29 @@ EMBED = "model.embed_tokens.weight"
 # Buffers some older checkpoints carry that are recomputed here, not weights.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _MAX_LISTED = 8
+
+
+def read_head_state(path: Path, files: tuple[str, ...], what: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A draft head directory's weights: the first of `files` in `path` that exists, a safetensors file or a torch
+    state dict read weights-only (a pickle that would run code is refused, as a corrupt file is). `what` names the
+    head in errors ("EAGLE", "Medusa")."""
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            continue
+        if name.endswith(".safetensors"):
+            try:
+                return file, load_file(str(file), device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"cannot read {what} weights {file}: {exc}") from exc
+        try:
+            state = torch.load(str(file), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # corrupt or unsafe
+            raise CheckpointError(f"cannot read {what} weights {file} (weights-only torch.load): {exc}") from exc
+        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{file} must hold a state dict of tensors, got {type(state).__name__}")
+        return file, dict(state)
+    raise CheckpointError(f"{what} head directory {path} has neither {' nor '.join(files)}")
 
 
 def weight_files(path: str | Path) -> tuple[list[Path], dict[str, str] | None]:

@@ -39,8 +39,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import pickle
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.checkpoint import read_head_state
 from runtime.config import ModelConfig
 from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DynamicTreeOptions, PruneOptions
 from runtime.drafters.draft_vocab import DraftVocab
@@ -143,27 +142,6 @@ class EagleHead(nn.Module):
 # ---- loading --------------------------------------------------------------------------------------------
 
 
-def _read_state(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    bin_file, st_file = path / TORCH_FILE, path / SAFETENSORS_FILE
-    if bin_file.is_file():
-        try:
-            state = torch.load(str(bin_file), map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # corrupt or unsafe
-            raise CheckpointError(f"cannot read EAGLE weights {bin_file} (weights-only torch.load): {exc}") from exc
-        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"{bin_file} must hold a state dict of tensors, got {type(state).__name__}")
-        return bin_file, dict(state)
-    if st_file.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return st_file, load_file(str(st_file), device="cpu")
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"cannot read EAGLE weights {st_file}: {exc}") from exc
-    raise CheckpointError(f"EAGLE head directory {path} has neither {TORCH_FILE} nor {SAFETENSORS_FILE}")
-
-
 def _read_config(path: Path, target: ModelConfig) -> dict[str, Any]:
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
@@ -202,7 +180,7 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
         raise CheckpointError(f"EAGLE head path {path} is not a directory")
     target: ModelConfig = model.config
     raw = _read_config(path, target)
-    file, state = _read_state(path)
+    file, state = read_head_state(path, (TORCH_FILE, SAFETENSORS_FILE), "EAGLE")
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
     vocab = DraftVocab.from_state(state, target.vocab_size, file)
     if vocab is not None and raw.get("draft_vocab_size", vocab.size) != vocab.size:

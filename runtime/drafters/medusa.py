@@ -22,14 +22,13 @@ d - 1, so siblings under different parents at the same depth share one candidate
 
 from __future__ import annotations
 
-import pickle
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from runtime.checkpoint import read_head_state
 from runtime.draft_spec import DraftSpec
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError
@@ -85,27 +84,6 @@ def _read_config(path: Path) -> dict:
     return read_json_object(cfg_path, CheckpointError)
 
 
-def _read_state_dict(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    st, pt = path / SAFETENSORS_FILE, path / TORCH_FILE
-    if st.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return st, load_file(str(st), device="cpu")
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"cannot read Medusa weights {st}: {exc}") from exc
-    if pt.is_file():
-        try:
-            state = torch.load(str(pt), map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # corrupt or unsafe
-            raise CheckpointError(f"cannot read Medusa weights {pt} (weights-only torch.load): {exc}") from exc
-        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"{pt} must hold a state dict of tensors, got {type(state).__name__}")
-        return pt, dict(state)
-    raise CheckpointError(f"Medusa head directory {path} has neither {SAFETENSORS_FILE} nor {TORCH_FILE}")
-
-
 def _positive_int(cfg: dict, key: str, path: Path, minimum: int) -> int:
     if key not in cfg:
         raise CheckpointError(f"{path / CONFIG_FILE} lacks {key!r} (a FasterDecoding Medusa config has it)")
@@ -123,7 +101,7 @@ def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> Med
     cfg = _read_config(path)
     num_heads = _positive_int(cfg, "medusa_num_heads", path, 1)
     num_layers = _positive_int(cfg, "medusa_num_layers", path, 0)
-    file, state = _read_state_dict(path)
+    file, state = read_head_state(path, (SAFETENSORS_FILE, TORCH_FILE), "Medusa")
     d2t = {k: state.pop(k) for k in ("d2t", "t2d") if k in state}
 
     expected = set()
