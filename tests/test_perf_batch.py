@@ -10,9 +10,9 @@ import pytest
 from perf.__main__ import main
 from perf.batch import BatchBenchConfig, Sample, level_requests, summarize
 from perf.bench import BenchConfigError
+from tests.cli import PNG
 from tests.tiny import make_checkpoint
 
-PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,9 @@ from perf.prompt_sets import DEFAULT_SETS, Prompt, load_prompt_file, load_prompt
 from perf.readme import END, START, latest_results, update_readme
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.test_chat import CHATML, with_template
+from tests.cli import PNG, exit_status
 from tests.tiny import make_checkpoint, vocab_size
 
-PNG = b"\x89PNG\r\n\x1a\n"
 DRAFTERS = "lookup,medusa:chain-2,small=medusa:[[0],[0,0],[1]],eagle,pruned=eagle:mc_sim_7b_63+min_path_prob=0.1"
 
 
@@ -173,11 +173,7 @@ def test_bench_bad_input_exits_2_naming_the_problem(tiny, tmp_path, capsys, args
 
 
 def run_main(args: list[str]) -> int:
-    """The CLI's exit status, whether main returns it or argparse exits with it."""
-    try:
-        return main(args)
-    except SystemExit as exc:
-        return exc.code
+    return exit_status(main, args)
 
 
 def test_config_and_engine_are_exclusive():

@@ -22,16 +22,13 @@ from perf.serve import (
     request_tokens,
 )
 from runtime.errors import ConfigError
+from tests.cli import PNG, exit_status
 from tests.tiny import make_checkpoint
 
-PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def run_main(args: list[str]) -> int:
-    try:
-        return main(args)
-    except SystemExit as exc:
-        return exc.code
+    return exit_status(main, args)
 
 
 @pytest.fixture(scope="module")

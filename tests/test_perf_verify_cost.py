@@ -21,16 +21,13 @@ from perf.verify_cost import (
 )
 from plugins.tree_attention.mask import ancestor_mask, unpack_mask
 from runtime.errors import ConfigError
+from tests.cli import PNG, exit_status
 from tests.tiny import make_checkpoint
 
-PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def run_main(args: list[str]) -> int:
-    try:
-        return main(args)
-    except SystemExit as exc:
-        return exc.code
+    return exit_status(main, args)
 
 
 @pytest.fixture(scope="module")
