@@ -14,7 +14,6 @@ from tests.cli import PNG
 from tests.tiny import make_checkpoint
 
 
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("perf_batch")

@@ -35,9 +35,9 @@ from runtime.tree import Tree
 from perf.machine import expand_out, machine_slug
 from perf.prompt_sets import DEFAULT_SETS, Prompt, load_prompt_file, load_prompts
 from perf.readme import END, START, latest_results, update_readme
+from tests.cli import PNG, exit_status
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.test_chat import CHATML, with_template
-from tests.cli import PNG, exit_status
 from tests.tiny import make_checkpoint, vocab_size
 
 DRAFTERS = "lookup,medusa:chain-2,small=medusa:[[0],[0,0],[1]],eagle,pruned=eagle:mc_sim_7b_63+min_path_prob=0.1"

@@ -26,7 +26,6 @@ from tests.cli import PNG, exit_status
 from tests.tiny import make_checkpoint
 
 
-
 def run_main(args: list[str]) -> int:
     return exit_status(main, args)
 
