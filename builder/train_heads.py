@@ -67,6 +67,7 @@ from builder.training.corpus import (
 from builder.training.loop import LEGACY_STATE_SUFFIX, STATE_SUFFIX, optimise
 from runtime.draft_spec import WEIGHTED_KINDS
 from runtime.drafters.draft_vocab import DraftVocab, top_frequent
+from runtime.errors import CheckpointError
 from runtime.files import shown_path
 
 MEDUSA_WEIGHT_DECAY = 0.8  # Medusa-1 weights head i's loss by 0.8^i
@@ -345,6 +346,7 @@ def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str, target_
     target weights (heads trained for one target must not resume against a retrained one)."""
     d = dataclasses.asdict(section)
     d.pop("output")
+    d.pop("init", None)  # where the weights started: a resumed state has moved on from them
     for k in ("max_steps", "max_minutes", "threads"):  # extending a run's budget is allowed
         d["train"].pop(k)
     for k in ("unroll", "unroll_decay", "unroll_from"):  # so is switching the training-time test on for what follows
@@ -363,6 +365,43 @@ def _prepare_kind(kind: str, h: HeadsSection, section: Any, train: np.ndarray, h
     check_windows(held_out, opt.seq_len, f"the held-out {what}")
     torch.manual_seed(opt.seed)
     return opt, _fingerprint(kind, h, section, data_fp, target_fp)
+
+
+def eagle_init(section: EagleSection, target_vocab: int) -> tuple[dict[str, torch.Tensor], DraftVocab | None] | None:
+    """heads.eagle.init's weights (EagleTrainHead's keys, float32) and its reduced draft vocabulary; None when the
+    section has no init. The head is checked as the runtime loads one (runtime.drafters.eagle)."""
+    from runtime.checkpoint import read_head_state
+    from runtime.drafters.eagle import SAFETENSORS_FILE, TORCH_FILE
+
+    if section.init is None:
+        return None
+    if not section.init.is_dir():
+        raise BuildConfigError(f"heads.eagle.init: {shown_path(section.init)} is not a directory; expected an EAGLE "
+                               f"head directory (config.json + {TORCH_FILE})")
+    try:
+        file, state = read_head_state(section.init, (TORCH_FILE, SAFETENSORS_FILE), "EAGLE")
+        vocab = DraftVocab.from_state(state, target_vocab, file)
+    except CheckpointError as exc:
+        raise BuildConfigError(f"heads.eagle.init: {exc}") from exc
+    return {k: v.float() for k, v in state.items()}, vocab
+
+
+def _init_field(section: Any) -> dict[str, str]:
+    """{"init": the head a run started from}, for its log and summary; {} when it started from scratch."""
+    init = getattr(section, "init", None)
+    return {} if init is None else {"init": shown_path(init)}
+
+
+def _start_from(module: EagleTrainHead, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Load an init head's weights into `module`: every weight of the one-layer head, nothing else."""
+    want = {k: tuple(v.shape) for k, v in module.eagle_state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items() if not k.endswith(".rotary_emb.inv_freq")}
+    if want != got:
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        shapes = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+        raise BuildConfigError(f"heads.eagle.init: {shown_path(where)} is not a one-layer EAGLE-1 head for this "
+                               f"target (missing {missing[:4]}, unexpected {extra[:4]}, other shapes {shapes[:4]})")
+    module.load_state_dict({k: state[k] for k in want}, strict=False)
 
 
 def target_digest(path: Path) -> str:
@@ -429,6 +468,12 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
                 return medusa_metrics(module, eval_batches(target, windows))
         else:
             module = EagleTrainHead(eagle_layer_config(target.config))
+            init = eagle_init(section, target.config.vocab_size)
+            if init is not None:
+                if init[1] is not None:
+                    raise BuildConfigError(f"heads.eagle.init: {shown_path(section.init)} scores a reduced draft "
+                                           f"vocabulary; expected a full-vocabulary head unless corpus.source is 'chat'")
+                _start_from(module, init[0], section.init)
 
             def step_loss(ids, step, module=module, section=section):
                 hidden, logits = target_outputs(target, ids)
@@ -522,8 +567,10 @@ def write_datastores(config: TrainConfig, only: str | None = None) -> list[tuple
     return _save_datastores(config, kinds, answers)
 
 
-def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool) -> ChatData:
-    """Answers (generated once, resumable), cached features, the split by prompt id, the draft vocabulary."""
+def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool,
+              vocab: DraftVocab | None = None) -> ChatData:
+    """Answers (generated once, resumable), cached features, the split by prompt id, the draft vocabulary (`vocab`
+    when given: an init head's, which must have heads.draft_vocab_size tokens; else counted on the answers)."""
     from builder.training.corpus import is_held_out
     from builder.training.distill import GenerateSettings, conversations, features, generate, prompt_of
     from runtime.prompts import load_prompt_file
@@ -551,9 +598,13 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
     if not train_pos or not held_pos:
         raise BuildConfigError(f"{config.source}: corpus.held_out {c.held_out} leaves no "
                                f"{'training' if not train_pos else 'held-out'} conversations among {len(convs)}")
-    vocab = None
     to_draft = torch.arange(target_vocab)
-    if h.draft_vocab_size is not None:
+    if vocab is not None:
+        if vocab.size != h.draft_vocab_size:
+            raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, but the init "
+                                   f"head scores a draft vocabulary of {vocab.size} tokens")
+        to_draft = vocab.draft_index()
+    elif h.draft_vocab_size is not None:
         if h.draft_vocab_size > target_vocab:
             raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, expected at "
                                    f"most the target's vocabulary size {target_vocab}")
@@ -576,7 +627,12 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
     target_config = AutoConfig.from_pretrained(str(h.target))  # what the transformers-built heads are shaped from
     embed = tensors["model.embed_tokens.weight"]
     lm_full = tensors.get("lm_head.weight", embed)  # [V, H]
-    data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet)
+    init = eagle_init(h.eagle, ours.vocab_size) if "eagle" in kinds else None
+    if init is not None and (init[1] is None) != (h.draft_vocab_size is None):
+        raise BuildConfigError(f"heads.eagle.init: {shown_path(h.eagle.init)} "
+                               f"{'scores the full vocabulary' if init[1] is None else 'has a reduced draft vocabulary'}"
+                               f", but heads.draft_vocab_size is {h.draft_vocab_size}")
+    data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet, None if init is None else init[1])
     lm_draft = lm_full if data.vocab is None else lm_full[data.vocab.target_ids].contiguous()  # [K, H]
     view = FrozenTargetView(embed, lm_draft)
     target_fp = target_digest(h.target)
@@ -610,6 +666,8 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
                 return medusa_metrics(module, held_batches(opt))
         else:
             module = EagleTrainHead(eagle_layer_config(target_config))
+            if init is not None:
+                _start_from(module, init[0], section.init)
 
             def step_loss(pos, step, module=module, section=section):
                 ids, hidden = gather(pos)
@@ -624,7 +682,8 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
                                                work / f"{kind}_log.jsonl", kind, quiet,
                                                start_fields={"draft_vocab_size": h.draft_vocab_size,
                                                              "draft_vocab_coverage": round(data.coverage, 4),
-                                                             "train_positions": int(data.train.shape[0])})
+                                                             "train_positions": int(data.train.shape[0]),
+                                                             **_init_field(section)})
         if kind == "medusa":
             save_medusa(module, section, h, target_config, work, data.vocab)
         else:
@@ -633,7 +692,8 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
         summary = {**dataclasses.asdict(result), "output": shown_path(section.output), "target": shown_path(h.target),
                    "labels": "target (its own greedy chat answers)", "metrics_meaning": _MEANING[kind],
                    "draft_vocab_size": h.draft_vocab_size, "draft_vocab_coverage": data.coverage,
-                   "train_tokens": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0])}
+                   "train_tokens": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0]),
+                   **_init_field(section)}
         (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)
     _save_datastores(config, kinds, data.train_answers)

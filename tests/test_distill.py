@@ -5,6 +5,7 @@ to plain decoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -228,3 +229,97 @@ def test_chat_run_goes_on_after_the_corpus_grows(chat_target, tmp_path):
     cfg["heads"]["draft_vocab_size"] = K + 8
     with pytest.raises(ResumeError, match="different configuration"):
         train_heads(parse_train_config(cfg), quiet=True)
+
+
+def test_eagle_fine_tunes_from_an_init_head(chat_target, tmp_path):
+    """heads.eagle.init starts a run from a head's weights and keeps its draft vocabulary, even when the answers it
+    now trains on would count another one; a resumable state in the work directory wins over init; an init that does
+    not fit is refused, naming the setting."""
+    for part in "abc":
+        (tmp_path / part).mkdir()
+    first = _config(chat_target, tmp_path / "a", prompts=12)
+    del first["heads"]["medusa"]
+    train_heads(parse_train_config(first), quiet=True)
+    init = tmp_path / "a" / "eagle"
+    init_state = torch.load(init / "pytorch_model.bin", weights_only=True)
+
+    # More prompts of another kind (their answers would move the K most frequent tokens), no learning: the run's
+    # output is the init head, weight for weight, with its vocabulary.
+    cfg = _config(chat_target, tmp_path / "b", prompts=12, eagle={"output": str(tmp_path / "b" / "eagle"),
+                                                                  "init": str(init)})
+    del cfg["heads"]["medusa"]
+    prompts = Path(cfg["corpus"]["prompts"])
+    prompts.write_text(prompts.read_text() + "".join(
+        json.dumps({"id": f"n{i}", "prompt": f"Tell me a story about a cat named {i}.", "chat": True}) + "\n"
+        for i in range(10)))
+    cfg["heads"]["eagle"]["train"] = {**first["heads"]["eagle"]["train"], "lr": 0.0, "max_steps": 2}
+    train_heads(parse_train_config(cfg), quiet=True)
+    got = torch.load(tmp_path / "b" / "eagle" / "pytorch_model.bin", weights_only=True)
+    assert got.keys() == init_state.keys()
+    for key, value in init_state.items():
+        assert torch.equal(got[key], value), key
+    summary = json.loads((tmp_path / "b" / "eagle" / "training_summary.json").read_text())
+    assert summary["init"].endswith("eagle") and summary["steps"] == 2
+    start = json.loads((tmp_path / "b" / "work" / "eagle_log.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["init"] == summary["init"]
+    # Counted afresh on these answers, the vocabulary would differ: what was kept is the init head's.
+    from builder.train_heads import chat_data
+    counted = chat_data(parse_train_config(cfg), 420, (1,), quiet=True).vocab
+    assert counted.target_ids.tolist() != DraftVocab.from_state(dict(got), 420, "b").target_ids.tolist()
+
+    # With a resumable state, init is not read again: the run resumes (here: a learning run picks up at step 2).
+    cfg["heads"]["eagle"]["train"] = {**cfg["heads"]["eagle"]["train"], "max_steps": 3}
+    (result,) = train_heads(parse_train_config(cfg), quiet=True)
+    assert result.steps == 3
+
+    bad = _config(chat_target, tmp_path / "c", eagle={"output": str(tmp_path / "c" / "eagle"),
+                                                        "init": str(tmp_path / "nowhere")})
+    del bad["heads"]["medusa"]
+    with pytest.raises(BuildConfigError, match=r"heads.eagle.init: .*nowhere is not a directory; expected an EAGLE"):
+        train_heads(parse_train_config(bad), quiet=True)
+    bad["heads"]["eagle"]["init"] = str(init)
+    bad["heads"]["draft_vocab_size"] = K + 8
+    with pytest.raises(BuildConfigError, match=f"heads.draft_vocab_size: got {K + 8}, but the init head scores a "
+                                               f"draft vocabulary of {K} tokens"):
+        train_heads(parse_train_config(bad), quiet=True)
+    bad["heads"]["draft_vocab_size"] = None
+    with pytest.raises(BuildConfigError, match="has a reduced draft vocabulary, but heads.draft_vocab_size is None"):
+        train_heads(parse_train_config(bad), quiet=True)
+    (init / "pytorch_model.bin").write_bytes(b"not a state dict")
+    bad["heads"]["draft_vocab_size"] = K
+    with pytest.raises(BuildConfigError, match="heads.eagle.init: cannot read EAGLE weights"):
+        train_heads(parse_train_config(bad), quiet=True)
+
+
+def test_rebuild_distill_knows_the_order_generate_writes(chat_target, tmp_path):
+    """demo/smollm2/rebuild_distill.py reads answers back from a datastore by replaying generate()'s order (greedy
+    answers first, then sampled, each sorted by prompt length): it must be the order generate() writes, run by run."""
+    import importlib.util
+
+    from builder.training.distill import CONVERSATIONS, generate
+
+    spec = importlib.util.spec_from_file_location("rebuild_distill", Path(__file__).resolve().parents[1] / "demo" /
+                                                  "smollm2" / "rebuild_distill.py")
+    rebuild = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rebuild)
+    texts = {f"a{i}": "Sort a list." + " Please." * (i % 3) for i in range(5)}
+    texts.update({f"b{i}": "Count words" + " now" * (4 - i) + "." for i in range(4)})
+    prompts = list(texts.items())
+    data_dir = tmp_path / "d"
+    settings = GenerateSettings(max_new_tokens=4, batch_size=3)
+    two = dataclasses.replace(settings, answers=2)
+    generate(chat_target, prompts[:5], data_dir, settings, quiet=True)  # run 1: a*, greedy
+    generate(chat_target, prompts[:5], data_dir, two, quiet=True)  # run 2: a*, the sampled answers
+    generate(chat_target, prompts, data_dir, two, quiet=True)  # run 3: b* appended, both answers
+    written = [json.loads(line)["id"] for line in (data_dir / CONVERSATIONS).read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    encoded = {i: tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) for i, t in prompts}
+    assert len({len(e) for e in encoded.values()}) > 2  # the sort has work to do
+    ids = [i for i, _ in prompts]
+    want = (rebuild.run_order(("a",), (0,), ids, encoded) + rebuild.run_order(("a",), (1,), ids, encoded)
+            + rebuild.run_order(("b",), (0, 1), ids, encoded))
+    assert written == want
+    assert written[:5] != [f"a{i}" for i in range(5)]  # sorted by prompt length, not in file order

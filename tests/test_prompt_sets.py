@@ -33,17 +33,20 @@ def test_training_prompts_exclude_every_evaluation_prompt():
         assert not leaked, f"{path.name}: {leaked} are also head-training prompts"
 
 
-@pytest.mark.parametrize("part", ["broad", "wide"])
+@pytest.mark.parametrize("part", ["broad", "wide", "prose"])
 def test_generated_parts_are_what_their_generators_write(part):
     records = _records(PROMPTS / "train.jsonl")
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids))
     ours = [r for r in records if r["id"].startswith(f"{part}-")]
     module = _load(part)
+    others = {r["prompt"] for r in records if not r["id"].startswith(f"{part}-")}
     if part == "broad":
         want = module.broad_prompts()
+    elif part == "wide":
+        want, _ = module.wide_prompts(others - {r["prompt"] for r in records if r["id"].startswith("prose-")})
     else:
-        want, _ = module.wide_prompts({r["prompt"] for r in records if not r["id"].startswith("wide-")})
+        want = module.prose_prompts(others)
     assert [r["prompt"] for r in ours] == want
     assert [r["id"] for r in ours] == [f"{part}-{i:04d}" for i in range(len(want))]
     excluded = _load("broad").EXCLUDED

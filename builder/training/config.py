@@ -17,7 +17,7 @@
       target: ../demo/target     # frozen target checkpoint (HF directory with tokenizer.json)
       work_dir: ../out/demo-train/heads
       medusa: {output: ../demo/medusa, num_heads: 4, num_layers: 1, train: {...}}
-      eagle: {output: ../demo/eagle, train: {...}}
+      eagle: {output: ../demo/eagle, init: null, train: {...}}   # init: a head to fine-tune
 
 Relative paths resolve from the config file's directory; errors name the key path, the value and what was
 expected (the parser is runtime.schema's, the bounds are declared on the fields).
@@ -129,6 +129,9 @@ class MedusaSection:
 @dataclass(frozen=True)
 class EagleSection:
     output: Path  # EAGLE-1 head directory (config.json + pytorch_model.bin)
+    # Fine-tuning: an EAGLE-1 head directory (this layout; e.g. an earlier output) whose weights the run starts from
+    # when it has no resumable state; its reduced draft vocabulary, if any, is kept (the lm_head rows it learnt for).
+    init: Path | None = None
     # loss = SmoothL1(features) + ce_weight * CE(tokens); EAGLE uses 0.1
     ce_weight: float = setting(0.1, ge=0.0)
     # uniform noise +-feature_noise on the input features (robustness to drift)
