@@ -65,6 +65,7 @@ from builder.training.corpus import (
     split_corpus,
 )
 from builder.training.loop import LEGACY_STATE_SUFFIX, STATE_SUFFIX, optimise
+from runtime.checkpoint import IGNORED_SUFFIXES
 from runtime.draft_spec import WEIGHTED_KINDS
 from runtime.drafters.draft_vocab import DraftVocab, top_frequent
 from runtime.errors import CheckpointError
@@ -395,7 +396,7 @@ def _init_field(section: Any) -> dict[str, str]:
 def _start_from(module: EagleTrainHead, state: dict[str, torch.Tensor], where: Path) -> None:
     """Load an init head's weights into `module`: every weight of the one-layer head, nothing else."""
     want = {k: tuple(v.shape) for k, v in module.eagle_state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items() if not k.endswith(".rotary_emb.inv_freq")}
+    got = {k: tuple(v.shape) for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
     if want != got:
         missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
         shapes = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
@@ -570,7 +571,7 @@ def write_datastores(config: TrainConfig, only: str | None = None) -> list[tuple
 def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool,
               vocab: DraftVocab | None = None) -> ChatData:
     """Answers (generated once, resumable), cached features, the split by prompt id, the draft vocabulary (`vocab`
-    when given: an init head's, which must have heads.draft_vocab_size tokens; else counted on the answers)."""
+    when given: an init head's, checked against heads.draft_vocab_size by the caller; else counted on the answers)."""
     from builder.training.corpus import is_held_out
     from builder.training.distill import GenerateSettings, conversations, features, generate, prompt_of
     from runtime.prompts import load_prompt_file
@@ -600,9 +601,6 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
                                f"{'training' if not train_pos else 'held-out'} conversations among {len(convs)}")
     to_draft = torch.arange(target_vocab)
     if vocab is not None:
-        if vocab.size != h.draft_vocab_size:
-            raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, but the init "
-                                   f"head scores a draft vocabulary of {vocab.size} tokens")
         to_draft = vocab.draft_index()
     elif h.draft_vocab_size is not None:
         if h.draft_vocab_size > target_vocab:
@@ -632,6 +630,9 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
         raise BuildConfigError(f"heads.eagle.init: {shown_path(h.eagle.init)} "
                                f"{'scores the full vocabulary' if init[1] is None else 'has a reduced draft vocabulary'}"
                                f", but heads.draft_vocab_size is {h.draft_vocab_size}")
+    if init is not None and init[1] is not None and init[1].size != h.draft_vocab_size:
+        raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, but the init "
+                               f"head scores a draft vocabulary of {init[1].size} tokens")
     data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet, None if init is None else init[1])
     lm_draft = lm_full if data.vocab is None else lm_full[data.vocab.target_ids].contiguous()  # [K, H]
     view = FrozenTargetView(embed, lm_draft)

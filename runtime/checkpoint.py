@@ -24,7 +24,7 @@ INDEX_FILE = "model.safetensors.index.json"
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
 # Buffers some older checkpoints carry that are recomputed here, not weights.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _MAX_LISTED = 8
 
 
@@ -142,7 +142,7 @@ def validate_tensors(
     a different lm_head under tie_word_embeddings is an error, since one of the two would be silently dropped.
     """
     expected = expected_shapes(config)
-    present = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    present = {n: t for n, t in tensors.items() if not n.endswith(IGNORED_SUFFIXES)}
     if config.tie_word_embeddings and LM_HEAD in present:
         head = present.pop(LM_HEAD)
         embed = present.get(EMBED)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.checkpoint import read_head_state
+from runtime.checkpoint import IGNORED_SUFFIXES, read_head_state
 from runtime.config import ModelConfig
 from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DynamicTreeOptions, PruneOptions
 from runtime.drafters.draft_vocab import DraftVocab
@@ -61,8 +61,6 @@ from runtime.tree import Tree, expand_frontier, select_dynamic_tree
 CONFIG_FILE = "config.json"
 TORCH_FILE = "pytorch_model.bin"
 SAFETENSORS_FILE = "model.safetensors"
-# Buffers some older checkpoints persisted; recomputed here, not weights.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _MAX_LISTED = 6
 _MIN_CACHE = 256  # initial head-cache capacity beyond the prompt; doubled on demand
 
@@ -181,7 +179,7 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
     target: ModelConfig = model.config
     raw = _read_config(path, target)
     file, state = read_head_state(path, (TORCH_FILE, SAFETENSORS_FILE), "EAGLE")
-    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
     vocab = DraftVocab.from_state(state, target.vocab_size, file)
     if vocab is not None and raw.get("draft_vocab_size", vocab.size) != vocab.size:
         raise CheckpointError(f"{path / CONFIG_FILE}: draft_vocab_size {raw['draft_vocab_size']!r} but d2t in {file} "
