@@ -414,6 +414,29 @@ def capped_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float
     return out
 
 
+def pool_above(parents: torch.Tensor, scores: torch.Tensor, min_score: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of a candidate pool that pruning keeps: those whose path scores, the entry's and its ancestors',
+    all reach min_score (NaN never does), so what is kept is ancestor-closed.
+
+    parents  # [P] int: -1 for children of the root, else an earlier pool index
+    scores   # [P] float: cumulative draft log-probability
+    Returns (index # [K] int64: the kept entries, in pool order; parents # [K] int64: theirs among the kept, -1 for
+    the root's children).
+    """
+    _check_pool(parents, scores)
+    par = parents.tolist()
+    keep: list[bool] = []
+    new_index: list[int] = []  # pool index -> its index among the kept (meaningful for kept entries)
+    kept: list[int] = []
+    for i, s in enumerate(scores.tolist()):
+        keep.append(s >= min_score and (par[i] < 0 or keep[par[i]]))
+        new_index.append(len(kept))
+        if keep[i]:
+            kept.append(i)
+    kept_parents = [new_index[par[i]] if par[i] >= 0 else -1 for i in kept]
+    return torch.tensor(kept, dtype=torch.int64), torch.tensor(kept_parents, dtype=torch.int64)
+
+
 def select_dynamic_tree(
     parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, total_tokens: int, root_token: int = -1,
     min_score: float | None = None,

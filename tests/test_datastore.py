@@ -5,6 +5,8 @@ tests/test_decode.py::test_sampled_distribution_with_merged_prompt_lookup[...-da
 
 from __future__ import annotations
 
+import math
+
 import random
 from collections import Counter
 
@@ -141,8 +143,10 @@ def test_lookup_session_grafts_the_stored_continuation():
     # root 9: prompt lookup copies 10, 13 (what followed the prompt's 9); the datastore continues 7, 8, 9 with 10,
     # then 11 or 12 (a tie: the smaller id), then the answers end; the shared 10 is one node
     draft = session.draft(9)
-    paths = {tuple(draft.tokens[_path(draft, i)].tolist()) for i in range(1, draft.tree.num_nodes)}
-    assert paths == {(10,), (10, 13), (10, 11)}
+    paths = {tuple(draft.tokens[_path(draft, i)].tolist()): float(draft.scores[i]) for i in range(1, draft.tree.num_nodes)}
+    # scores: the prompt's 1-gram match counts token_prob[0] per node, the datastore's datastore_token_prob
+    p1, pd = math.log(opts.token_prob[0]), math.log(opts.datastore_token_prob)
+    assert paths == pytest.approx({(10,): p1, (10, 13): 2 * p1, (10, 11): p1 + pd})
     # the session's node bound caps both
     small = LookupDrafter(opts, store).start(prompt, None, 3)
     assert small.draft(7).tokens.tolist() == [7, 8, 9]

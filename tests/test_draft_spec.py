@@ -47,8 +47,9 @@ from runtime.tree import Tree
     ("eagle+top_k=4+min_path_prob=0.5", DraftSpec("eagle", dynamic=DynamicTreeOptions(top_k=4),
                                                   pruning=PruneOptions(0.5))),
     ("eagle:chain-2+min_path_prob=0", DraftSpec("eagle", tree=Tree.chain(2))),
-    ("eagle:chain-2+num_draft_tokens=4+token_prob=0.5", DraftSpec("eagle", tree=Tree.chain(2),
-                                                                  lookup=LookupOptions(num_draft_tokens=4, token_prob=0.5))),
+    ("eagle:chain-2+num_draft_tokens=4+token_prob=[0.5,0.7]+datastore_token_prob=0.4",
+     DraftSpec("eagle", tree=Tree.chain(2), lookup=LookupOptions(num_draft_tokens=4, token_prob=(0.5, 0.7),
+                                                                 datastore_token_prob=0.4))),
 ])
 def test_grammar(text, expected):
     spec = DraftSpec.parse(text)
@@ -79,7 +80,12 @@ def test_grammar(text, expected):
     ("eagle+min_path_prob=1.5", "options", "pruning.min_path_prob: got 1.5, expected a number in [0, 1]"),
     ("eagle+min_path_prob=-0.1", "options", "pruning.min_path_prob: got -0.1, expected a number in [0, 1]"),
     ("medusa:chain-2+min_path_prob=0.1", "options", "unknown option(s) ['min_path_prob'] for drafter 'medusa'"),
-    ("eagle+num_draft_tokens=4+token_prob=0", "options", "lookup.token_prob: got 0, expected a number in (0, 1]"),
+    ("eagle+num_draft_tokens=4+token_prob=[0.3,0]", "options",
+     "lookup.token_prob: got [0.3, 0], expected numbers in (0, 1], one per matched n-gram length"),
+    ("eagle+num_draft_tokens=4+token_prob=[]", "options", "lookup.token_prob: got [], expected a list of a number, "
+                                                         "not empty"),
+    ("eagle+num_draft_tokens=4+token_prob=0.5", "options", "lookup.token_prob: got 0.5, expected a list of a number"),
+    ("eagle+datastore_token_prob=1.5", "options", "lookup.datastore_token_prob: got 1.5, expected a number in (0, 1]"),
 ])
 def test_rules_name_the_field(text, field, message):
     with pytest.raises(DraftSpecError) as info:

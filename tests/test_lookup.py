@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -48,6 +49,29 @@ def test_longest_ngram_wins_over_more_recent_shorter_match():
     prompt = t([3, 4, 5, 100, 101, 9, 5, 200, 201, 3, 4])
     session = LookupDrafter(LookupOptions(max_branches=1, num_draft_tokens=2, max_depth=None)).start(prompt, None, 64)
     assert session.draft(5).tokens.tolist() == [5, 100, 101]
+
+
+def node_scores(draft):
+    """{token path: score} of a draft's nodes below its root."""
+    tree, toks = draft.tree, draft.tokens.tolist()
+    return {tuple(toks[i] for i in tree.path(n)[1:]): float(draft.scores[n]) for n in range(1, tree.num_nodes)}
+
+
+def test_scores_count_each_node_by_the_length_of_its_match():
+    # Suffix (3, 4, root=5) matches "3 4 5" (followed by 100 101) as a 3-gram; "5" alone matches again later
+    # (followed by 200 201) as a 1-gram. Scores: per node, token_prob[n - 1] of the continuation that made it.
+    prompt = t([3, 4, 5, 100, 101, 9, 5, 200, 201, 3, 4])
+    opts = LookupOptions(num_draft_tokens=4, max_depth=2, max_branches=2, token_prob=(0.2, 0.5, 0.9))
+    scores = node_scores(LookupDrafter(opts).start(prompt, None, 64).draft(5))
+    log = math.log
+    assert scores == pytest.approx({(100,): log(0.9), (100, 101): 2 * log(0.9),
+                                    (200,): log(0.2), (200, 201): 2 * log(0.2)})
+    # matches longer than the list is long count as its last entry; a shared node keeps the likelier (first) one
+    # ("2 3 4 5" matches as a 4-gram: 100 101; "4 5" as a 2-gram, most recently: 100 7, its 100 shared)
+    prompt = t([2, 3, 4, 5, 100, 101, 9, 4, 5, 100, 7, 2, 3, 4])
+    opts = LookupOptions(max_ngram=4, num_draft_tokens=4, max_depth=2, max_branches=2, token_prob=(0.4, 0.6, 0.8))
+    scores = node_scores(LookupDrafter(opts).start(prompt, None, 64).draft(5))
+    assert scores == pytest.approx({(100,): log(0.8), (100, 101): 2 * log(0.8), (100, 7): log(0.8) + log(0.6)})
 
 
 def test_most_recent_occurrence_first_and_distinct_branches():

@@ -13,10 +13,11 @@ import torch
 import runtime
 from runtime.draft_spec import DraftSpec, LookupOptions
 from runtime.drafters import load_drafter
-from runtime.drafters.merged import MergedDrafter, merge_drafts
+from runtime.drafters.lookup import LookupDrafter
+from runtime.drafters.merged import MergedDrafter, merge_drafts, merge_pools
 from runtime.errors import ConfigError
 from runtime.model import TargetModel
-from runtime.protocol import Draft, Proposal
+from runtime.protocol import CandidatePool, Draft, Proposal
 from runtime.tree import Tree
 from tests.heads import draft_paths, write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
@@ -103,8 +104,9 @@ def test_scored_merge_keeps_the_best_nodes_of_both():
     look = _scored(_draft([[0], [0, 0], [0, 0, 0], [1]], [5, 7, 9, 4, 3]),
                    {(7,): -0.5, (7, 9): -1.0, (7, 9, 4): -1.5, (3,): -0.5})
     merged = merge_drafts(head, look, 5)
-    # the union: 7 (-0.2, head's), 3 (-0.5), 7->9 (-1.0, lookup's), 7->9->4 (-1.5), 8 (-2.0): the best 4 are kept
-    assert _node_scores(merged) == pytest.approx({(7,): -0.2, (3,): -0.5, (7, 9): -1.0, (7, 9, 4): -1.5})
+    # the union, each node its parent's score plus the likelier source's step: 7 (-0.2, head's), 3 (-0.5),
+    # 7->9 (-0.2 - 0.5: lookup's step), 7->9->4 (-0.7 - 0.5), 8 (-2.0): the best 4 are kept
+    assert _node_scores(merged) == pytest.approx({(7,): -0.2, (3,): -0.5, (7, 9): -0.7, (7, 9, 4): -1.2})
     assert merged.tree.num_nodes == 5 and merged.proposal is Proposal.DETERMINISTIC
     # siblings ranked by score: 7 before 3
     assert [int(merged.tokens[c]) for c in merged.tree.children(0)] == [7, 3]
@@ -138,17 +140,72 @@ def test_random_scored_merges_are_the_top_nodes_of_the_union():
 
         head, look = rand(rng.randint(0, 7)), rand(rng.randint(1, 7))
         budget = rng.randint(1, 16)
-        union = dict(_node_scores(look))
-        for path, score in _node_scores(head).items():
-            union[path] = max(score, union.get(path, -math.inf))
-        # a node's effective score is the lowest along its path (a union node may be likelier than its parent)
-        eff = {p: min(union[p[:i]] for i in range(1, len(p) + 1)) for p in union}
+        step: dict[tuple[int, ...], float] = {}  # each node's likeliest step from its parent, over both sources
+        for draft in (head, look):
+            scores = _node_scores(draft)
+            for path, score in scores.items():
+                step[path] = max(score - scores.get(path[:-1], 0.0), step.get(path, -math.inf))
+        eff = {p: sum(step[p[:i]] for i in range(1, len(p) + 1)) for p in step}
         best = sorted(eff, key=lambda p: -eff[p])[: budget - 1]
         merged = merge_drafts(head, look, budget)
         assert draft_paths(merged) == set(best)
         assert _node_scores(merged) == pytest.approx({p: eff[p] for p in best})
         parents = merged.tree.parent_list
         assert all(merged.scores[n] <= merged.scores[parents[n]] for n in range(1, merged.tree.num_nodes))
+
+
+def test_merge_pools_ranks_a_head_candidate_below_a_lookup_node_by_the_head_step():
+    # The head's pool: 7 (-0.1), 8 (-3.0) -> 9 (-3.2: a likely step after an unlikely 8). Lookup proposes 8 (-0.3).
+    head = CandidatePool(torch.tensor([-1, -1, 1]), torch.tensor([7, 8, 9]), torch.tensor([-0.1, -3.0, -3.2]))
+    look = CandidatePool(torch.tensor([-1]), torch.tensor([8]), torch.tensor([-0.3]))
+    merged = merge_pools([head, look], 5, 3)
+    # 8 counts as lookup's -0.3 and 8 -> 9 as -0.3 - 0.2: above the head's own -3.2, so 9 is kept beside 7 and 8
+    assert _node_scores(merged) == pytest.approx({(7,): -0.1, (8,): -0.3})
+    assert _node_scores(merge_pools([head, look], 5, 4)) == pytest.approx({(7,): -0.1, (8,): -0.3, (8, 9): -0.5})
+    assert _node_scores(merge_pools([head], 5, 3)) == pytest.approx({(7,): -0.1, (8,): -3.0})
+    assert merge_pools([], 5, 4).tree.num_nodes == 1
+
+
+def test_eagle_candidates_are_the_pool_its_dynamic_tree_is_cut_from(target, tmp_path):
+    """`EagleSession.candidates`: the pool `draft` selects from (pruned entries left out), so a merge can rank all
+    of it; a static tree has none; a merged session's tree is the best of that pool and lookup's."""
+    model = TargetModel.from_pretrained(target)
+    head = write_eagle_head(tmp_path / "eagle", target, seed=1)
+    hidden = model.prefill(torch.tensor([PROMPT]), model.new_cache(len(PROMPT)))[1][0]
+
+    def load(**kw):
+        return load_drafter(DraftSpec.create("eagle", path=head, tree="dynamic", options=options | kw), model)
+
+    options = dict(total_tokens=6, top_k=3, depth=3)
+    whole = load().start(torch.tensor(PROMPT), hidden, 6).candidates(44, None, None)
+    floor = float(whole.scores.median())  # prune about half of it
+    options["min_path_prob"] = math.exp(floor)
+    drafter = load()
+    a, b = drafter.start(torch.tensor(PROMPT), hidden, 6), drafter.start(torch.tensor(PROMPT), hidden, 6)
+    own, pool = a.draft(44, None, None), b.candidates(44, None, None)
+    assert own.tree.num_nodes == 6 and pool.tokens.shape[0] > 5  # more candidates than the cut keeps
+    parents = pool.parents.tolist()
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+    kept = [(tok, score) for tok, score in zip(whole.tokens.tolist(), whole.scores.tolist())
+            if score >= math.log(options["min_path_prob"])]
+    assert list(zip(pool.tokens.tolist(), pool.scores.tolist())) == kept  # in order, the pruned ones left out
+    assert 0 < len(kept) < whole.tokens.shape[0]
+    cut = merge_pools([pool], 44, 6)
+    assert _node_scores(cut) == pytest.approx(_node_scores(own), abs=1e-6)
+    static = load_drafter(DraftSpec.create("eagle", path=head, tree="chain-2"), model)
+    assert static.start(torch.tensor(PROMPT), hidden, 6).candidates(44, None, None) is None
+    # merged with prompt lookup: the best of the head's whole pool and lookup's continuations
+    lookup = LookupOptions(num_draft_tokens=6, max_branches=2)
+    merged = load(num_draft_tokens=lookup.num_draft_tokens, max_branches=lookup.max_branches)
+    session = merged.start(torch.tensor(PROMPT), hidden, 6)
+    tree = session.draft(44, None, None)
+    look = LookupDrafter(lookup).start(torch.tensor(PROMPT), None, 6).draft(44)
+    assert look.tree.num_nodes > 1
+    ref = merge_pools([drafter.start(torch.tensor(PROMPT), hidden, 6).candidates(44, None, None),
+                       CandidatePool(torch.tensor(look.tree.parent_list[1:]) - 1, look.tokens[1:], look.scores[1:])],
+                      44, 6)
+    assert _node_scores(tree) == pytest.approx(_node_scores(ref), abs=1e-6)
+    assert draft_paths(tree) & draft_paths(look)  # lookup's nodes compete for the budget
 
 
 def test_merge_refuses_sampled_proposals_and_other_roots():

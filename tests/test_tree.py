@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from plugins.tree_attention.mask import unpack_mask
 from runtime.errors import ConfigError
-from runtime.tree import Tree, expand_frontier, select_dynamic_pool, select_dynamic_tree
+from runtime.tree import Tree, expand_frontier, pool_above, select_dynamic_pool, select_dynamic_tree
 
 GOLDEN_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -436,3 +436,17 @@ def test_best_nodes_is_an_ancestor_closed_nested_sibling_prefix(paths, max_nodes
     # one priority order: a smaller budget keeps a subset of what a larger one keeps
     if max_nodes > 1:
         assert set(tree.best_nodes(max_nodes - 1, max_depth)) <= kept
+
+
+def test_pool_above_keeps_the_ancestor_closed_entries_that_reach_the_floor():
+    # 0 (-0.5) -> 2 (-1.0) -> 4 (-3.0); 1 (-2.5) -> 3 (-0.1: above the floor, its parent is not); 5 (NaN) under 0
+    parents = torch.tensor([-1, -1, 0, 1, 2, 0])
+    scores = torch.tensor([-0.5, -2.5, -1.0, -0.1, -3.0, float("nan")])
+    index, kept_parents = pool_above(parents, scores, -2.0)
+    assert index.tolist() == [0, 2] and kept_parents.tolist() == [-1, 0]
+    index, kept_parents = pool_above(parents, scores, -3.0)
+    assert index.tolist() == [0, 1, 2, 3, 4] and kept_parents.tolist() == [-1, -1, 0, 1, 2]
+    index, kept_parents = pool_above(parents, scores, 0.0)
+    assert index.tolist() == [] and kept_parents.tolist() == []
+    with pytest.raises(ConfigError, match="pool parents"):
+        pool_above(torch.tensor([-1, 3]), torch.tensor([-0.1, -0.2]), -1.0)

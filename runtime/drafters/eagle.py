@@ -55,8 +55,8 @@ from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
 from runtime.model import AttendingCache, DecoderLayer, Int8Weight, PackedWeight, causal_mask, linear
-from runtime.protocol import Draft, Proposal
-from runtime.tree import Tree, expand_frontier, select_dynamic_tree
+from runtime.protocol import CandidatePool, Draft, Proposal
+from runtime.tree import Tree, expand_frontier, pool_above, select_dynamic_tree
 
 CONFIG_FILE = "config.json"
 TORCH_FILE = "pytorch_model.bin"
@@ -532,11 +532,29 @@ class EagleSession:
         root = int(root)
         root_out = self._run_pending(root)  # [H]: predicted feature at the root's position
         if self.dynamic is not None:
-            opts = self.dynamic
-            if max_nodes is not None and max_nodes < opts.total_tokens:
-                opts = dataclasses.replace(opts, total_tokens=max_nodes)
-            return self._draft_dynamic(root, root_out, opts)
+            return self._draft_dynamic(root, root_out, self._dynamic_options(max_nodes))
         return self._draft_static(root, root_out, max_nodes)
+
+    @torch.no_grad()
+    def candidates(self, root: int, params: object = None, generator: torch.Generator | None = None,
+                   max_nodes: int | None = None) -> CandidatePool | None:
+        """The dynamic tree's whole candidate pool, entries below the pruning floor left out, before EAGLE-2 cuts it
+        to total_tokens (what `draft` would keep is `select_dynamic_tree` of it); None with a static tree."""
+        if self.dynamic is None:
+            return None
+        pool = self._pool(self._run_pending(int(root)), self._dynamic_options(max_nodes))
+        min_score = self.drafter.min_score
+        if min_score is None:
+            return pool
+        index, parents = pool_above(pool.parents, pool.scores, min_score)
+        index = index.to(pool.tokens.device)
+        return CandidatePool(parents.to(index.device), pool.tokens[index], pool.scores[index])
+
+    def _dynamic_options(self, max_nodes: int | None) -> DynamicTreeOptions:
+        opts = self.dynamic
+        if max_nodes is not None and max_nodes < opts.total_tokens:
+            opts = dataclasses.replace(opts, total_tokens=max_nodes)
+        return opts
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """tokens # [a] int64: x_L .. x_{L+a-1} (previous root first); hidden # [a, H]: h_L .. h_{L+a-1}."""
@@ -627,7 +645,19 @@ class EagleSession:
         """EAGLE-2: grow a candidate pool level by level from a top_k frontier, then keep the best total_tokens - 1."""
         if opts.total_tokens == 1:
             return Draft(Tree.root_only(), torch.tensor([root], dtype=torch.int64), Proposal.DETERMINISTIC)
+        pool = self._pool(root_out, opts)
+        tree, node_tokens, node_scores = select_dynamic_tree(
+            pool.parents, pool.tokens, pool.scores, opts.total_tokens, root_token=root,
+            min_score=self.drafter.min_score,
+        )
+        return Draft(tree, node_tokens, Proposal.DETERMINISTIC, scores=node_scores)
+
+    def _pool(self, root_out: torch.Tensor, opts: DynamicTreeOptions) -> CandidatePool:
+        """EAGLE-2's candidate pool below the root (root_out # [H]: the head's output at the root)."""
         device = root_out.device
+        if opts.total_tokens == 1:
+            empty = torch.zeros(0, dtype=torch.int64, device=device)
+            return CandidatePool(empty, empty, torch.zeros(0, device=device))
         # A tree of total_tokens - 1 draft nodes is at most that deep: deeper rounds could never be selected.
         rounds = min(opts.depth, opts.total_tokens - 2)
         # The pool, in creation order: parent pool index (-1: the root), token, cumulative log-prob.
@@ -671,8 +701,4 @@ class EagleSession:
                 pool_size += exp.tokens.shape[0]
         finally:
             step.close()
-        tree, node_tokens, node_scores = select_dynamic_tree(
-            torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores), opts.total_tokens, root_token=root,
-            min_score=min_score,
-        )
-        return Draft(tree, node_tokens, Proposal.DETERMINISTIC, scores=node_scores)
+        return CandidatePool(torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores))

@@ -82,8 +82,9 @@ class LookupSession:
                 if end >= n:
                     table.setdefault(tuple(toks[end - n : end]), []).append(end)
 
-    def continuations(self, root: int) -> Iterator[list[int]]:
-        """Continuations of (committed + root) in priority order (longest n-gram, then most recent occurrence).
+    def continuations(self, root: int) -> Iterator[tuple[int, list[int]]]:
+        """(n, continuation) of (committed + root) in priority order (longest n-gram, then most recent occurrence),
+        n the length of the n-gram matched.
 
         Each is at most depth_limit tokens; at most _SCAN_PER_NGRAM occurrences are looked at per n-gram length
         so that highly repetitive text cannot make a draft scan the whole sequence.
@@ -102,7 +103,7 @@ class LookupSession:
                     period = committed + 1 - end  # >= 1 since end <= committed
                     cycle = self.tokens[end:] + [root]
                     cont = [cycle[i % period] for i in range(depth)]
-                yield cont
+                yield n, cont
 
     def stored_continuation(self, root: int) -> list[int]:
         """The datastore's continuation of this request's answer so far + root ([] without a datastore)."""
@@ -125,8 +126,11 @@ class LookupSession:
         # Trie keyed by rank paths: children[path] = tokens of the children of `path`, in rank order.
         children: dict[tuple[int, ...], list[int]] = {(): []}
         node_token: dict[tuple[int, ...], int] = {}
+        # a node's probability per token, beside a scored drafter's nodes: its first continuation's (the likeliest:
+        # longer matches come first and the datastore's last)
+        node_logp: dict[tuple[int, ...], float] = {}
 
-        def graft(cont: list[int], budget: int) -> int:
+        def graft(cont: list[int], budget: int, prob: float) -> int:
             """Add `cont` to the trie (shared prefix kept) with at most `budget` new nodes; the number added."""
             path: tuple[int, ...] = ()
             added = 0
@@ -141,25 +145,27 @@ class LookupSession:
                 path = path + (len(kids) - 1,)
                 children[path] = []
                 node_token[path] = tok
+                node_logp[path] = math.log(prob)
                 added += 1
             return added
 
         used = 0
         branches = 0
-        for cont in self.continuations(int(root)):
-            added = graft(cont, budget - used)
+        for n, cont in self.continuations(int(root)):
+            added = graft(cont, budget - used, opts.ngram_token_prob(n))
             used += added
             branches += added > 0  # a continuation already in the trie is not a new branch
             if used == budget or branches == opts.max_branches:
                 break
-        graft(self.stored_continuation(int(root)), min(opts.datastore_tokens, room - used))
+        graft(self.stored_continuation(int(root)), min(opts.datastore_tokens, room - used), opts.datastore_token_prob)
         if not node_token:
             return Draft(Tree.root_only(), torch.tensor([int(root)], dtype=torch.int64))
         tree = Tree.from_choices(list(node_token))
         tokens = [int(root)] + [node_token[p] for p in tree.choices]
-        # a node's score: token_prob per token of its path (what it counts as beside a scored drafter's nodes)
-        scores = torch.tensor([0] + [len(p) for p in tree.choices], dtype=torch.float32) * math.log(opts.token_prob)
-        return Draft(tree, torch.tensor(tokens, dtype=torch.int64), Proposal.DETERMINISTIC, scores=scores)
+        # a node's score: the log-probability of its path (its own and its ancestors' per-token probabilities)
+        scores = [0.0] + [sum(node_logp[p[:d]] for d in range(1, len(p) + 1)) for p in tree.choices]
+        return Draft(tree, torch.tensor(tokens, dtype=torch.int64), Proposal.DETERMINISTIC,
+                     scores=torch.tensor(scores, dtype=torch.float32))
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """tokens # [a] int64: the newly committed x_L .. x_{L+a-1}; hidden is ignored."""

@@ -9,17 +9,21 @@ candidates (Proposal.DETERMINISTIC) and siblings stay distinct, so the merged tr
 and the output is what the target alone would say.
 
 When the model drafter scores its nodes (EAGLE: the head's path log-probs, `Draft.scores`), the budget goes to the
-best candidates of both, EAGLE-2's rule over the union: a lookup node counts as `token_prob` per token of its path
-(`LookupOptions`), a node both propose as the likelier, and the merged tree keeps the highest-scoring nodes
-(`select_dynamic_tree`). Measured on training-held-out prompts with SmolLM2 and its head, trees of 16 nodes: the
-head's weakest nodes were on the target's path less often than a lookup continuation's first few, and, replayed
-over the same candidates, ranking both by probability took tau from 3.09 (the head's tree first, lookup in what
-budget is left) to 3.18 (demo/smollm2/README.md).
+best candidates of both, EAGLE-2's rule over the union (`merge_pools`): a lookup node counts as a probability per
+token by the length of the n-gram its continuation matched (`LookupOptions.token_prob`; a datastore node as
+`datastore_token_prob`), a node's score is its parent's plus the likelier of its sources' steps to it, and the merged
+tree keeps the highest-scoring nodes (`select_dynamic_tree`). An EAGLE-2 session offers its whole candidate pool
+(`CandidatePool`, `EagleSession.candidates`), not its own best few, so a head candidate below a lookup node competes
+too. Measured with SmolLM2 and its head, trees of 16 nodes: the head's weakest nodes were on the target's path less
+often than a lookup continuation's first few, and ranking both by probability took tau from 3.09 (the head's tree
+first, lookup in what budget is left) to 3.18 on training-held-out prompts; scoring lookup nodes by their match
+length, merging the head's whole pool and three lookup continuations took it further (demo/smollm2/README.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -27,7 +31,7 @@ import torch
 from runtime.draft_spec import DraftSpec
 from runtime.drafters.lookup import LookupDrafter, LookupSession
 from runtime.errors import ConfigError
-from runtime.protocol import Draft, DraftSession, Proposal
+from runtime.protocol import CandidatePool, Draft, DraftSession, Proposal
 from runtime.tree import Tree, select_dynamic_tree
 
 
@@ -44,7 +48,7 @@ def merge_drafts(primary: Draft, extra: Draft, max_nodes: int) -> Draft:
     if p_tokens[0] != e_tokens[0]:
         raise ConfigError(f"merge_drafts: roots differ ({p_tokens[0]} and {e_tokens[0]})")
     if primary.scores is not None and extra.scores is not None:
-        return _merge_scored((primary, extra), max_nodes)
+        return merge_pools([_as_pool(primary), _as_pool(extra)], p_tokens[0], max_nodes)
     paths: list[tuple[int, ...]] = [()] + list(primary.tree.choices)  # node -> rank path
     # children[path] = {token: child rank path} of the merged tree
     children: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {path: {} for path in paths}
@@ -76,31 +80,46 @@ def merge_drafts(primary: Draft, extra: Draft, max_nodes: int) -> Draft:
     return Draft(tree, torch.tensor(tokens, dtype=torch.int64), Proposal.DETERMINISTIC)
 
 
-def _merge_scored(drafts: tuple[Draft, ...], max_nodes: int) -> Draft:
-    """The union of scored drafts as a trie over tokens (a node several propose keeps its best score), cut to its
-    max_nodes best nodes by EAGLE-2's rule (`select_dynamic_tree`); the result carries the scores it ranked by."""
+def _as_pool(draft: Draft) -> CandidatePool:
+    """A scored draft's nodes below its root as a candidate pool (canonical order: parents first)."""
+    parents = torch.tensor(draft.tree.parent_list[1:], dtype=torch.int64) - 1  # node i -> pool entry i - 1
+    return CandidatePool(parents, draft.tokens[1:], draft.scores[1:])
+
+
+def merge_pools(pools: list[CandidatePool], root: int, max_nodes: int) -> Draft:
+    """The union of scored candidates as a trie over tokens, cut to its max_nodes best nodes by EAGLE-2's rule
+    (`select_dynamic_tree`); the result carries the scores it ranked by. root: the root token all pools hang from.
+
+    A node's score in the union is its parent's plus the likelier of its sources' conditional log-probabilities
+    (a source's score minus that of the node's parent in it): a head candidate below a lookup node the head
+    itself found unlikely is ranked by what the head says of it given that node, not by the head's doubt about
+    the node, which the lookup has overruled."""
     pool_parent: list[int] = []  # the union in creation order (parents first): parent pool index (-1: the root),
     pool_tokens: list[int] = []  # token
-    pool_scores: list[float] = []  # best score
+    pool_cond: list[float] = []  # the best conditional log-probability given the parent
     index_of: dict[tuple[int, int], int] = {}  # (parent pool index, token) -> pool index
-    for draft in drafts:
-        tokens, scores, parents = draft.tokens.tolist(), draft.scores.tolist(), draft.tree.parent_list
-        where = {0: -1}  # draft node -> pool index (canonical order: a parent before its children)
-        for node in range(1, draft.tree.num_nodes):
-            key = (where[parents[node]], tokens[node])
+    for pool in pools:
+        where: list[int] = []  # this pool's entry -> union index (a parent before its children)
+        scores = pool.scores.tolist()
+        for parent, tok, score in zip(pool.parents.tolist(), pool.tokens.tolist(), scores):
+            key = (where[parent] if parent >= 0 else -1, tok)
+            cond = score - (scores[parent] if parent >= 0 else 0.0)
+            cond = -math.inf if math.isnan(cond) else cond  # as select_dynamic_tree ranks NaN
             i = index_of.get(key)
             if i is None:
                 i = index_of[key] = len(pool_parent)
                 pool_parent.append(key[0])
-                pool_tokens.append(key[1])
-                pool_scores.append(scores[node])
+                pool_tokens.append(tok)
+                pool_cond.append(cond)
             else:
-                pool_scores[i] = max(pool_scores[i], scores[node])
-            where[node] = i
-    root = int(drafts[0].tokens[0])
+                pool_cond[i] = max(pool_cond[i], cond)
+            where.append(i)
     if not pool_parent:
         return Draft(Tree.root_only(), torch.tensor([root], dtype=torch.int64), Proposal.DETERMINISTIC,
                      scores=torch.zeros(1))
+    pool_scores: list[float] = []
+    for parent, cond in zip(pool_parent, pool_cond):
+        pool_scores.append((pool_scores[parent] if parent >= 0 else 0.0) + cond)
     tree, tokens, scores = select_dynamic_tree(
         torch.tensor(pool_parent), torch.tensor(pool_tokens, dtype=torch.int64),
         torch.tensor(pool_scores, dtype=torch.float32), max_nodes, root_token=root)
@@ -140,8 +159,15 @@ class MergedSession:
 
     def draft(self, root: int, params: object = None, generator: torch.Generator | None = None,
               max_nodes: int | None = None) -> Draft:
-        base = self.primary.draft(root, params, generator, max_nodes)
         budget = self.max_nodes if max_nodes is None else min(self.max_nodes, max_nodes)
+        candidates = getattr(self.primary, "candidates", None)
+        pool = None if candidates is None else candidates(root, params, generator, max_nodes)
+        if pool is not None:
+            # the model drafter's whole pool, not its own best few: a lookup node's place in the budget may go to a
+            # head candidate its own cut left out (and back)
+            extra = self.lookup.draft(root)
+            return merge_pools([pool] + ([_as_pool(extra)] if extra.tree.num_nodes > 1 else []), int(root), budget)
+        base = self.primary.draft(root, params, generator, max_nodes)
         if base.tree.num_nodes >= budget and base.scores is None:
             return base
         extra = self.lookup.draft(root)
@@ -153,4 +179,4 @@ class MergedSession:
         self.lookup.advance(tokens)
 
 
-__all__ = ["MergedDrafter", "MergedSession", "merge_drafts"]
+__all__ = ["MergedDrafter", "MergedSession", "merge_drafts", "merge_pools"]
