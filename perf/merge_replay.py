@@ -32,6 +32,7 @@ from runtime.draft_spec import DYNAMIC, DraftSpec
 from runtime.drafters import load_drafter
 from runtime.drafters.merged import MergedDrafter, MergedSession
 from runtime.errors import ConfigError
+from runtime.files import shown_path
 from runtime.protocol import CandidatePool, Draft
 from runtime.tree import pool_above
 
@@ -177,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 recordings[key] = record(target.model, spec, encoded, config.max_tokens, spec.max_draft_len + 1,
                                          bar.update)
         steps = replay(recordings[key], load_drafter(spec, target.model), spec.max_draft_len + 1)
-        results[name] = {"spec": spec.to_dict(), "tau": tau(steps),
+        record_spec = spec.to_dict()
+        record_spec["path"] = shown_path(record_spec["path"])
+        results[name] = {"spec": record_spec, "tau": tau(steps),
                          "per_prompt": {pr.key: tau([s]) for pr, s in zip(prompts, steps)}}
         print(f"{name}: tau {results[name]['tau']:.3f}", flush=True)
     if args.out is not None:
