@@ -34,7 +34,8 @@ from runtime.drafters.merged import MergedDrafter, MergedSession
 from runtime.errors import ConfigError
 from runtime.files import shown_path
 from runtime.protocol import CandidatePool, Draft
-from runtime.tree import pool_above
+from runtime.tree import pruned_pool
+from runtime.verify import greedy_walk_computing
 
 
 @dataclass(frozen=True)
@@ -96,24 +97,20 @@ class _RecordedHead:
                    max_nodes: int | None = None) -> CandidatePool:
         assert root == self.recording.answer[self.position], "the replay roots each step at the answer's token"
         pool = self.recording.pools[self.position]
-        if self.min_score is None:
-            return pool
-        index, parents = pool_above(pool.parents, pool.scores, self.min_score)
-        return CandidatePool(parents, pool.tokens[index], pool.scores[index])
+        return pool if self.min_score is None else pruned_pool(pool, self.min_score)
 
     def advance(self, tokens: torch.Tensor, hidden: Any) -> None:
         self.position += int(tokens.shape[0])
 
 
 def _accepted(draft: Draft, rest: Sequence[int]) -> int:
-    """How many drafted tokens the greedy verifier keeps: the longest root path that is a prefix of `rest`."""
-    tokens, node, depth = draft.tokens.tolist(), 0, 0
-    while depth < len(rest):
-        child = next((c for c in draft.tree.children(node) if tokens[c] == rest[depth]), None)
-        if child is None:
-            break
-        node, depth = child, depth + 1
-    return depth
+    """How many drafted tokens greedy verification keeps when the target's greedy continuation is `rest`: the
+    verifier's own walk (`greedy_walk_computing`), a node's argmax being the answer's token after it (-1, matching
+    nothing, past its end)."""
+    depth = [0] + [len(c) for c in draft.tree.choices]
+    verdict = greedy_walk_computing(draft, [None] * draft.tree.num_nodes,
+                                    lambda nodes: [rest[depth[n]] if depth[n] < len(rest) else -1 for n in nodes])
+    return verdict.num_accepted
 
 
 def replay(recordings: Sequence[Recording], drafter: MergedDrafter, max_nodes: int) -> list[list[int]]:
@@ -125,11 +122,10 @@ def replay(recordings: Sequence[Recording], drafter: MergedDrafter, max_nodes: i
     if not isinstance(drafter, MergedDrafter):
         raise ConfigError(f"merge replay needs a drafter that merges prompt lookup, got {spec.describe()!r}")
     min_score = None if spec.pruning is None else math.log(max(spec.pruning.min_path_prob, 1e-300))
-    budget = max_nodes
     out = []
     for rec in recordings:
         head = _RecordedHead(rec, min_score)
-        session = MergedSession(head, drafter.lookup.start(torch.tensor(rec.prompt), None, budget), budget)
+        session = MergedSession(head, drafter.lookup.start(torch.tensor(rec.prompt), None, max_nodes), max_nodes)
         steps, j, last = [], 0, len(rec.answer) - 1
         while j < last:
             draft = session.draft(rec.answer[j], None, None)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from plugins.tree_attention.mask import ancestor_mask, pack_mask
+from runtime.protocol import CandidatePool
 from runtime.errors import ConfigError
 from runtime.tree_presets import STATIC_PRESETS
 
@@ -435,6 +436,13 @@ def pool_above(parents: torch.Tensor, scores: torch.Tensor, min_score: float) ->
             kept.append(i)
     kept_parents = [new_index[par[i]] if par[i] >= 0 else -1 for i in kept]
     return torch.tensor(kept, dtype=torch.int64), torch.tensor(kept_parents, dtype=torch.int64)
+
+
+def pruned_pool(pool: CandidatePool, min_score: float) -> CandidatePool:
+    """The entries of a candidate pool that pruning keeps (`pool_above`), renumbered, on the pool's device."""
+    index, parents = pool_above(pool.parents, pool.scores, min_score)
+    index = index.to(pool.tokens.device)
+    return CandidatePool(parents.to(index.device), pool.tokens[index], pool.scores[index])
 
 
 def select_dynamic_tree(

@@ -14,7 +14,7 @@ import runtime
 from runtime.draft_spec import DraftSpec, LookupOptions
 from runtime.drafters import load_drafter
 from runtime.drafters.lookup import LookupDrafter
-from runtime.drafters.merged import MergedDrafter, merge_drafts, merge_pools
+from runtime.drafters.merged import MergedDrafter, draft_pool, merge_drafts, merge_pools
 from runtime.errors import ConfigError
 from runtime.model import TargetModel
 from runtime.protocol import CandidatePool, Draft, Proposal
@@ -201,8 +201,7 @@ def test_eagle_candidates_are_the_pool_its_dynamic_tree_is_cut_from(target, tmp_
     tree = session.draft(44, None, None)
     look = LookupDrafter(lookup).start(torch.tensor(PROMPT), None, 6).draft(44)
     assert look.tree.num_nodes > 1
-    ref = merge_pools([drafter.start(torch.tensor(PROMPT), hidden, 6).candidates(44, None, None),
-                       CandidatePool(torch.tensor(look.tree.parent_list[1:]) - 1, look.tokens[1:], look.scores[1:])],
+    ref = merge_pools([drafter.start(torch.tensor(PROMPT), hidden, 6).candidates(44, None, None), draft_pool(look)],
                       44, 6)
     assert _node_scores(tree) == pytest.approx(_node_scores(ref), abs=1e-6)
     assert draft_paths(tree) & draft_paths(look)  # lookup's nodes compete for the budget

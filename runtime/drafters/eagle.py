@@ -56,7 +56,7 @@ from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
 from runtime.model import AttendingCache, DecoderLayer, Int8Weight, PackedWeight, causal_mask, linear
 from runtime.protocol import CandidatePool, Draft, Proposal
-from runtime.tree import Tree, expand_frontier, pool_above, select_dynamic_tree
+from runtime.tree import Tree, expand_frontier, pruned_pool, select_dynamic_tree
 
 CONFIG_FILE = "config.json"
 TORCH_FILE = "pytorch_model.bin"
@@ -544,11 +544,7 @@ class EagleSession:
             return None
         pool = self._pool(self._run_pending(int(root)), self._dynamic_options(max_nodes))
         min_score = self.drafter.min_score
-        if min_score is None:
-            return pool
-        index, parents = pool_above(pool.parents, pool.scores, min_score)
-        index = index.to(pool.tokens.device)
-        return CandidatePool(parents.to(index.device), pool.tokens[index], pool.scores[index])
+        return pool if min_score is None else pruned_pool(pool, min_score)
 
     def _dynamic_options(self, max_nodes: int | None) -> DynamicTreeOptions:
         opts = self.dynamic

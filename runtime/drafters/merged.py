@@ -48,7 +48,7 @@ def merge_drafts(primary: Draft, extra: Draft, max_nodes: int) -> Draft:
     if p_tokens[0] != e_tokens[0]:
         raise ConfigError(f"merge_drafts: roots differ ({p_tokens[0]} and {e_tokens[0]})")
     if primary.scores is not None and extra.scores is not None:
-        return merge_pools([_as_pool(primary), _as_pool(extra)], p_tokens[0], max_nodes)
+        return merge_pools([draft_pool(primary), draft_pool(extra)], p_tokens[0], max_nodes)
     paths: list[tuple[int, ...]] = [()] + list(primary.tree.choices)  # node -> rank path
     # children[path] = {token: child rank path} of the merged tree
     children: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {path: {} for path in paths}
@@ -80,7 +80,7 @@ def merge_drafts(primary: Draft, extra: Draft, max_nodes: int) -> Draft:
     return Draft(tree, torch.tensor(tokens, dtype=torch.int64), Proposal.DETERMINISTIC)
 
 
-def _as_pool(draft: Draft) -> CandidatePool:
+def draft_pool(draft: Draft) -> CandidatePool:
     """A scored draft's nodes below its root as a candidate pool (canonical order: parents first)."""
     parents = torch.tensor(draft.tree.parent_list[1:], dtype=torch.int64) - 1  # node i -> pool entry i - 1
     return CandidatePool(parents, draft.tokens[1:], draft.scores[1:])
@@ -166,7 +166,7 @@ class MergedSession:
             # the model drafter's whole pool, not its own best few: a lookup node's place in the budget may go to a
             # head candidate its own cut left out (and back)
             extra = self.lookup.draft(root)
-            return merge_pools([pool] + ([_as_pool(extra)] if extra.tree.num_nodes > 1 else []), int(root), budget)
+            return merge_pools([pool] + ([draft_pool(extra)] if extra.tree.num_nodes > 1 else []), int(root), budget)
         base = self.primary.draft(root, params, generator, max_nodes)
         if base.tree.num_nodes >= budget and base.scores is None:
             return base
@@ -179,4 +179,4 @@ class MergedSession:
         self.lookup.advance(tokens)
 
 
-__all__ = ["MergedDrafter", "MergedSession", "merge_drafts", "merge_pools"]
+__all__ = ["MergedDrafter", "MergedSession", "draft_pool", "merge_drafts", "merge_pools"]
