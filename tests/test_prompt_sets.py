@@ -27,7 +27,7 @@ def _records(path: Path) -> list[dict]:
 
 def test_training_prompts_exclude_every_evaluation_prompt():
     train = {r["prompt"] for r in _records(PROMPTS / "train.jsonl")}
-    evaluation = [PROMPTS / "calibration.jsonl", *sorted((ROOT / "perf" / "prompts").glob("*.jsonl"))]
+    evaluation = [PROMPTS / "calibration.jsonl", PROMPTS / "head-selection.jsonl", *sorted((ROOT / "perf" / "prompts").glob("*.jsonl"))]
     for path in evaluation:
         leaked = [r["id"] for r in _records(path) if r["prompt"] in train]
         assert not leaked, f"{path.name}: {leaked} are also head-training prompts"

@@ -14,7 +14,7 @@ runs behind the committed head, in order:
     5. train/broad/wide   second sampled answer  (answers 3)
     6. train/broad/wide   third sampled answer   (answers 4: the datastore only)
     7. prose-*            greedy + first sampled (prose.py's prompts appended; train-prose.yaml, whose datastore
-                                                  is not the committed one)
+                                                  the committed averaged head carries)
 
 The longest prefix of these runs whose answer count is the datastore's is taken; the greedy answers are then
 checked against the target (teacher-forced argmax over a sample of them: a misplaced answer would agree with the
