@@ -35,7 +35,7 @@ from runtime.drafters import medusa as medusa_files
 from runtime.drafters.datastore import DATASTORE_FILE, Datastore
 from runtime.engine import sha256_file
 from runtime.errors import CheckpointError
-from runtime.files import shown_path
+from runtime.files import read_json_object, shown_path
 
 SUMMARY_FILE = "averaging.json"
 _KINDS = {  # kind -> (its name in errors, its weight files, preferred first: the names the runtime's loaders read)
@@ -73,12 +73,11 @@ def _weights(weights: Sequence[float] | None, n: int) -> tuple[float, ...]:
     return tuple(w / total for w in weights)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    file = path / "config.json"
+def _read_json(file: Path) -> dict[str, Any]:
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BuildConfigError(f"--heads: cannot read {shown_path(file)} ({exc})") from exc
+        return read_json_object(file, CheckpointError)
+    except CheckpointError as exc:
+        raise BuildConfigError(f"--heads: {exc}") from exc
 
 
 def average_state(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
@@ -128,7 +127,7 @@ def average_heads(heads: Sequence[str | Path], output: str | Path, weights: Sequ
     if len(set(kinds)) != 1:
         raise BuildConfigError(f"--heads: mixes kinds {kinds}; expected heads of one kind")
     kind = kinds[0]
-    configs = [_read_config(p) for p in paths]
+    configs = [_read_json(p / "config.json") for p in paths]
     for p, cfg in zip(paths[1:], configs[1:]):
         differ = sorted(k for k in configs[0].keys() | cfg.keys() if configs[0].get(k) != cfg.get(k))
         if differ:
@@ -156,9 +155,9 @@ def average_heads(heads: Sequence[str | Path], output: str | Path, weights: Sequ
         entry: dict[str, Any] = {"path": shown_path(p), "weight": weight, "file": file.name,
                                  "sha256": sha256_file(file)}
         if (p / _TRAINING_SUMMARY).is_file():
-            entry["training_summary"] = json.loads((p / _TRAINING_SUMMARY).read_text(encoding="utf-8"))
+            entry["training_summary"] = _read_json(p / _TRAINING_SUMMARY)
         elif (p / SUMMARY_FILE).is_file():  # an averaged head's own ingredients
-            entry["averaging"] = json.loads((p / SUMMARY_FILE).read_text(encoding="utf-8"))
+            entry["averaging"] = _read_json(p / SUMMARY_FILE)
         ingredients.append(entry)
 
     tmp = fresh_tmp(out)
