@@ -192,7 +192,7 @@ def is_ready(served: Served) -> bool:
     try:
         with urllib.request.urlopen(f"{served.http}/v2/health/ready", timeout=5) as r:
             return r.status == 200
-    except urllib.error.URLError:
+    except OSError:  # URLError, and a connection reset by a server going down mid-answer (deploy.server alike)
         return False
 
 
