@@ -29,6 +29,7 @@ import torch
 
 from builder.config import BuildConfigError
 from builder.train_heads import fresh_tmp, swap_in
+from builder.train_target import SUMMARY_FILE as TRAINING_SUMMARY
 from runtime.checkpoint import read_head_state
 from runtime.drafters import eagle as eagle_files
 from runtime.drafters import medusa as medusa_files
@@ -42,7 +43,6 @@ _KINDS = {  # kind -> (its name in errors, its weight files, preferred first: th
     "eagle": ("EAGLE", (eagle_files.TORCH_FILE, eagle_files.SAFETENSORS_FILE)),
     "medusa": ("Medusa", (medusa_files.SAFETENSORS_FILE, medusa_files.TORCH_FILE)),
 }
-_TRAINING_SUMMARY = "training_summary.json"
 
 
 @dataclass(frozen=True)
@@ -154,8 +154,8 @@ def average_heads(heads: Sequence[str | Path], output: str | Path, weights: Sequ
     for p, file, weight in zip(paths, files, w):
         entry: dict[str, Any] = {"path": shown_path(p), "weight": weight, "file": file.name,
                                  "sha256": sha256_file(file)}
-        if (p / _TRAINING_SUMMARY).is_file():
-            entry["training_summary"] = _read_json(p / _TRAINING_SUMMARY)
+        if (p / TRAINING_SUMMARY).is_file():
+            entry["training_summary"] = _read_json(p / TRAINING_SUMMARY)
         elif (p / SUMMARY_FILE).is_file():  # an averaged head's own ingredients
             entry["averaging"] = _read_json(p / SUMMARY_FILE)
         ingredients.append(entry)

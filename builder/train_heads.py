@@ -64,6 +64,7 @@ from builder.training.corpus import (
     load_tokens,
     split_corpus,
 )
+from builder.train_target import SUMMARY_FILE as TRAINING_SUMMARY
 from builder.training.loop import LEGACY_STATE_SUFFIX, STATE_SUFFIX, optimise
 from runtime.checkpoint import IGNORED_SUFFIXES
 from runtime.draft_spec import WEIGHTED_KINDS
@@ -495,7 +496,7 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
         result = HeadsResult(kind, section.output, steps, elapsed, final, loss)
         summary = {**dataclasses.asdict(result), "output": shown_path(section.output), "target": shown_path(h.target),
                    "labels": h.labels, "metrics_meaning": _MEANING[kind]}
-        (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        (section.output / TRAINING_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)
     return results
 
@@ -695,7 +696,7 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
                    "draft_vocab_size": h.draft_vocab_size, "draft_vocab_coverage": data.coverage,
                    "train_tokens": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0]),
                    **_init_field(section)}
-        (section.output / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        (section.output / TRAINING_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)
     _save_datastores(config, kinds, data.train_answers)
     return results
