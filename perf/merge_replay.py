@@ -122,10 +122,11 @@ def replay(recordings: Sequence[Recording], drafter: MergedDrafter, max_nodes: i
     if not isinstance(drafter, MergedDrafter):
         raise ConfigError(f"merge replay needs a drafter that merges prompt lookup, got {spec.describe()!r}")
     min_score = None if spec.pruning is None else math.log(max(spec.pruning.min_path_prob, 1e-300))
+    budget = drafter.node_budget(max_nodes)
     out = []
     for rec in recordings:
         head = _RecordedHead(rec, min_score)
-        session = MergedSession(head, drafter.lookup.start(torch.tensor(rec.prompt), None, max_nodes), max_nodes)
+        session = MergedSession(head, drafter.lookup.start(torch.tensor(rec.prompt), None, budget), budget)
         steps, j, last = [], 0, len(rec.answer) - 1
         while j < last:
             draft = session.draft(rec.answer[j], None, None)

@@ -87,7 +87,8 @@ def field_names(names: Mapping[str, str], error: type[ConfigError] = ConfigError
 class DynamicTreeOptions:
     """EAGLE-2 dynamic tree, with EAGLE-2's own parameter meanings (SafeAILab/EAGLE `topK_generate`).
 
-    total_tokens  tree size, root included (EAGLE-2's total_token; the paper uses 60).
+    total_tokens  tree size, root included (EAGLE-2's total_token; the paper uses 60); with prompt lookup merged,
+                  the merged tree's (the best nodes of the head's pool and lookup's continuations).
     depth         expansion rounds after the root's top_k: the tree is at most depth + 1 deep.
     top_k         children per expanded node and frontier width.
     """
@@ -470,8 +471,11 @@ class DraftSpec:
         if self.merges_lookup:
             nodes, depth = self.model_only._shape()
             lk = self.lookup
-            return (nodes + lk.num_draft_tokens + lk.datastore_tokens,
-                    max(depth, lk.depth_limit, lk.datastore_tokens))
+            depth = max(depth, lk.depth_limit, lk.datastore_tokens)
+            if self.kind == "eagle" and not isinstance(self.tree, Tree):
+                # EAGLE-2: total_tokens bounds the merged tree too (`MergedDrafter.node_budget`)
+                return nodes, min(depth, nodes - 1)
+            return nodes + lk.num_draft_tokens + lk.datastore_tokens, depth
         if isinstance(self.tree, Tree):
             return self.tree.num_nodes, self.tree.max_depth
         if self.kind == "eagle":

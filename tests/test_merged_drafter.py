@@ -207,6 +207,40 @@ def test_eagle_candidates_are_the_pool_its_dynamic_tree_is_cut_from(target, tmp_
     assert draft_paths(tree) & draft_paths(look)  # lookup's nodes compete for the budget
 
 
+def test_eagle2_total_tokens_bound_the_merged_tree(target, tmp_path):
+    """EAGLE-2 + prompt lookup: total_tokens is the merged tree's size, whatever budget the caller has left (the
+    merge keeps the best nodes of the union), so a config's node budget need only cover total_tokens; a static
+    tree takes lookup's nodes on top of its own."""
+    from builder.config import load_config, plan_build
+
+    model = TargetModel.from_pretrained(target)
+    head = write_eagle_head(tmp_path / "eagle", target, seed=1)
+    hidden = model.prefill(torch.tensor([PROMPT]), model.new_cache(len(PROMPT)))[1][0]
+    options = dict(total_tokens=6, top_k=3, depth=3, num_draft_tokens=8, max_branches=2)
+    spec = DraftSpec.create("eagle", path=head, tree="dynamic", options=options)
+    assert spec.draft_nodes == 5 and spec.max_tree_depth <= 5
+    merged = load_drafter(spec, model)
+    assert merged.node_budget(30) == 6 and merged.node_budget(4) == 4
+    tree = merged.start(torch.tensor(PROMPT), hidden, 30).draft(44, None, None)
+    pool = load_drafter(spec.model_only, model).start(torch.tensor(PROMPT), hidden, 30).candidates(44, None, None)
+    look = LookupDrafter(spec.lookup).start(torch.tensor(PROMPT), None, 30).draft(44)
+    assert look.tree.num_nodes > 1
+    assert tree.tree.num_nodes == 6
+    assert _node_scores(tree) == pytest.approx(_node_scores(merge_pools([pool, draft_pool(look)], 44, 6)), abs=1e-6)
+    static = DraftSpec.create("eagle", path=head, tree="chain-2", options=dict(num_draft_tokens=8))
+    assert static.draft_nodes == 10 and load_drafter(static, model).node_budget(30) == 30
+    cfg = tmp_path / "eagle2.yaml"
+    cfg.write_text(f"model: {{checkpoint: {target}}}\n"
+                   f"draft: {{method: eagle, checkpoint: {head}, tree: {{dynamic: {{total_tokens: 6, top_k: 3}}}},\n"
+                   f"        lookup: {{num_draft_tokens: 8, datastore_tokens: 0}}}}\n"
+                   f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false, max_draft_len: 5}}\n")
+    assert plan_build(load_config(cfg)).draft.draft_nodes == 5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("total_tokens: 6", "total_tokens: 7"))
+    with pytest.raises(ConfigError, match=r"6 draft nodes per step.*build.max_draft_len = 5"):
+        plan_build(load_config(bad))
+
+
 def test_merge_refuses_sampled_proposals_and_other_roots():
     head = _draft([[0]], [5, 7])
     with pytest.raises(ConfigError, match="roots differ"):

@@ -145,10 +145,18 @@ class MergedDrafter:
     def spec(self) -> DraftSpec:
         return dataclasses.replace(self.primary.spec, lookup=self.lookup.options)
 
+    def node_budget(self, max_nodes: int) -> int:
+        """The most nodes (root included) of a merged tree when the caller verifies at most max_nodes: EAGLE-2's
+        total_tokens is the size of its tree with whatever lookup adds (the merge keeps the best nodes of the
+        union); other trees take lookup's nodes on top of their own, up to max_nodes."""
+        dynamic = getattr(self.primary, "dynamic", None)  # EAGLE-2's DynamicTreeOptions (None: a static tree)
+        return max_nodes if dynamic is None else min(max_nodes, dynamic.total_tokens)
+
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> MergedSession:
         """prompt # [P] int64; hidden # [P, H] (the model drafter's; prompt lookup reads only the tokens)."""
-        return MergedSession(self.primary.start(prompt, hidden, max_nodes), self.lookup.start(prompt, None, max_nodes),
-                             max_nodes)
+        budget = self.node_budget(max_nodes)
+        return MergedSession(self.primary.start(prompt, hidden, budget), self.lookup.start(prompt, None, budget),
+                             budget)
 
 
 class MergedSession:
