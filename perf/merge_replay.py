@@ -8,8 +8,7 @@ tree `MergedSession.draft` makes (the one home of the merge rule) from that pool
 the variant's lookup / datastore continuations; it accepts the longest drafted prefix of the rest of the answer, and
 the next step is rooted one token after it. Drafted features come from a prefill rather than from tree steps, so in
 bfloat16 a near-tie in the head can go the other way: on SmolLM2 the replayed tau matched decoding within 0.004.
-Near the end of an answer the decoder cuts its tree to the tokens left; the replay does not, so compare variants on
-the same recordings, not with a decoder's figure to the last digit.
+Near the end of an answer each tree is cut to the tokens left, as the decoder cuts it (`runtime.decode.prune_draft`).
 
     python -m perf.merge_replay --config configs/smollm2.yaml --prompts FILE.jsonl --max-tokens 128 \\
         --drafters "eagle-2=eagle:dynamic+total_tokens=16+top_k=8+depth=6+num_draft_tokens=30+max_branches=3+..."
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from runtime.decode import SpecDecoder, prune_draft
 from runtime.draft_spec import DYNAMIC, DraftSpec
 from runtime.drafters import load_drafter
 from runtime.drafters.merged import MergedDrafter, MergedSession
@@ -62,8 +62,6 @@ def record(model: Any, spec: DraftSpec, prompts: Sequence[list[int]], max_tokens
     """model: a runtime TargetModel; spec: an EAGLE-2 drafter (its lookup and pruning are ignored: every candidate is
     kept); prompts: encoded; max_nodes: the decoder's tree budget, root included (`max_draft_len + 1`). advance() is
     called after each position (progress)."""
-    from runtime.decode import SpecDecoder
-
     _check(spec)
     head = load_drafter(dataclasses.replace(spec, lookup=None, pruning=None), model)
     plain = SpecDecoder(model, None, load_drafter(DraftSpec("none"), model), max_tree_nodes=1)
@@ -129,7 +127,8 @@ def replay(recordings: Sequence[Recording], drafter: MergedDrafter, max_nodes: i
         session = MergedSession(head, drafter.lookup.start(torch.tensor(rec.prompt), None, budget), budget)
         steps, j, last = [], 0, len(rec.answer) - 1
         while j < last:
-            draft = session.draft(rec.answer[j], None, None)
+            # j + 1 tokens are out; the step's tokens (accepted + the bonus) may not pass the answer's length
+            draft = prune_draft(session.draft(rec.answer[j], None, None), max_depth=last - j - 1, max_nodes=budget)
             a = _accepted(draft, rec.answer[j + 1 : last + 1])
             steps.append(a)
             session.advance(torch.tensor(rec.answer[j : j + a + 1]), None)

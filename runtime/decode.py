@@ -127,7 +127,7 @@ class _Clock:
     positions: int = 0
 
 
-def _prune(draft: Draft, max_depth: int, max_nodes: int) -> Draft:
+def prune_draft(draft: Draft, max_depth: int, max_nodes: int) -> Draft:
     """Keep nodes with depth <= max_depth, at most max_nodes of them: the subtree `Tree.best_nodes` picks (by the
     drafter's path scores when it gives them)."""
     tree = draft.tree
@@ -394,7 +394,7 @@ class RequestState:
         remaining = min(self.params.max_tokens - len(self.generated),
                         self.decoder.max_context - self.prompt_tokens - len(self.generated))
         room = cache.max_len - cache.length
-        draft = _prune(draft, max_depth=remaining - 1, max_nodes=room if max_nodes is None else min(room, max_nodes))
+        draft = prune_draft(draft, max_depth=remaining - 1, max_nodes=room if max_nodes is None else min(room, max_nodes))
         self.clock.draft += time.perf_counter() - t0
         tree = draft.tree
         cache.reserve(cache.length + tree.num_nodes)
@@ -595,4 +595,5 @@ __all__ = [
     "GenerationStats",
     "StopChecker",
     "collect",
+    "prune_draft",
 ]

@@ -473,7 +473,8 @@ class DraftSpec:
             lk = self.lookup
             depth = max(depth, lk.depth_limit, lk.datastore_tokens)
             if self.kind == "eagle" and not isinstance(self.tree, Tree):
-                # EAGLE-2: total_tokens bounds the merged tree too (`MergedDrafter.node_budget`)
+                # EAGLE-2: total_tokens bounds the merged tree too (the merge keeps the best nodes of the union; the
+                # session drafts within this bound: `MergedDrafter.node_budget`)
                 return nodes, min(depth, nodes - 1)
             return nodes + lk.num_draft_tokens + lk.datastore_tokens, depth
         if isinstance(self.tree, Tree):

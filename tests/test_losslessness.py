@@ -263,16 +263,16 @@ def test_chi2_pvalue_calibration():
 
 @pytest.mark.parametrize("proposal", list(Proposal), ids=lambda p: p.value)
 def test_pruned_trees_are_lossless(proposal):
-    """Drafts pruned before verification (runtime.decode._prune: what the scheduler's tree budget and the token /
+    """Drafts pruned before verification (runtime.decode.prune_draft: what the scheduler's tree budget and the token /
     cache limits do), to a different node budget and depth each step, stay exact."""
-    from runtime.decode import _prune
+    from runtime.decode import prune_draft
 
     budgets = torch.Generator().manual_seed(5)
 
     def pruned_verify(draft, logits, params, gen):
         max_nodes = int(torch.randint(1, TREE.num_nodes + 1, (1,), generator=budgets))
         max_depth = int(torch.randint(0, TREE.max_depth + 1, (1,), generator=budgets))
-        small = _prune(draft, max_depth=max_depth, max_nodes=max_nodes)
+        small = prune_draft(draft, max_depth=max_depth, max_nodes=max_nodes)
         keep = torch.tensor(TREE.best_nodes(max_nodes, max_depth))
         assert small.tree.num_nodes == keep.shape[0] and torch.equal(small.tokens, draft.tokens[keep])
         return verify(small, logits[keep], params, gen)

@@ -20,7 +20,6 @@ from tests.tiny import make_checkpoint
 
 BASE = [0, 40, 41, 42, 43, 44, 45]
 MAX_TOKENS = 40
-TAIL = 8  # the decoder cuts its last trees to the tokens left; the replay does not: steps near the end may differ
 
 
 def _spec(head, **options) -> DraftSpec:
@@ -87,12 +86,10 @@ def test_replay_drafts_the_decoders_trees(setup, monkeypatch, options):
         decoder = SpecDecoder(model, None, _Recorder(load_drafter(spec, model), decoded_drafts), max_tree_nodes=8)
         out = decoder.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
         assert list(out.token_ids) == list(rec.answer)
-        emitted, n = 0, 0
-        while n < len(steps) and emitted + steps[n] + 1 <= MAX_TOKENS - TAIL:
-            emitted += steps[n] + 1
-            n += 1
-        assert n >= 5 and steps[:n] == list(out.stats.accepted_per_step)[:n]
-        for mine, theirs in zip(replayed_drafts[k : k + n], decoded_drafts[:n]):
+        # every step, the last ones too (their trees cut to the tokens left, as the decoder cuts them)
+        assert steps == list(out.stats.accepted_per_step) and sum(steps) + len(steps) == MAX_TOKENS - 1
+        assert len(replayed_drafts[k : k + len(steps)]) == len(decoded_drafts) == len(steps)
+        for mine, theirs in zip(replayed_drafts[k : k + len(steps)], decoded_drafts):
             assert draft_paths(mine) == draft_paths(theirs)
             assert int(mine.tokens[0]) == int(theirs.tokens[0])
             compared += mine.tree.num_nodes > 1
@@ -108,3 +105,16 @@ def test_tau_and_bad_input(setup):
     plain_eagle = DraftSpec.create("eagle", path=head, tree="dynamic", options=dict(total_tokens=8), max_draft_len=7)
     with pytest.raises(ConfigError, match="merges prompt lookup"):
         replay(recordings, load_drafter(plain_eagle, model), 8)
+
+
+def test_replay_cuts_the_last_trees_to_the_tokens_left(setup):
+    """An answer that copies its prompt: prompt lookup drafts the whole rest of it, and the replayed steps emit
+    exactly the answer's tokens (the first comes from the prefill), as the decoder does, never a bonus past its end."""
+    model, head, _, recordings = setup
+    copied = [50, 51, 52, 53, 54, 55, 56, 57]
+    prompt, answer = tuple(copied + copied[:3]), tuple(copied[3:] + copied[:2])  # the answer: 53 54 ... 57 50 51
+    rec = merge_replay.Recording(prompt, answer, recordings[0].pools[: len(answer) - 1])
+    for options in ({}, {"num_draft_tokens": 12, "max_depth": 10, "token_prob": [0.99]}):
+        (steps,) = replay([rec], load_drafter(_spec(head, **options), model), 8)
+        assert sum(steps) + len(steps) == len(answer) - 1
+        assert max(steps) >= 3  # lookup's copy was accepted: the cut is what ends it

@@ -228,7 +228,13 @@ def test_eagle2_total_tokens_bound_the_merged_tree(target, tmp_path):
     assert tree.tree.num_nodes == 6
     assert _node_scores(tree) == pytest.approx(_node_scores(merge_pools([pool, draft_pool(look)], 44, 6)), abs=1e-6)
     static = DraftSpec.create("eagle", path=head, tree="chain-2", options=dict(num_draft_tokens=8))
-    assert static.draft_nodes == 10 and load_drafter(static, model).node_budget(30) == 30
+    merged_static = load_drafter(static, model)
+    assert static.draft_nodes == 10 and merged_static.node_budget(30) == 11 and merged_static.node_budget(7) == 7
+    # the bound is the spec's, not a cut: the merged static tree is what an unbounded merge of the two gives
+    base = load_drafter(static.model_only, model).start(torch.tensor(PROMPT), hidden, 30).draft(44, None, None)
+    look = LookupDrafter(static.lookup).start(torch.tensor(PROMPT), None, 30).draft(44)
+    tree = merged_static.start(torch.tensor(PROMPT), hidden, 30).draft(44, None, None)
+    assert draft_paths(tree) == draft_paths(merge_drafts(base, look, 64)) and tree.tree.num_nodes <= 11
     cfg = tmp_path / "eagle2.yaml"
     cfg.write_text(f"model: {{checkpoint: {target}}}\n"
                    f"draft: {{method: eagle, checkpoint: {head}, tree: {{dynamic: {{total_tokens: 6, top_k: 3}}}},\n"

@@ -4,7 +4,7 @@ touches a held-out topic."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -14,11 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "demo" / "smollm2" / "prompts"
 
 
+@pytest.fixture(autouse=True)
+def _generators_importable(monkeypatch):
+    # the generators are scripts that import each other as siblings (`import broad`), as when run by path
+    monkeypatch.syspath_prepend(str(PROMPTS))
+
+
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"spectree_prompts_{name}", PROMPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(name)
 
 
 def _records(path: Path) -> list[dict]:

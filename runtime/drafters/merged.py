@@ -146,11 +146,11 @@ class MergedDrafter:
         return dataclasses.replace(self.primary.spec, lookup=self.lookup.options)
 
     def node_budget(self, max_nodes: int) -> int:
-        """The most nodes (root included) of a merged tree when the caller verifies at most max_nodes: EAGLE-2's
-        total_tokens is the size of its tree with whatever lookup adds (the merge keeps the best nodes of the
-        union); other trees take lookup's nodes on top of their own, up to max_nodes."""
-        dynamic = getattr(self.primary, "dynamic", None)  # EAGLE-2's DynamicTreeOptions (None: a static tree)
-        return max_nodes if dynamic is None else min(max_nodes, dynamic.total_tokens)
+        """The most nodes (root included) of a merged tree when the caller verifies at most max_nodes: the merged
+        spec's own bound (`DraftSpec.draft_nodes`, the one statement of it: EAGLE-2's total_tokens is the size of
+        its tree with whatever lookup adds, since the merge keeps the best nodes of the union; a static tree takes
+        lookup's nodes on top of its own)."""
+        return min(max_nodes, self.spec.draft_nodes + 1)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> MergedSession:
         """prompt # [P] int64; hidden # [P, H] (the model drafter's; prompt lookup reads only the tokens)."""

@@ -14,22 +14,16 @@ already in train.jsonl.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
+
+import broad  # the sibling script (its directory is sys.path[0] when run by path; the tests add it)
 
 HERE = Path(__file__).resolve().parent
 SEED = 20261203
 SOURCE = "spectree project (templated, prose set: demo/smollm2/prompts/prose.py)"
 PREFIX = "prose-"
-
-
-def _load_broad():
-    spec = importlib.util.spec_from_file_location("spectree_prompts_broad", HERE / "broad.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 STORY_SUBJECTS = [
@@ -262,7 +256,6 @@ def _pools(rng: random.Random) -> dict[str, tuple[int, list[str]]]:
 
 def prose_prompts(existing: set[str]) -> list[str]:
     """The prose prompts, shuffled. `existing`: prompts already in train.jsonl (none of them repeats)."""
-    broad = _load_broad()
     rng = random.Random(SEED)
     picked, seen = [], existing | set(broad.held_out_prompts())
     for _name, (quota, candidates) in _pools(rng).items():

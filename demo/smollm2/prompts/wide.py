@@ -16,22 +16,16 @@ already in train.jsonl.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 from textwrap import dedent
 
+import broad  # the sibling script (its directory is sys.path[0] when run by path; the tests add it)
+
 HERE = Path(__file__).resolve().parent
 SEED = 20261215
 SOURCE = "spectree project (templated, wide set: demo/smollm2/prompts/wide.py)"
-
-
-def _load_broad():
-    spec = importlib.util.spec_from_file_location("spectree_prompts_broad", HERE / "broad.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _code(tag: str, text: str) -> str:
@@ -862,7 +856,6 @@ def _pools() -> dict[str, tuple[bool, int, list[str]]]:
 
 def wide_prompts(existing: set[str]) -> tuple[list[str], int]:
     """The wide prompts, shuffled, and how many of them are code prompts. `existing`: prompts already in train.jsonl."""
-    broad = _load_broad()
     banned = existing | set(broad.held_out_prompts())
     rng = random.Random(SEED)
     picked, code, seen = [], 0, set(banned)
