@@ -394,7 +394,8 @@ class RequestState:
         remaining = min(self.params.max_tokens - len(self.generated),
                         self.decoder.max_context - self.prompt_tokens - len(self.generated))
         room = cache.max_len - cache.length
-        draft = prune_draft(draft, max_depth=remaining - 1, max_nodes=room if max_nodes is None else min(room, max_nodes))
+        draft = prune_draft(draft, max_depth=remaining - 1,
+                            max_nodes=room if max_nodes is None else min(room, max_nodes))
         self.clock.draft += time.perf_counter() - t0
         tree = draft.tree
         cache.reserve(cache.length + tree.num_nodes)
