@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from runtime.decode import SpecDecoder, prune_draft
 from runtime.draft_spec import DYNAMIC, DraftSpec
 from runtime.drafters import load_drafter
-from runtime.drafters.merged import MergedDrafter, MergedSession
+from runtime.drafters.merged import MergedDrafter
 from runtime.errors import ConfigError
 from runtime.files import shown_path
 from runtime.protocol import CandidatePool, Draft
@@ -119,12 +118,12 @@ def replay(recordings: Sequence[Recording], drafter: MergedDrafter, max_nodes: i
     _check(spec)
     if not isinstance(drafter, MergedDrafter):
         raise ConfigError(f"merge replay needs a drafter that merges prompt lookup, got {spec.describe()!r}")
-    min_score = None if spec.pruning is None else math.log(max(spec.pruning.min_path_prob, 1e-300))
+    min_score = None if spec.pruning is None else spec.pruning.min_score
     budget = drafter.node_budget(max_nodes)
     out = []
     for rec in recordings:
         head = _RecordedHead(rec, min_score)
-        session = MergedSession(head, drafter.lookup.start(torch.tensor(rec.prompt), None, budget), budget)
+        session = drafter.join(head, torch.tensor(rec.prompt), budget)
         steps, j, last = [], 0, len(rec.answer) - 1
         while j < last:
             # j + 1 tokens are out; the step's tokens (accepted + the bonus) may not pass the answer's length

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -176,6 +177,12 @@ class PruneOptions:
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError, "pruning")
+
+    @property
+    def min_score(self) -> float:
+        """The cumulative log-probability (a node's score) a verified node needs; a floor of 0 counts as 1e-300, so
+        that nodes never drafted, scored -inf, stay below it."""
+        return math.log(max(self.min_path_prob, 1e-300))
 
 
 OPTIONS: dict[str, type] = {"dynamic": DynamicTreeOptions, "lookup": LookupOptions,

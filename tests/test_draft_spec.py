@@ -4,6 +4,7 @@ naming the field, restated under each front end's own key), key-by-key options, 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 
@@ -115,6 +116,14 @@ def test_rules_on_typed_fields():
     assert DraftSpec("eagle", pruning=PruneOptions()) == DraftSpec("eagle")  # nothing pruned: one form
     DraftSpec("none", tree=Tree.root_only()).require_weights()
     assert DraftSpec("medusa", path=Path("/h")).path == "/h"  # paths are kept as text
+
+
+def test_pruning_floor_as_a_score():
+    # a node's score is its path's log-probability: the floor is log(min_path_prob), a floor of 0 a finite score
+    # every drafted node reaches and a never-drafted one (-inf) does not
+    assert PruneOptions(0.02).min_score == pytest.approx(math.log(0.02))
+    assert PruneOptions(1.0).min_score == 0.0
+    assert -math.inf < PruneOptions().min_score < math.log(1e-299)
 
 
 def test_options_merge_key_by_key():

@@ -12,6 +12,7 @@ from perf.merge_replay import record, replay, tau
 from runtime.decode import SpecDecoder
 from runtime.draft_spec import DraftSpec
 from runtime.drafters import load_drafter
+import runtime.drafters.merged as merged
 from runtime.drafters.merged import MergedSession
 from runtime.errors import ConfigError
 from runtime.model import TargetModel
@@ -78,8 +79,9 @@ def test_replay_drafts_the_decoders_trees(setup, monkeypatch, options):
             replayed_drafts.append(d)
             return d
 
-    monkeypatch.setattr(merge_replay, "MergedSession", Recording)
-    replayed = replay(recordings, load_drafter(spec, model), 8)
+    with monkeypatch.context() as patched:  # the replay's sessions only, not the decoder's below
+        patched.setattr(merged, "MergedSession", Recording)
+        replayed = replay(recordings, load_drafter(spec, model), 8)
     k = compared = 0
     for rec, prompt, steps in zip(recordings, prompts, replayed):
         decoded_drafts: list = []

@@ -390,9 +390,7 @@ class EagleDrafter:
         if pruning is not None and not isinstance(pruning, PruneOptions):
             raise ConfigError(f"pruning must be PruneOptions or None, got {pruning!r}")
         self.pruning = pruning
-        # the cumulative log-prob a verified node needs (None: no pruning; 0 as 1e-300, so that never-drafted nodes,
-        # at -inf, are always below it)
-        self.min_score = None if pruning is None else math.log(max(pruning.min_path_prob, 1e-300))
+        self.min_score = None if pruning is None else pruning.min_score  # None: every node is verified
         # The draft output layer: the target's lm_head, or its rows for the reduced draft vocabulary (a copy, so
         # each drafting step reads K x H instead of V x H).
         weight = model.lm_head_weight

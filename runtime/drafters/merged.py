@@ -155,8 +155,12 @@ class MergedDrafter:
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> MergedSession:
         """prompt # [P] int64; hidden # [P, H] (the model drafter's; prompt lookup reads only the tokens)."""
         budget = self.node_budget(max_nodes)
-        return MergedSession(self.primary.start(prompt, hidden, budget), self.lookup.start(prompt, None, budget),
-                             budget)
+        return self.join(self.primary.start(prompt, hidden, budget), prompt, budget)
+
+    def join(self, primary: DraftSession, prompt: torch.Tensor, budget: int) -> MergedSession:
+        """A merged session over a session of the model drafter (or anything drafting like one) started for
+        `prompt` # [P] int64, with merged trees of at most `budget` nodes (`node_budget`)."""
+        return MergedSession(primary, self.lookup.start(prompt, None, budget), budget)
 
 
 class MergedSession:
