@@ -118,11 +118,10 @@ def replay(recordings: Sequence[Recording], drafter: MergedDrafter, max_nodes: i
     _check(spec)
     if not isinstance(drafter, MergedDrafter):
         raise ConfigError(f"merge replay needs a drafter that merges prompt lookup, got {spec.describe()!r}")
-    min_score = None if spec.pruning is None else spec.pruning.min_score
     budget = drafter.node_budget(max_nodes)
     out = []
     for rec in recordings:
-        head = _RecordedHead(rec, min_score)
+        head = _RecordedHead(rec, drafter.primary.min_score)  # the head's own floor (None: no pruning)
         session = drafter.join(head, torch.tensor(rec.prompt), budget)
         steps, j, last = [], 0, len(rec.answer) - 1
         while j < last:
