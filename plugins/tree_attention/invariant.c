@@ -13,7 +13,8 @@
  *   out = sum_u (e_2u v_2u + e_2u+1 v_2u+1) / z          bf16 pair dot products over logical keys (2u, 2u + 1), u in
  *                                                        order (past the row's end: weight 0, value 0).
  * Rounding the weights to bf16 for the second product is what GPU flash attention does; z sums the rounded weights,
- * so each output is a convex combination of the values. A prefix key is loaded once for all lanes.
+ * so each output is a convex combination of the values. A key that every lane takes in slot order (`pairs_of`: the
+ * prefix, a causal chunk's rows, a tree's trunk) is loaded once for all lanes, each lane masking those past its end.
  *
  * float32, or a CPU without AVX512-BF16, or another head size (`attend_tile`):
  *   score_t = scale * dot(q, k_t)       the dot's association depends on D alone (16-lane partial sums over D of
@@ -23,8 +24,8 @@
  *                                       could round otherwise than the vector body;
  *   z       = sum_t e_t                  lane t mod 16 accumulates t, blocks in order, then the fixed lane sum;
  *   out     = (sum_t e_t v_t) / z        sequential over t, 16 lanes of D at a time.
- * Rows are worked in tiles of (row, head) pairs that share the prefix's loads, never arithmetic: each pair runs the
- * same statements in every tile size.
+ * Rows are worked in tiles of (row, head) pairs that share loads of keys in slot order, never arithmetic: each pair
+ * runs the same statements in every tile size.
  *
  * So a tree step's row equals, bit for bit, the one-token step that later decodes the same path (tests/plugins/
  * test_native.py checks it across tile sizes and lane counts). Fused multiply-adds are fine: GCC contracts a * b + c
@@ -132,13 +133,15 @@ static inline vf lane_sums16(const vf p[LANES]) {
 #define TILE_VECTORS 24
 #define MAX_TILE 6 /* TILE_VECTORS / 4: the widest tile (head size 64) */
 
-/* One tile: up to MAX_TILE (query row, head) pairs of one kv head, which share the prefix keys: each prefix key and
- * value is loaded once for all of them. Pair i's logical keys: the prefix [0, prefix), then path[i][0 .. total[i] -
- * prefix). Every pair's arithmetic is the same sequence of operations whatever the tile holds (tiles only share
- * loads), so its result depends on its own row alone. `tile` and `chunks` are constants where this is inlined. */
+/* One tile: up to MAX_TILE (query row, head) pairs of one kv head, which share the run of keys [0, shared): each of
+ * those keys and values is loaded once for all of them. Pair i's logical keys: slots [0, min(shared, total[i])), then
+ * path[i][0 .. total[i] - shared). Every pair's arithmetic is the same sequence of operations whatever the tile holds
+ * (tiles only share loads; a pair that stops inside the shared run masks the keys past its end, as the per-pair
+ * route leaves them out), so its result depends on its own row alone. `tile` and `chunks` are constants where this
+ * is inlined. */
 static inline __attribute__((always_inline)) void attend_tile(
     const void *q, const int64_t *qo, const void *k, int64_t ko, int64_t ks, const void *v, int64_t vo, int64_t vs,
-    int64_t prefix, const int64_t *const *path, const int64_t *total, float *w, int64_t padded, float *const *o,
+    int64_t shared, const int64_t *const *path, const int64_t *total, float *w, int64_t padded, float *const *o,
     int64_t d, int64_t chunks, int64_t tile, float scale, int bf16) {
     vf qv[tile][chunks], acc[tile][chunks], part[tile][LANES], top[tile];
     float z[tile];
@@ -154,7 +157,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int64_t blk = 0; blk * LANES < most; blk++) {
         for (int64_t j = 0; j < LANES; j++) {
             const int64_t t = blk * LANES + j;
-            if (t < prefix) {
+            if (t < shared) { /* past a pair's end: a score that the mask below drops */
                 vf kc[chunks];
                 for (int64_t c = 0; c < chunks; c++) kc[c] = load(k, ko + t * ks, c, d, bf16);
                 for (int64_t i = 0; i < tile; i++) {
@@ -166,7 +169,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 for (int64_t i = 0; i < tile; i++) {
                     vf p = {0};
                     if (t < total[i]) {
-                        const int64_t off = ko + path[i][t - prefix] * ks;
+                        const int64_t off = ko + path[i][t - shared] * ks;
                         for (int64_t c = 0; c < chunks; c++) p = qv[i][c] * load(k, off, c, d, bf16) + p;
                     }
                     part[i][j] = p;
@@ -199,17 +202,18 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     /* the weighted sum of values in logical order, 16 lanes of D at a time; divided by z at the end */
     for (int64_t t = 0; t < most; t++) {
-        if (t < prefix) {
+        if (t < shared) {
             vf vc[chunks];
             for (int64_t c = 0; c < chunks; c++) vc[c] = load(v, vo + t * vs, c, d, bf16);
             for (int64_t i = 0; i < tile; i++) {
+                if (t >= total[i]) continue;
                 const vf p = splat(w[i * padded + t]);
                 for (int64_t c = 0; c < chunks; c++) acc[i][c] = p * vc[c] + acc[i][c];
             }
         } else {
             for (int64_t i = 0; i < tile; i++) {
                 if (t >= total[i]) continue;
-                const int64_t off = vo + path[i][t - prefix] * vs;
+                const int64_t off = vo + path[i][t - shared] * vs;
                 const vf p = splat(w[i * padded + t]);
                 for (int64_t c = 0; c < chunks; c++) acc[i][c] = p * load(v, off, c, d, bf16) + acc[i][c];
             }
@@ -226,17 +230,17 @@ static inline __attribute__((always_inline)) void attend_tile(
 /* attend_tile with the tile size a constant (1 .. TILE_VECTORS / chunks) */
 #define TILES(D, CHUNKS, BF16)                                                                                      \
     switch (tile) {                                                                                                \
-    case 1: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, D, CHUNKS, 1, scale,    \
+    case 1: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 1, scale,    \
                         BF16); break;                                                                              \
-    case 2: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, D, CHUNKS, 2, scale,    \
+    case 2: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 2, scale,    \
                         BF16); break;                                                                              \
-    case 3: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, D, CHUNKS, 3, scale,    \
+    case 3: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 3, scale,    \
                         BF16); break;                                                                              \
-    case 4: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, D, CHUNKS, 4, scale,    \
+    case 4: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 4, scale,    \
                         BF16); break;                                                                              \
-    case 5: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, D, CHUNKS, 5, scale,    \
+    case 5: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 5, scale,    \
                         BF16); break;                                                                              \
-    default: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, D, CHUNKS, 6, scale,   \
+    default: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 6, scale,   \
                          BF16); break;                                                                             \
     }
 
@@ -244,8 +248,10 @@ static inline __attribute__((always_inline)) void attend_tile(
 #define KEY_BATCH 8 /* keys whose scores the bf16 route accumulates together (independent chains) */
 
 #if HAVE_DPBF16
-/* The bf16 route (the header says what it computes): a prefix key's dwords are broadcast to all 16 lanes; the values
- * are summed in register tiles of pairs that share each key pair's interleaved values. */
+/* The bf16 route (the header says what it computes): a shared key's dwords are broadcast to all 16 lanes; the values
+ * are summed in register tiles of pairs that share each key pair's interleaved values. A lane past its last key
+ * computes scores that are masked to -inf, so its weights there are exactly 0 and the shared value loads add
+ * 0 * (a finite value) to its sums: the bits of the route that leaves those keys out. */
 
 static inline __m512 dp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
@@ -262,7 +268,7 @@ static inline __m512i interleave(__m256i a, __m256i b, __m512i inter) {
 /* The weighted values of a tile of pairs: eh, z, path, total and o start at the tile's first pair (eh strided by
  * GROUP per key pair); each output is divided by its pair's z. */
 static inline __attribute__((always_inline)) void values_tile(
-    const uint16_t *v, int64_t vo, int64_t vs, int64_t prefix, const int64_t *const *path, const int64_t *total,
+    const uint16_t *v, int64_t vo, int64_t vs, int64_t shared, const int64_t *const *path, const int64_t *total,
     const uint32_t *eh, float *const *o, const float *z, int64_t chunks, int64_t tile) {
     const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -274,7 +280,7 @@ static inline __attribute__((always_inline)) void values_tile(
     }
     for (int64_t t = 0; t < most; t += 2) {
         const uint32_t *pairs = eh + (t / 2) * GROUP;
-        if (t + 1 < prefix) {
+        if (t + 1 < shared) {
             __m512i vc[chunks];
             const uint16_t *r0 = v + vo + t * vs, *r1 = r0 + vs;
             for (int64_t c = 0; c < chunks; c++)
@@ -286,9 +292,9 @@ static inline __attribute__((always_inline)) void values_tile(
         } else {
             for (int64_t i = 0; i < tile; i++) {
                 if (t >= total[i]) continue;
-                const uint16_t *r0 = v + vo + (t < prefix ? t : path[i][t - prefix]) * vs;
+                const uint16_t *r0 = v + vo + (t < shared ? t : path[i][t - shared]) * vs;
                 const int second = t + 1 < total[i];
-                const uint16_t *r1 = second ? v + vo + (t + 1 < prefix ? t + 1 : path[i][t + 1 - prefix]) * vs : r0;
+                const uint16_t *r1 = second ? v + vo + (t + 1 < shared ? t + 1 : path[i][t + 1 - shared]) * vs : r0;
                 const __m512i p = _mm512_set1_epi32((int)pairs[i]);
                 for (int64_t c = 0; c < chunks; c++) {
                     const __m256i b = second ? half_row(r1, c) : _mm256_setzero_si256();
@@ -306,11 +312,18 @@ static inline __attribute__((always_inline)) void values_tile(
     }
 }
 
-/* One group: `lanes` pairs (<= 16) of one kv head; pair l's query at q + qo[l], its logical keys the prefix [0,
- * prefix) then path[l][0 .. total[l] - prefix). Scratch: s [(most + KEY_BATCH) * 16] floats, eh [(most / 2 + 1) *
- * 16], qt and kt [d / 2 * 16] dwords. */
+/* Scores of key t, -inf in the lanes whose keys end at or before t (none before the first lane's end, `least`). */
+static inline __m512 seen_only(__m512 scores, int64_t t, int64_t least, __m512 totals) {
+    if (t < least) return scores;
+    const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)t), totals, _CMP_LT_OQ);
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, scores);
+}
+
+/* One group: `lanes` pairs (<= 16) of one kv head; pair l's query at q + qo[l], its logical keys the slots [0,
+ * min(shared, total[l])) then path[l][0 .. total[l] - shared). Scratch: s [(most + KEY_BATCH) * 16] floats, eh
+ * [(most / 2 + 1) * 16], qt and kt [d / 2 * 16] dwords. */
 static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lanes, const uint16_t *k, int64_t ko,
-                              int64_t ks, const uint16_t *v, int64_t vo, int64_t vs, int64_t prefix,
+                              int64_t ks, const uint16_t *v, int64_t vo, int64_t vs, int64_t shared,
                               const int64_t *const *path, const int64_t *total, float *const *o, int64_t d,
                               float scale, float *s, uint32_t *eh, uint32_t *qt, uint32_t *kt) {
     const int64_t half = d / 2, chunks = d / LANES;
@@ -329,9 +342,12 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
         totals = _mm512_loadu_ps(tf);
     }
     const __m512 scale_v = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    /* prefix scores, KEY_BATCH keys at a time (each key's chain is its own: the batch only interleaves them) */
+    /* shared scores, KEY_BATCH keys at a time (each key's chain is its own: the batch only interleaves them); from
+     * the first lane's end on, each lane's keys past its own end are masked */
+    int64_t least = most;
+    for (int64_t l = 0; l < lanes; l++) least = total[l] < least ? total[l] : least;
     int64_t t = 0;
-    for (; t + KEY_BATCH <= prefix; t += KEY_BATCH) {
+    for (; t + KEY_BATCH <= shared; t += KEY_BATCH) {
         __m512 acc[KEY_BATCH];
         const uint32_t *rows[KEY_BATCH];
         for (int64_t b = 0; b < KEY_BATCH; b++) {
@@ -342,21 +358,22 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
             const __m512i qj = _mm512_loadu_si512(qt + j * GROUP);
             for (int64_t b = 0; b < KEY_BATCH; b++) acc[b] = dp(acc[b], qj, _mm512_set1_epi32((int)rows[b][j]));
         }
-        for (int64_t b = 0; b < KEY_BATCH; b++) _mm512_storeu_ps(s + (t + b) * GROUP, _mm512_mul_ps(acc[b], scale_v));
+        for (int64_t b = 0; b < KEY_BATCH; b++)
+            _mm512_storeu_ps(s + (t + b) * GROUP, seen_only(_mm512_mul_ps(acc[b], scale_v), t + b, least, totals));
     }
-    for (; t < prefix; t++) {
+    for (; t < shared; t++) {
         __m512 acc = _mm512_setzero_ps();
         const uint32_t *row = (const uint32_t *)(k + ko + t * ks);
         for (int64_t j = 0; j < half; j++)
             acc = dp(acc, _mm512_loadu_si512(qt + j * GROUP), _mm512_set1_epi32((int)row[j]));
-        _mm512_storeu_ps(s + t * GROUP, _mm512_mul_ps(acc, scale_v));
+        _mm512_storeu_ps(s + t * GROUP, seen_only(_mm512_mul_ps(acc, scale_v), t, least, totals));
     }
     /* tree scores: each lane its own key (its path's), gathered into dword columns like the queries */
     for (; t < most; t++) {
         memset(kt, 0, (size_t)(half * GROUP) * sizeof(uint32_t));
         for (int64_t l = 0; l < lanes; l++) {
             if (t >= total[l]) continue;
-            const uint32_t *row = (const uint32_t *)(k + ko + path[l][t - prefix] * ks);
+            const uint32_t *row = (const uint32_t *)(k + ko + path[l][t - shared] * ks);
             for (int64_t j = 0; j < half; j++) kt[j * GROUP + l] = row[j];
         }
         __m512 acc = _mm512_setzero_ps();
@@ -403,44 +420,75 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
         float *const *to = o + first;
         if (chunks == 4) {
             switch (tile) {
-            case 6: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 6); break;
-            case 5: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 5); break;
-            case 4: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 4); break;
-            case 3: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 3); break;
-            case 2: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 2); break;
-            default: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 4, 1); break;
+            case 6: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 4, 6); break;
+            case 5: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 4, 5); break;
+            case 4: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 4, 4); break;
+            case 3: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 4, 3); break;
+            case 2: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 4, 2); break;
+            default: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 4, 1); break;
             }
         } else if (chunks == 8) {
             switch (tile) {
-            case 3: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 8, 3); break;
-            case 2: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 8, 2); break;
-            default: values_tile(v, vo, vs, prefix, tp, tt, te, to, tz, 8, 1); break;
+            case 3: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 8, 3); break;
+            case 2: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 8, 2); break;
+            default: values_tile(v, vo, vs, shared, tp, tt, te, to, tz, 8, 1); break;
             }
         } else {
             for (int64_t i = 0; i < tile; i++)
-                values_tile(v, vo, vs, prefix, tp + i, tt + i, te + i, to + i, tz + i, chunks, 1);
+                values_tile(v, vo, vs, shared, tp + i, tt + i, te + i, to + i, tz + i, chunks, 1);
         }
     }
 }
 #endif
 
+/* Word w of a mask row of n bits, without the bits past n. */
+static inline uint32_t mask_word(const int32_t *bits, int64_t w, int64_t n) {
+    const int64_t left = n - w * 32;
+    return left <= 0 ? 0u : (uint32_t)bits[w] & (left >= 32 ? 0xffffffffu : (1u << left) - 1u);
+}
+
 /* (row, head) pairs [first, first + count) of kv head g in batch b (pair p: row p / group, head g * group + p %
- * group): each one's query offset, output row, key count and tree slots (written to paths, n slots each). */
-static void pairs_of(int64_t first, int64_t count, int64_t g, int64_t b, int64_t group, int64_t hq, int64_t n,
-                     int64_t d, int64_t prefix, const int32_t *mask, int64_t words, int64_t q_sb, int64_t q_sh,
-                     int64_t q_sn, float *out, int64_t *paths, int64_t *qo, int64_t *total, const int64_t **path,
-                     float **o) {
+ * group): each one's query offset, output row and key count. Returns `shared`: the keys [0, shared) are, for every
+ * pair that sees them, the slots [0, shared) themselves (the prefix, then the tree slots every pair's path takes in
+ * order from the first: a causal chunk's rows share all of them, a tree's the root and its common trunk). Past it,
+ * each pair's tree slots are written to paths (n each) and pointed to by path. */
+static int64_t pairs_of(int64_t first, int64_t count, int64_t g, int64_t b, int64_t group, int64_t hq, int64_t n,
+                        int64_t d, int64_t prefix, const int32_t *mask, int64_t words, int64_t q_sb, int64_t q_sh,
+                        int64_t q_sn, float *out, int64_t *paths, int64_t *qo, int64_t *total, const int64_t **path,
+                        float **o) {
+    const int32_t *rows[GROUP];
+    int64_t shared = prefix + n;
     for (int64_t i = 0; i < count; i++) {
         const int64_t row = (first + i) / group, h = g * group + (first + i) % group;
-        const int32_t *bits = mask + (b * n + row) * words;
-        int64_t *mine = paths + i * n, seen = 0;
-        for (int64_t j = 0; j < n; j++)
-            if ((bits[j >> 5] >> (j & 31)) & 1) mine[seen++] = prefix + j;
-        path[i] = mine;
+        const int32_t *bits = rows[i] = mask + (b * n + row) * words;
+        int64_t seen = 0, run = 0, gap = 0; /* run: set bits from bit 0 up to the first clear one */
+        for (int64_t w = 0; w < words; w++) {
+            const uint32_t x = mask_word(bits, w, n);
+            seen += __builtin_popcount(x);
+            if (!gap) {
+                const int ones = x == 0xffffffffu ? 32 : __builtin_ctz(~x);
+                run += ones;
+                gap = ones < 32;
+            }
+        }
+        if (run < seen && prefix + run < shared) shared = prefix + run; /* its path leaves the slots' order there */
         total[i] = prefix + seen;
         qo[i] = b * q_sb + h * q_sh + row * q_sn;
         o[i] = out + ((b * hq + h) * n + row) * d;
     }
+    for (int64_t i = 0; i < count; i++) {
+        int64_t *mine = paths + i * n, kept = 0, skip = shared - prefix; /* its first skip bits are the shared run */
+        path[i] = mine;
+        if (total[i] <= shared) continue;
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t x = mask_word(rows[i], w, n);
+            for (; x; x &= x - 1) {
+                const int64_t j = w * 32 + __builtin_ctz(x);
+                if (j >= skip) mine[kept++] = prefix + j;
+            }
+        }
+    }
+    return shared;
 }
 
 /* Whether inputs of head size d (bf16: bfloat16, else float32) take the bf16 route, which rounds the softmax
@@ -486,22 +534,22 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
             int64_t qo[GROUP], total[GROUP];
             const int64_t *path[GROUP];
             float *o[GROUP];
-            pairs_of(first, tile, g, b, group, hq, n, d, prefix, mask, words, q_sb, q_sh, q_sn, out, paths, qo, total,
-                     path, o);
+            const int64_t shared = pairs_of(first, tile, g, b, group, hq, n, d, prefix, mask, words, q_sb, q_sh, q_sn,
+                                            out, paths, qo, total, path, o);
             const int64_t ko = b * k_sb + g * k_sh, vo = b * v_sb + g * v_sh;
             if (grouped) {
 #if HAVE_DPBF16
                 attend_group_bf16((const uint16_t *)q, qo, tile, (const uint16_t *)k, ko, k_ss, (const uint16_t *)v, vo,
-                                  v_ss, prefix, path, total, o, d, scale, w, eh, qt, kt);
+                                  v_ss, shared, path, total, o, d, scale, w, eh, qt, kt);
 #endif
             } else if (d == 64) {
                 if (bf16) { TILES(64, 4, 1) } else { TILES(64, 4, 0) }
             } else if (d == 128) {
                 if (bf16) { TILES(128, 8, 1) } else { TILES(128, 8, 0) }
             } else {
-                if (bf16) attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, d, chunks,
+                if (bf16) attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, d, chunks,
                                       1, scale, 1);
-                else attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, prefix, path, total, w, padded, o, d, chunks, 1,
+                else attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, d, chunks, 1,
                                  scale, 0);
             }
         }

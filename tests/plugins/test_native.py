@@ -120,6 +120,43 @@ def test_every_tree_row_is_its_path_decoded_alone_bit_for_bit(kernel, dtype, d, 
         assert _mismatched_rows(native.tree_attention_native, d, hq, hkv, n, prefix, dtype, seed) == 0, (n, prefix)
 
 
+def _rows_unlike_alone(d, hq, hkv, parents, prefix, dtype, seed):
+    """Rows of the tree `parents` (-1: a root; several roots make a forest) whose output differs from its path decoded
+    alone."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(parents)
+    q, k, v = _inputs(1, hq, hkv, n, prefix, d, dtype, g, capacity_extra=3)
+    anc = ancestor_mask(list(parents))
+    out = native.tree_attention_native(q, k, v, pack_mask(anc)[None], 0.125)
+    return [row for row in range(n) if not torch.equal(
+        out[:, :, row], _path_alone(q, k, v, row, [j for j in range(n) if anc[row, j]], prefix, 0.125))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 8, 2), (80, 6, 2), (64, 4, 4)])
+def test_rows_that_share_a_run_of_keys_are_each_their_path_alone(kernel, dtype, d, hq, hkv):
+    """Keys every row of a work item takes in slot order (the prefix, a causal chunk's rows, a tree's trunk) are loaded
+    once for all of its rows, and each row masks those past its own end: a prompt chunk's every row, a chain, a tree
+    with a trunk and a forest (no key shared past the prefix) must each give every row its path decoded alone."""
+    chain = [-1] + list(range(39))  # a prompt chunk: row r sees slots [0, prefix + r]
+    trunk = [-1, 0, 1, 2, 3, 4, 4, 4, 5, 6, 6, 8, 7, 9, 3, 14, 15, 2]  # a chain of 5, then branches (one from depth 2)
+    forest = [-1, 0, -1, 2, 0, 1, 2, -1, 7, 4]
+    for seed, (parents, prefix) in enumerate([(chain, 0), (chain, 45), (trunk, 0), (trunk, 33), (forest, 20)]):
+        assert _rows_unlike_alone(d, hq, hkv, parents, prefix, dtype, seed) == [], (seed, prefix)
+
+
+def test_negative_control_a_chunk_row_that_attends_past_its_end_is_caught(kernel):
+    """The check above fails on a row given one key past its end (what an unmasked shared key would do)."""
+    g = torch.Generator().manual_seed(11)
+    n, prefix = 12, 30
+    q, k, v = _inputs(1, 9, 3, n, prefix, 64, torch.bfloat16, g)
+    anc = ancestor_mask([-1] + list(range(n - 1)))
+    anc[4, 5] = True  # row 4 also sees slot 5
+    out = native.tree_attention_native(q, k, v, pack_mask(anc)[None], 0.125)
+    assert not torch.equal(out[:, :, 4], _path_alone(q, k, v, 4, list(range(5)), prefix, 0.125))
+    assert torch.equal(out[:, :, 3], _path_alone(q, k, v, 3, list(range(4)), prefix, 0.125))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_negative_control_sdpa_rows_depend_on_the_tree(kernel, dtype):
     """The same check on torch's SDPA (same dtype) finds rows that differ: it can fail."""
