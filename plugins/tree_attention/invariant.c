@@ -476,6 +476,9 @@ static int64_t pairs_of(int64_t first, int64_t count, int64_t g, int64_t b, int6
         qo[i] = b * q_sb + h * q_sh + row * q_sn;
         o[i] = out + ((b * hq + h) * n + row) * d;
     }
+    int64_t most = prefix;
+    for (int64_t i = 0; i < count; i++) most = total[i] > most ? total[i] : most;
+    if (shared > most) shared = most; /* no pair sees a key past the last one's end */
     for (int64_t i = 0; i < count; i++) {
         int64_t *mine = paths + i * n, kept = 0, skip = shared - prefix; /* its first skip bits are the shared run */
         path[i] = mine;
