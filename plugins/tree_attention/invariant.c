@@ -312,7 +312,8 @@ static inline __attribute__((always_inline)) void values_tile(
     }
 }
 
-/* Scores of key t, -inf in the lanes whose keys end at or before t (none before the first lane's end, `least`). */
+/* Scores of key t, -inf in the lanes whose keys end at or before t (none before the first lane's end, `least`; lanes
+ * past the group's pairs hold no pair and are never read). */
 static inline __m512 seen_only(__m512 scores, int64_t t, int64_t least, __m512 totals) {
     if (t < least) return scores;
     const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)t), totals, _CMP_LT_OQ);
@@ -341,7 +342,7 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
         for (int64_t l = 0; l < GROUP; l++) tf[l] = l < lanes ? (float)total[l] : 0.0f;
         totals = _mm512_loadu_ps(tf);
     }
-    const __m512 scale_v = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 scale_v = _mm512_set1_ps(scale);
     /* shared scores, KEY_BATCH keys at a time (each key's chain is its own: the batch only interleaves them); from
      * the first lane's end on, each lane's keys past its own end are masked */
     int64_t least = most;
@@ -379,8 +380,7 @@ static void attend_group_bf16(const uint16_t *q, const int64_t *qo, int64_t lane
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < half; j++)
             acc = dp(acc, _mm512_loadu_si512(qt + j * GROUP), _mm512_loadu_si512(kt + j * GROUP));
-        const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps((float)t), totals, _CMP_LT_OQ);
-        _mm512_storeu_ps(s + t * GROUP, _mm512_mask_mov_ps(ninf, seen, _mm512_mul_ps(acc, scale_v)));
+        _mm512_storeu_ps(s + t * GROUP, seen_only(_mm512_mul_ps(acc, scale_v), t, least, totals));
     }
     /* weights: lane-wise max, exp, rounding to bf16 and the sum z, t in order */
     vf top = splat(-INFINITY);

@@ -1,7 +1,7 @@
 """Time to first token of the SmolLM2 default (bf16, 2 threads) by prompt length, with the row-invariant attention
 kernel before (4850173: every key past the prefix gathered per row) and after (b4563e9, a53f730: keys every row takes
-in slot order loaded once for all rows), alternating in one process, every output compared bit for bit. What is timed is the
-decoder's first forward: the whole prompt as one segment, logits for its last row (`forward_segments`).
+in slot order loaded once for all rows), alternating in one process, every output compared bit for bit. What is timed
+is the decoder's first forward: the whole prompt as one segment, logits for its last row (`forward_segments`).
 
     git show 4850173:plugins/tree_attention/invariant.c > /tmp/old.c
     cc -O3 -march=native -fPIC -shared -std=gnu11 -fopenmp -o /tmp/old.so /tmp/old.c -lm
