@@ -227,15 +227,24 @@ def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float64
 
 
+INT8_MAX_ROWS = 16  # above it, an Int8Weight multiplies by its source weight (a decoding step's head forwards stay below)
+
+
 @dataclass(frozen=True)
 class Int8Weight:
     """A weight stored as int8 with one float scale per output row (symmetric, weight-only), multiplied by torch's
     packed CPU kernel (`aten._weight_int8pack_mm`; activations stay in their dtype). For draft heads on CPU: they
     run on a handful of rows per call, so reading their weights is the cost, and int8 halves the bytes of bf16.
-    Only what is drafted changes (slightly): verification reads the target's own weights."""
+    Only what is drafted changes (slightly): verification reads the target's own weights.
+
+    A call over more than INT8_MAX_ROWS rows (a head's first forward, over the whole prompt) multiplies by the source
+    weight instead: the int8 kernel's time grows with the rows from a few on (measured on 2 AMD EPYC cores, bf16, a
+    head's matmul shapes: 2x F.linear's at 16 rows, 2.7-3x from 256), and the exact weights only bring the draft
+    closer to the trained head's. It is a reference, not a copy: the head keeps its weights anyway."""
 
     q: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out], the activations' dtype
+    source: torch.Tensor  # [out, in]: the weight it was quantised from
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> Int8Weight:  # weight [out, in]
@@ -245,12 +254,16 @@ class Int8Weight:
         amax = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
         scales = (amax / 127.0 * (1.0 + torch.finfo(weight.dtype).eps)).to(weight.dtype)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.contiguous(), scales)
+        return cls(q.contiguous(), scales, weight.detach())
 
     @staticmethod
-    def supported(dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether the packed int8 kernel runs for activations of `dtype` on `device`."""
-        return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+    def supported(dtype: torch.dtype, device: torch.device, in_features: int | None = None) -> bool:
+        """Whether the packed int8 kernel runs for activations of `dtype` on `device` (and, when given, rows of
+        `in_features`: in bfloat16 a multiple of 16; any other width crashes the process from 2 rows on, measured on
+        torch 2.13's CPU kernel)."""
+        if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+            return False
+        return in_features is None or dtype == torch.float32 or in_features % 16 == 0
 
     @property
     def shape(self) -> torch.Size:
@@ -258,6 +271,8 @@ class Int8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > INT8_MAX_ROWS:
+            return F.linear(x, self.source)
         return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(*x.shape[:-1], self.q.shape[0])
 
 

@@ -10,7 +10,7 @@ import torch
 import runtime
 from runtime.drafters.eagle import EagleDrafter, load_eagle_head
 from runtime.errors import ConfigError
-from runtime.model import Int8Weight, TargetModel, linear
+from runtime.model import INT8_MAX_ROWS, Int8Weight, TargetModel, linear
 from tests.heads import write_eagle_head
 from tests.tiny import make_checkpoint
 
@@ -38,6 +38,22 @@ def test_int8_matmul_matches_the_float_weights(dtype):
     assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-2), rel
     assert Int8Weight.supported(torch.bfloat16, torch.device("cpu"))
     assert not Int8Weight.supported(torch.float16, torch.device("cpu"))
+    assert Int8Weight.supported(torch.bfloat16, torch.device("cpu"), 576)
+    assert not Int8Weight.supported(torch.bfloat16, torch.device("cpu"), 40)
+    assert Int8Weight.supported(torch.float32, torch.device("cpu"), 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_runs_only_few_rows_and_many_rows_read_the_source_weight(dtype):
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(48, 32, generator=gen) * 0.05).to(dtype)  # [out, in]
+    q = Int8Weight.of(w)
+    for rows in (1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 3 * INT8_MAX_ROWS):
+        x = torch.randn(rows, 32, generator=gen).to(dtype)  # [rows, in]
+        exact = torch.nn.functional.linear(x, w)
+        assert torch.equal(q.matmul(x), exact) == (rows > INT8_MAX_ROWS), rows
+        if rows <= INT8_MAX_ROWS:
+            assert torch.equal(q.matmul(x), torch.ops.aten._weight_int8pack_mm(x, q.q, q.scales))
 
 
 def test_fused_projections_switch_to_int8_until_the_weights_change(target_dir):
@@ -90,6 +106,21 @@ def test_int8_needs_a_cpu_kernel(target_dir, tmp_path):
         EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int8")
     with pytest.raises(ConfigError, match="quantization must be None or one of int8, got 'int4'"):
         EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int4")
+
+
+def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
+    # torch's bf16 int8 kernel crashes the process on rows whose width is not a multiple of 16: refused up front,
+    # naming the weight; float32 (any width) and the same head without quantization still draft.
+    odd = make_checkpoint(tmp_path / "odd", "llama3", intermediate_size=120)
+    heads = write_eagle_head(tmp_path / "eagle", odd, seed=2)
+    tree = runtime.tree.Tree.chain(2)
+    bf16 = TargetModel.from_pretrained(odd, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"torch.bfloat16 rows a multiple of 16 wide, but layers.0.mlp.down_proj.weight "
+                                          r"reads 120; draft this head without quantization"):
+        EagleDrafter(load_eagle_head(heads, bf16), bf16, tree=tree, quantization="int8")
+    EagleDrafter(load_eagle_head(heads, bf16), bf16, tree=tree)
+    fp32 = TargetModel.from_pretrained(odd, dtype=torch.float32)
+    EagleDrafter(load_eagle_head(heads, fp32), fp32, tree=tree, quantization="int8")
 
 
 def test_int8_from_every_front_end(target_dir, tmp_path):
