@@ -121,6 +121,16 @@ def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
     EagleDrafter(load_eagle_head(heads, bf16), bf16, tree=tree)
     fp32 = TargetModel.from_pretrained(odd, dtype=torch.float32)
     EagleDrafter(load_eagle_head(heads, fp32), fp32, tree=tree, quantization="int8")
+    # a build (which plans on meta tensors) refuses it too
+    from builder.build import build_engine
+    from builder.config import load_config
+
+    cfg = tmp_path / "odd.yaml"
+    cfg.write_text(f"model: {{checkpoint: {odd}}}\n"
+                   f"draft: {{method: eagle, checkpoint: {tmp_path / 'eagle'}, tree: {{preset: chain-3}}, "
+                   f"quantization: int8}}\nbuild: {{dtype: bfloat16, output: {tmp_path / 'engine'}, onnx: false}}\n")
+    with pytest.raises(ConfigError, match="but layers.0.mlp.down_proj.weight reads 120"):
+        build_engine(load_config(cfg))
 
 
 def test_int8_from_every_front_end(target_dir, tmp_path):

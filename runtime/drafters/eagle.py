@@ -400,16 +400,17 @@ class EagleDrafter:
         self.lm_int8: Int8Weight | None = None
         self.lm_packed: PackedWeight | None = None
         self.quantization = quantization
-        # A build plans on meta tensors: nothing to quantize or pack there.
-        if quantization == "int8" and weight.device.type != "meta":
-            if not Int8Weight.supported(weight.dtype, weight.device):
+        # A build plans on meta tensors: nothing to quantize or pack there, but the shapes are checked.
+        if quantization == "int8":
+            if weight.device.type != "meta" and not Int8Weight.supported(weight.dtype, weight.device):
                 raise ConfigError(f"int8 draft weights run on CPU in bfloat16 / float32, not {weight.dtype} on "
                                   f"{weight.device.type}")
             matmuls = {name: w for name, w in head.named_parameters() if w.ndim == 2 and name != "embed_tokens.weight"}
             for name, w in {**matmuls, "draft lm_head": self.lm_weight}.items():
-                if not Int8Weight.supported(weight.dtype, weight.device, w.shape[1]):
+                if not Int8Weight.supported(weight.dtype, torch.device("cpu"), w.shape[1]):
                     raise ConfigError(f"quantization 'int8': torch's int8 kernel needs {weight.dtype} rows a multiple "
                                       f"of 16 wide, but {name} reads {w.shape[1]}; draft this head without quantization")
+        if quantization == "int8" and weight.device.type != "meta":
             if head.fc_int8 is None:  # drafters sharing one head (tune-tree's trees) quantize it once
                 head.quantize_int8()
             self.lm_int8 = Int8Weight.of(self.lm_weight)
