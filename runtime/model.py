@@ -227,7 +227,7 @@ def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float64
 
 
-INT8_MAX_ROWS = 16  # above it, an Int8Weight multiplies by its source weight (a decoding step's head forwards stay below)
+INT8_MAX_ROWS = 16  # above it, an Int8Weight multiplies by its source weight (a decoding step's head forwards don't)
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,8 @@ def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
     heads = write_eagle_head(tmp_path / "eagle", odd, seed=2)
     tree = runtime.tree.Tree.chain(2)
     bf16 = TargetModel.from_pretrained(odd, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match=r"torch.bfloat16 rows a multiple of 16 wide, but layers.0.mlp.down_proj.weight "
-                                          r"reads 120; draft this head without quantization"):
+    with pytest.raises(ConfigError, match=r"torch.bfloat16 rows a multiple of 16 wide, but "
+                                          r"layers.0.mlp.down_proj.weight reads 120; draft this head without"):
         EagleDrafter(load_eagle_head(heads, bf16), bf16, tree=tree, quantization="int8")
     EagleDrafter(load_eagle_head(heads, bf16), bf16, tree=tree)
     fp32 = TargetModel.from_pretrained(odd, dtype=torch.float32)

@@ -408,8 +408,9 @@ class EagleDrafter:
             matmuls = {name: w for name, w in head.named_parameters() if w.ndim == 2 and name != "embed_tokens.weight"}
             for name, w in {**matmuls, "draft lm_head": self.lm_weight}.items():
                 if not Int8Weight.supported(weight.dtype, torch.device("cpu"), w.shape[1]):
-                    raise ConfigError(f"quantization 'int8': torch's int8 kernel needs {weight.dtype} rows a multiple "
-                                      f"of 16 wide, but {name} reads {w.shape[1]}; draft this head without quantization")
+                    raise ConfigError(f"quantization 'int8': torch's int8 kernel needs {weight.dtype} rows a "
+                                      f"multiple of 16 wide, but {name} reads {w.shape[1]}; draft this head without "
+                                      f"quantization")
         if quantization == "int8" and weight.device.type != "meta":
             if head.fc_int8 is None:  # drafters sharing one head (tune-tree's trees) quantize it once
                 head.quantize_int8()

@@ -1,7 +1,8 @@
 """The EAGLE head's first draft after a prompt (its forward over every prompt pair, then the tree), side by side in
 one process: int8 draft weights for every call (INT8_MAX_ROWS unbounded, as before 2026-12-04) against calls over
 INT8_MAX_ROWS rows multiplying by the source weights. Random prompt tokens and features: the time does not depend
-on their values. Run from the repo root: .venv/bin/python perf/results/2026-12-04-cpu-amd-epyc-2c-int8-prompt/first_draft_ab.py
+on their values. Run from the repo root:
+    .venv/bin/python perf/results/2026-12-04-cpu-amd-epyc-2c-int8-prompt/first_draft_ab.py
 """
 
 import json
