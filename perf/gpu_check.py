@@ -101,6 +101,9 @@ class GpuCheckConfig:
     smollm2: Path = REPO_ROOT / "models" / "smollm2-135m-instruct"  # imported from the GGUF when missing
     smollm2_config: Path = REPO_ROOT / "configs" / "smollm2.yaml"  # the drafter, its weights and tree
     e2e_draft: str | None = setting(None, choices=KINDS)  # override the drafter (e.g. lookup: no head weights needed)
+    # None: the config's build dtype. On CUDA only float32 keeps greedy output identical in this runtime: its
+    # batch invariance in bf16 is built from CPU kernels (perf/results/2026-12-04-gpu-nvidia-h200/README.md)
+    e2e_dtype: str | None = setting(None, choices=("float32", "bfloat16", "float16"))
     prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
     seed: int = 0
     sections: tuple[str, ...] = ("kernel", "bandwidth", "verify", "e2e")  # a subset reruns only those
@@ -289,6 +292,13 @@ def _smollm2(config: GpuCheckConfig) -> Path:
     return path
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts); None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     """Speculative vs plain decoding of the SmolLM2 target on the device, greedy, same prompts, interleaved."""
     from builder.config import load_config
@@ -300,7 +310,7 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     s = config.shapes
     path = _smollm2(config)
     build = load_config(config.smollm2_config)  # the demo engine's config: its drafter (a DraftSpec) and dtype
-    limit, dtype = build.build.max_draft_len, build.build.dtype
+    limit, dtype = build.build.max_draft_len, config.e2e_dtype or build.build.dtype
     draft = (DraftSpec.create(config.e2e_draft, max_draft_len=limit) if config.e2e_draft is not None
              else build.draft.spec(max_draft_len=limit))
     if config.device.type != "cpu":  # int8 draft weights are a CPU kernel's: on the GPU the head runs as stored
@@ -325,6 +335,7 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
             timed[name] = (time.perf_counter() - t0, result)
         (tp, rp), (ts, rs) = timed["plain"], timed["speculative"]
         rows.append({"prompt": p.key, "tokens": len(rs.token_ids), "identical": rp.token_ids == rs.token_ids,
+                     "first_difference": first_difference(rp.token_ids, rs.token_ids),
                      "plain_tok_s": len(rp.token_ids) / tp, "spec_tok_s": len(rs.token_ids) / ts,
                      "speedup": tp / ts if ts > 0 else None, "tau": rs.stats.tau})
     total_plain = sum(r["tokens"] / r["plain_tok_s"] for r in rows)
@@ -361,10 +372,47 @@ def run_gpu_check(config: GpuCheckConfig, log: Callable[[str], None] = lambda s:
         if config.device.type == "cuda":
             torch.cuda.empty_cache()
     report["seconds"] = time.perf_counter() - started
+    return _conclude(report)
+
+
+def _conclude(report: dict[str, Any]) -> dict[str, Any]:
     report["within_budget"] = report["seconds"] <= BUDGET_SECONDS
     sections = report["sections"]
     report["ok"] = sections.get("kernel", {}).get("failed", 0) == 0 and sections.get("e2e", {}).get("identical", True)
     return report
+
+
+def merge_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from runs of disjoint sections on one machine (the device tool's calls are short and its carry
+    small, so a lent GPU's check can take several calls); each part's settings and time stay under "parts"."""
+    if not parts:
+        raise ConfigError("merge: expected at least one gpu_check.json")
+    for i, r in enumerate(parts):
+        if r.get("format") != REPORT_FORMAT or r.get("format_version") != REPORT_VERSION:
+            raise ConfigError(f"merge: part {i} has format {r.get('format')!r} version {r.get('format_version')!r}, "
+                              f"expected {REPORT_FORMAT!r} version {REPORT_VERSION}")
+    seen: dict[str, int] = {}
+    for i, r in enumerate(parts):
+        for name in r["sections"]:
+            if name in seen:
+                raise ConfigError(f"merge: section {name!r} is in parts {seen[name]} and {i}; expected each once")
+            seen[name] = i
+    for key in ("gpu", "cpu_model", "torch"):
+        values = {r["machine"].get(key) for r in parts}
+        if len(values) > 1:
+            raise ConfigError(f"merge: machine.{key} differs between parts ({sorted(map(str, values))}); expected "
+                              "runs on one machine")
+    if len({r["dry_run"] for r in parts}) > 1:
+        raise ConfigError("merge: dry_run differs between parts; expected all dry runs or none")
+    sections = {name: parts[seen[name]]["sections"][name] for name in SECTIONS if name in seen}
+    first = parts[0]
+    report = {"format": REPORT_FORMAT, "format_version": REPORT_VERSION, "created": first["created"],
+              "dry_run": first["dry_run"], "machine": first["machine"],
+              "settings": first["settings"], "budget_seconds": BUDGET_SECONDS, "sections": sections,
+              "parts": [{"created": r["created"], "sections": list(r["sections"]), "seconds": r["seconds"],
+                         "settings": r["settings"]} for r in parts],
+              "seconds": sum(r["seconds"] for r in parts)}
+    return _conclude(report)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -373,6 +421,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# gpu-check {'(DRY RUN: CPU, tiny shapes; not measurements)' if report['dry_run'] else ''}".rstrip(), "",
              f"{report['created']}, {m.get('gpu') or m.get('cpu_model')}, torch {m['torch']}; "
              f"{report['seconds']:.0f} s (budget {report['budget_seconds']:.0f} s)"]
+    if "parts" in report:
+        lines += ["", f"Merged from {len(report['parts'])} runs: " + "; ".join(
+            f"{', '.join(r['sections'])} ({r['created']}, {r['seconds']:.0f} s)" for r in report["parts"])]
     if "kernel" in s:
         lines += ["", f"## Tree-attention kernel vs reference: {s['kernel']['passed']} passed, "
                   f"{s['kernel']['failed']} failed", "",
@@ -409,14 +460,26 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
               "| prompt | tokens | plain tok/s | speculative tok/s | speedup | tau | identical |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['prompt']} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f} | {r['tau']:.2f} | {'yes' if r['identical'] else 'NO'} |" for r in e["rows"]]
+              f"{r['speedup']:.2f} | {r['tau']:.2f} | {_identical(r)} |" for r in e["rows"]]
     return lines
 
 
+def _identical(row: dict[str, Any]) -> str:
+    if row["identical"]:
+        return "yes"
+    first = row.get("first_difference")
+    return "NO" if first is None else f"NO (from token {first})"
+
+
 def write_report(report: dict[str, Any], out: Path) -> Path:
+    """gpu_check.json, gpu_check.md and, when the report has a verify or bandwidth section, gpu_check.png."""
+    from perf.plots import gpu_check_plot
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (out / "gpu_check.md").write_text(markdown(report), encoding="utf-8")
+    if {"verify", "bandwidth"} & set(report["sections"]):
+        gpu_check_plot(report, out / "gpu_check.png")
     return out
 
 
@@ -431,14 +494,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smollm2-config", type=Path, default=defaults.smollm2_config,
                    help="builder YAML naming the drafter, its weights and tree")
     p.add_argument("--e2e-draft", default=defaults.e2e_draft, help="override the drafter of the e2e section")
+    p.add_argument("--e2e-dtype", default=defaults.e2e_dtype,
+                   help="dtype of the e2e section's model (default: the config's build dtype)")
+    p.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
+                   help="measure nothing: merge the gpu_check.json of runs of disjoint sections into --out")
     p.add_argument("--prompts", type=Path, default=defaults.prompts, help="JSON Lines prompt file of the e2e section")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--sections", default=",".join(defaults.sections),
                    help="comma-separated subset of kernel,bandwidth,verify,e2e")
     ns = p.parse_args(argv)
+    if ns.merge:
+        try:
+            report = merge_reports([json.loads((d / "gpu_check.json").read_text(encoding="utf-8")) for d in ns.merge])
+        except (ConfigError, OSError, json.JSONDecodeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        out = write_report(report, Path(ns.out))
+        print(f"merged {len(ns.merge)} runs into {out}/gpu_check.json ({'ok' if report['ok'] else 'FAILED'})")
+        return 0 if report["ok"] else 1
     try:
         config = GpuCheckConfig(out=ns.out, dry_run=ns.dry_run, smollm2=ns.smollm2, smollm2_config=ns.smollm2_config,
-                                e2e_draft=ns.e2e_draft, prompts=ns.prompts, seed=ns.seed,
+                                e2e_draft=ns.e2e_draft, e2e_dtype=ns.e2e_dtype, prompts=ns.prompts, seed=ns.seed,
                                 sections=tuple(x.strip() for x in ns.sections.split(",") if x.strip()),
                                 shapes=Shapes.tiny() if ns.dry_run else Shapes.full())
         report = run_gpu_check(config, log=lambda s: print(s, file=sys.stderr, flush=True))
@@ -451,4 +527,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-__all__ = ["GpuCheckConfig", "Shapes", "markdown", "run_gpu_check", "write_report"]
+__all__ = ["GpuCheckConfig", "Shapes", "first_difference", "markdown", "merge_reports", "run_gpu_check",
+           "write_report"]

@@ -8,6 +8,7 @@
     serve_latency.png          perf serve: throughput, output tokens/s, TTFT and inter-token latency by concurrency
     verify_cost.png            perf verify-cost: verify(N) / verify(1) and ms per forward, by N, per dtype and mask
     batch_throughput.png       perf batch: tokens/s of N concurrent requests, batched vs sequential; TTFT and ITL
+    gpu_check.png              perf gpu-check: verify(N) / verify(1) by N; the kernel's time against its bytes' floor
 """
 
 from __future__ import annotations
@@ -228,3 +229,49 @@ def batch_plot(report: dict[str, Any], path: Path) -> Path:
 
 __all__ = ["acceptance_by_depth", "batch_plot", "bench_plots", "serve_plot", "speedup_by_tree_size", "time_split",
            "verify_cost_plot"]
+
+
+def gpu_check_plot(report: dict[str, Any], path: Path) -> Path:
+    """Left: verify(N) / verify(1) by N (chain and tree masks); right: the tree-attention kernel's time over the
+    floor its bytes set at the measured copy bandwidth, by tree size, per dtype and prefix length."""
+    plt = _pyplot()
+    s = report["sections"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    if "verify" in s:
+        v = s["verify"]
+        for mask, style in (("chain", "-o"), ("tree", "--^")):
+            line = sorted((r for r in v["rows"] if r["mask"] == mask), key=lambda r: r["size"])
+            axes[0].plot([r["size"] for r in line], [r["ratio"] for r in line], style, ms=3, label=mask)
+        axes[0].axhline(1.0, color="grey", lw=1, ls="--")
+        axes[0].set_xscale("log", base=2)
+        axes[0].set_ylim(bottom=0)
+        axes[0].set_xlabel("N: new tokens in one forward")
+        axes[0].set_ylabel("verify(N) / verify(1)")
+        model = v["model"]
+        axes[0].set_title(f"{model['parameters'] / 1e9:.2f}B random Llama-shaped model, {model['dtype']}, "
+                          f"context {model['context']}", fontsize=10)
+        axes[0].legend(fontsize=8)
+        axes[0].grid(alpha=0.3)
+    if "bandwidth" in s:
+        b = s["bandwidth"]
+        groups = sorted({(r["dtype"], r["prefix"]) for r in b["rows"]})
+        for i, (dtype, prefix) in enumerate(groups):
+            line = sorted((r for r in b["rows"] if (r["dtype"], r["prefix"]) == (dtype, prefix)),
+                          key=lambda r: r["tree"])
+            axes[1].plot([r["tree"] for r in line], [r["kernel_ms"] / r["floor_ms"] for r in line],
+                         "-o" if dtype == groups[0][0] else "--^", color=f"C{i % 10}", label=f"{dtype}, L {prefix}")
+        axes[1].set_xscale("log", base=2)
+        axes[1].set_yscale("log")
+        axes[1].set_xlabel("N: tree tokens")
+        axes[1].set_ylabel("kernel time / bytes-floor time")
+        axes[1].set_title(f"tree-attention kernel vs its bytes at {b['copy_gbps']:.0f} GB/s (1 = at the floor)",
+                          fontsize=10)
+        axes[1].legend(fontsize=7)
+        axes[1].grid(alpha=0.3)
+    m = report["machine"]
+    fig.suptitle(f"gpu-check | {m.get('gpu') or m.get('cpu_model')} | torch {m['torch']}"
+                 f"{' | DRY RUN: not measurements' if report['dry_run'] else ''}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

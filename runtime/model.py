@@ -210,8 +210,9 @@ def attend(
 # row needs the GEMM, and that every row count then gives each row its lone result. A bfloat16 model checks its
 # shapes when it loads and runs in float32 where they fail.
 # float16 on CPU gains nothing (its matmuls differ from 2 rows on, measured), float32 needs nothing, and CUDA
-# computes in the weights' dtype; all of them run unchanged. Checked, with negative controls, in
-# tests/test_batch_invariance.py.
+# computes in the weights' dtype; all of them run unchanged, 16-bit ones with a warning: on an H200, bfloat16
+# SmolLM2 gave 5 of 6 greedy speculative answers that left plain decoding's (float32: 6 of 6 identical;
+# perf/results/2026-12-04-gpu-nvidia-h200/). Checked, with negative controls, in tests/test_batch_invariance.py.
 INVARIANT_ROWS = 32
 
 
@@ -615,8 +616,16 @@ class TargetModel(nn.Module):
     def _ensure_row_invariance(self) -> None:
         """bfloat16 on CPU: check that this machine's matmul kernels give each row its lone-row result at the model's
         weight shapes (`row_plan`); where they do not, run in float32 (with a warning), whose rounding
-        needs no invariance: a bf16 tree step would not reproduce plain decoding and greedy output would change."""
+        needs no invariance: a bf16 tree step would not reproduce plain decoding and greedy output would change.
+        Other 16-bit weights (float16; bfloat16 on CUDA) run as asked, with a warning that greedy output may change."""
         if not batch_invariant(self.dtype, self.device):
+            if self.dtype in (torch.bfloat16, torch.float16):
+                warnings.warn(
+                    f"{self.config.dtype} weights on {self.device.type} do not run batch-invariant in this runtime: a "
+                    "tree step can round a token's logits differently from plain decoding's one-token steps, so "
+                    "greedy speculative output may differ from plain greedy decoding (on an H200 in bfloat16, 5 of "
+                    "6 SmolLM2 answers did; float32 keeps them identical)", RuntimeWarning, stacklevel=3,
+                )
             return
         layer = self.model.layers[0]
         weights = (layer.self_attn.fused_weight, layer.self_attn.o_proj.weight, layer.mlp.fused_weight,

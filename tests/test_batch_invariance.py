@@ -237,3 +237,14 @@ def test_a_model_loaded_in_inference_mode_packs_and_runs(ckpts):
     assert model._packed_lm_head is not None and not model._packed_lm_head.stale
     reference = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
     assert torch.equal(logits, reference.prefill(torch.tensor([[5, 6, 7]]), reference.new_cache(16))[0])
+
+
+def test_16_bit_weights_without_invariance_warn_that_greedy_output_may_change(ckpts, monkeypatch, recwarn):
+    with pytest.warns(RuntimeWarning, match="float16 weights on cpu do not run batch-invariant"):
+        TargetModel.from_pretrained(ckpts("llama3"), dtype="float16")
+    monkeypatch.setattr(runtime.model, "batch_invariant", lambda dtype, device: False)  # bf16 where none is built
+    with pytest.warns(RuntimeWarning, match="bfloat16 weights on cpu do not run batch-invariant.*greedy speculative"):
+        TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    recwarn.clear()
+    TargetModel.from_pretrained(ckpts("llama3"), dtype="float32")
+    assert not [w for w in recwarn if "batch-invariant" in str(w.message)]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from perf.__main__ import main
-from perf.gpu_check import GpuCheckConfig, Shapes, run_gpu_check
+from perf.gpu_check import GpuCheckConfig, Shapes, first_difference, merge_reports, run_gpu_check
 from runtime.errors import ConfigError
 from tests.tiny import make_checkpoint
 
@@ -77,4 +77,46 @@ def test_sections_subset(tiny):
     report = json.loads((out / "gpu_check.json").read_text())
     assert set(report["sections"]) == {"kernel", "verify"} and report["ok"]
     assert "End to end" not in (out / "gpu_check.md").read_text()
+    assert (out / "gpu_check.png").stat().st_size > 0  # the verify curve
     assert main(["gpu-check", "--dry-run", "--sections", "kernel,beam", "--out", str(out)]) == 2
+
+
+def test_e2e_dtype_overrides_the_config_s(tiny):
+    out = tiny["root"] / "e2e-fp32"
+    assert main(["gpu-check", "--dry-run", "--sections", "e2e", "--e2e-dtype", "float32", "--out", str(out),
+                 "--smollm2", str(tiny["ck"]), "--e2e-draft", "lookup", "--prompts", str(tiny["prompts"])]) == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["sections"]["e2e"]["dtype"] == "float32" and report["settings"]["e2e_dtype"] == "float32"
+    assert all(r["first_difference"] is None for r in report["sections"]["e2e"]["rows"])
+    assert not (out / "gpu_check.png").exists()  # nothing to plot without verify / bandwidth
+    with pytest.raises(ConfigError, match="e2e_dtype"):
+        GpuCheckConfig(e2e_dtype="int4")
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one output stopped early
+
+
+def test_merge_joins_runs_of_disjoint_sections(tiny, capsys):
+    a, b, merged = (tiny["root"] / name for name in ("part-a", "part-b", "merged"))
+    assert main(["gpu-check", "--dry-run", "--sections", "kernel", "--out", str(a)]) == 0
+    assert main(["gpu-check", "--dry-run", "--sections", "verify,bandwidth", "--out", str(b)]) == 0
+    assert main(["gpu-check", "--merge", str(a), str(b), "--out", str(merged)]) == 0
+    report = json.loads((merged / "gpu_check.json").read_text())
+    parts = [json.loads((d / "gpu_check.json").read_text()) for d in (a, b)]
+    assert list(report["sections"]) == ["kernel", "bandwidth", "verify"]  # the run's order, whatever the parts'
+    assert report["sections"]["kernel"] == parts[0]["sections"]["kernel"] and report["ok"]
+    assert report["seconds"] == parts[0]["seconds"] + parts[1]["seconds"]
+    assert [p["sections"] for p in report["parts"]] == [["kernel"], ["bandwidth", "verify"]]
+    assert "Merged from 2 runs" in (merged / "gpu_check.md").read_text() and (merged / "gpu_check.png").is_file()
+    assert main(["gpu-check", "--merge", str(a), str(a), "--out", str(merged)]) == 2
+    assert "section 'kernel' is in parts 0 and 1" in capsys.readouterr().err
+    other = {**parts[1], "machine": {**parts[1]["machine"], "gpu": "another GPU"}}
+    with pytest.raises(ConfigError, match="machine.gpu differs"):
+        merge_reports([parts[0], other])
+    failed = {**parts[0], "sections": {"kernel": {**parts[0]["sections"]["kernel"], "failed": 1}}}
+    assert not merge_reports([failed, parts[1]])["ok"]  # a part's failure stays a failure
+    with pytest.raises(ConfigError, match="format"):
+        merge_reports([{**parts[0], "format_version": 0}])

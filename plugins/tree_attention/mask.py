@@ -28,7 +28,8 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     pad = words * 32 - m
     bits = torch.nn.functional.pad(mask.to(torch.int64), (0, pad))  # [..., N, words*32]
     bits = bits.reshape(*mask.shape[:-1], words, 32)
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64), torch.arange(32))
+    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=mask.device),
+                                      torch.arange(32, device=mask.device))
     packed = (bits * weights).sum(-1)  # [..., N, words] values in [0, 2^32)
     # Reinterpret as signed int32 (two's complement) without overflow errors.
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)
@@ -41,7 +42,7 @@ def unpack_mask(packed: torch.Tensor, m: int) -> torch.Tensor:
         raise TypeError(f"packed mask must be int32, got {packed.dtype}")
     if packed.shape[-1] != mask_words(m):
         raise ValueError(f"packed mask has {packed.shape[-1]} words per row, expected {mask_words(m)} for m={m}")
-    shifts = torch.arange(32, dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
     bits = torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(-1), shifts), 1)  # [..., N, W, 32]
     return bits.reshape(*packed.shape[:-1], -1)[..., :m].to(torch.bool)
 

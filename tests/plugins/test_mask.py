@@ -34,3 +34,11 @@ def test_bad_inputs_are_rejected():
         unpack_mask(torch.zeros(2, 1, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match="expected 2 for m=33"):
         unpack_mask(torch.zeros(2, 1, dtype=torch.int32), 33)
+
+
+def test_masks_stay_on_their_device():
+    # The bit weights / shifts are built where the mask lives: gpu-check's first run on an H200 failed in the
+    # reference (unpack_mask on a CUDA mask with CPU shifts). Meta tensors hit the same device check on the CPU.
+    mask = torch.ones(3, 40, dtype=torch.bool, device="meta")  # [N, m]
+    assert pack_mask(mask).device.type == "meta"
+    assert unpack_mask(torch.zeros(3, 2, dtype=torch.int32, device="meta"), 40).device.type == "meta"
