@@ -46,7 +46,7 @@ prepared: $((sent / 1000000)) MB of the tree travels, + $(($(stat -c%s .gguf_a/p
 $(($(stat -c%s .gguf_b/part) / 1000000)) MB in the second (64 MiB = 67 MB each). GGUF sha256 $sha.
 1. run(carry=[".gguf_a"], timeout_s=400, command=
    "export PYTHONUNBUFFERED=1; cp .gguf_a/part /tmp/gguf_a; python3 -m perf gpu-check --sections kernel,bandwidth,verify --out \$OUT/kv")
-2. at once (the machine stays warm 30 s), run(carry=[".gguf_b", ".whl"], timeout_s=380, command=
+2. at once (the machine stays warm 30 s), run(carry=[".gguf_b", ".whl"], timeout_s=500, command=
    "export PYTHONUNBUFFERED=1; test -f /tmp/gguf_a || exit 3; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 4; cat /tmp/gguf_a .gguf_b/part > /tmp/s.gguf; echo '$sha  /tmp/s.gguf' | sha256sum -c || exit 5; python3 -m builder import-gguf --gguf /tmp/s.gguf --output models/smollm2-135m-instruct >/dev/null && python3 -m perf gpu-check --sections e2e --out \$OUT/e2e; python3 -m perf gpu-check --sections e2e --e2e-dtype float32 --out \$OUT/e2e-fp32")
    (exit status 3: a fresh machine came, without the first half; make call 1 again)
 3. here: $0 restore; python -m perf gpu-check --merge FILES_AT_1/kv FILES_AT_2/e2e --out perf/results/<date>-gpu-nvidia-h200

@@ -46,7 +46,7 @@ def test_dry_run_writes_every_section(tiny, capsys):
     assert verify["model"]["dtype"] == "bfloat16" and verify["model"]["parameters"] > 0
     e2e = s["e2e"]
     assert e2e["drafter"] == "lookup" and e2e["identical"] and len(e2e["rows"]) == 2
-    assert all(r["tokens"] > 0 for r in e2e["rows"])
+    assert all(r["tokens"] > 0 for r in e2e["rows"]) and e2e["warmup_seconds"] > 0
     md = (written[0].parent / "gpu_check.md").read_text()
     assert "DRY RUN" in md and "verify(N) / verify(1)" in md and "greedy identical: yes" in md
     assert "wrote" in capsys.readouterr().out
