@@ -31,6 +31,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Every plot's last step: lay out, write the PNG, free the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _title(report: dict[str, Any]) -> str:
     t, m = report["target"], report["machine"]
     return (f"{t['architecture']} {t['parameters'] / 1e6:.1f}M params, {t['dtype']} | {m['cpu_model']}, "
@@ -71,10 +79,7 @@ def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
     if spec or peers:
         axes[0].legend(fontsize=8)
     fig.suptitle(_title(report), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def acceptance_by_depth(report: dict[str, Any], path: Path) -> Path:
@@ -92,10 +97,7 @@ def acceptance_by_depth(report: dict[str, Any], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(_title(report), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def time_split(report: dict[str, Any], path: Path) -> Path:
@@ -113,10 +115,7 @@ def time_split(report: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("milliseconds per generated token")
     ax.legend(fontsize=8, ncol=4, loc="lower right")
     ax.set_title(_title(report), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def bench_plots(report: dict[str, Any], out: Path) -> list[Path]:
@@ -151,10 +150,7 @@ def serve_plot(report: dict[str, Any], path: Path) -> Path:
     m = report["machine"]
     fig.suptitle(f"perf_analyzer on {report['model']} ({report['url']}, gRPC streaming) | {m['cpu_model']}, "
                  f"{m['usable_cores']} cores | {report['settings']['max_tokens']} tokens per request", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def verify_cost_plot(report: dict[str, Any], path: Path) -> Path:
@@ -183,10 +179,7 @@ def verify_cost_plot(report: dict[str, Any], path: Path) -> Path:
     t, m, s = report["target"], report["machine"], report["settings"]
     fig.suptitle(f"{t['architecture']} {t['parameters'] / 1e6:.1f}M params on {t['device']} | {m['cpu_model']}, "
                  f"{s['threads']} thread(s) | context {s['context']}, median of {s['repeats']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def batch_plot(report: dict[str, Any], path: Path) -> Path:
@@ -221,10 +214,7 @@ def batch_plot(report: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"in-flight batching | {t['architecture']} {t['parameters'] / 1e6:.1f}M params, {t['dtype']}, "
                  f"drafter {d['drafter']} | {m['cpu_model']}, {report['settings']['threads']} thread(s) | "
                  f"{report['settings']['max_tokens']} tokens per request", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 __all__ = ["acceptance_by_depth", "batch_plot", "bench_plots", "serve_plot", "speedup_by_tree_size", "time_split",
@@ -271,7 +261,4 @@ def gpu_check_plot(report: dict[str, Any], path: Path) -> Path:
     m = report["machine"]
     fig.suptitle(f"gpu-check | {m.get('gpu') or m.get('cpu_model')} | torch {m['torch']}"
                  f"{' | DRY RUN: not measurements' if report['dry_run'] else ''}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
