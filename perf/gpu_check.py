@@ -41,8 +41,10 @@ import torch
 
 from perf.machine import expand_out, machine_info, now_iso, settings_dict
 from runtime import schema
+from runtime.config import DTYPES
 from runtime.draft_spec import KINDS, DraftSpec
 from runtime.errors import ConfigError
+from runtime.files import read_json_object
 from runtime.schema import setting
 
 REPORT_FORMAT = "spectree-gpu-check"
@@ -104,7 +106,7 @@ class GpuCheckConfig:
     e2e_draft: str | None = setting(None, choices=KINDS)  # override the drafter (e.g. lookup: no head weights needed)
     # None: the config's build dtype. On CUDA only float32 keeps greedy output identical in this runtime: its
     # batch invariance in bf16 is built from CPU kernels (perf/results/2026-12-04-gpu-nvidia-h200/README.md)
-    e2e_dtype: str | None = setting(None, choices=("float32", "bfloat16", "float16"))
+    e2e_dtype: str | None = setting(None, choices=tuple(DTYPES))
     prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
     seed: int = 0
     sections: tuple[str, ...] = ("kernel", "bandwidth", "verify", "e2e")  # a subset reruns only those
@@ -120,9 +122,6 @@ class GpuCheckConfig:
     @property
     def device(self) -> torch.device:
         return torch.device("cpu" if self.dry_run else "cuda")
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -186,7 +185,7 @@ def check_kernel(config: GpuCheckConfig) -> dict[str, Any]:
     run = _kernel(device)
     rows = []
     for dtype_name in s.kernel_dtypes:
-        dtype = _DTYPES[dtype_name]
+        dtype = DTYPES[dtype_name]
         for index, case in enumerate(s.kernel_cases):
             for extra in (0, 37):
                 q, k, v, mask = attention_inputs(case, dtype, device, seed=config.seed + index, cache_extra=extra)
@@ -217,7 +216,7 @@ def kernel_bandwidth(config: GpuCheckConfig) -> dict[str, Any]:
     hq, hkv, d = s.bench_heads
     rows = []
     for dtype_name in s.bench_dtypes:
-        dtype = _DTYPES[dtype_name]
+        dtype = DTYPES[dtype_name]
         for prefix in s.bench_prefix:
             for n in s.bench_tree:
                 q, k, v, mask = attention_inputs((1, hq, hkv, n, prefix, d, None), dtype, device, seed=prefix + n)
@@ -244,9 +243,9 @@ def random_target(sizes: dict[str, int], dtype: str, device: torch.device, seed:
     tensors = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=_DTYPES[dtype], device=device)
+            tensors[name] = torch.ones(shape, dtype=DTYPES[dtype], device=device)
         else:
-            tensors[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(_DTYPES[dtype])
+            tensors[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(DTYPES[dtype])
     return TargetModel.from_state(config, tensors, source="random Llama-shaped weights")
 
 
@@ -293,16 +292,10 @@ def _smollm2(config: GpuCheckConfig) -> Path:
     return path
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first token where two outputs differ (a length difference counts); None when equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     """Speculative vs plain decoding of the SmolLM2 target on the device, greedy, same prompts, interleaved."""
     from builder.config import load_config
+    from perf import stats
     from perf.bench import Target, build_decoder
     from perf.prompt_sets import load_prompts
     from runtime.model import TargetModel
@@ -343,7 +336,7 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
             timed[name] = (time.perf_counter() - t0, result)
         (tp, rp), (ts, rs) = timed["plain"], timed["speculative"]
         rows.append({"prompt": p.key, "tokens": len(rs.token_ids), "identical": rp.token_ids == rs.token_ids,
-                     "first_difference": first_difference(rp.token_ids, rs.token_ids),
+                     "first_difference": stats.first_difference(rp.token_ids, rs.token_ids),
                      "plain_tok_s": len(rp.token_ids) / tp, "spec_tok_s": len(rs.token_ids) / ts,
                      "speedup": tp / ts if ts > 0 else None, "tau": rs.stats.tau})
     total_plain = sum(r["tokens"] / r["plain_tok_s"] for r in rows)
@@ -515,8 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.merge:
         try:
-            report = merge_reports([json.loads((d / "gpu_check.json").read_text(encoding="utf-8")) for d in ns.merge])
-        except (ConfigError, OSError, json.JSONDecodeError) as exc:
+            report = merge_reports([read_json_object(d / "gpu_check.json", ConfigError) for d in ns.merge])
+        except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         out = write_report(report, Path(ns.out))
@@ -537,5 +530,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-__all__ = ["GpuCheckConfig", "Shapes", "first_difference", "markdown", "merge_reports", "run_gpu_check",
-           "write_report"]
+__all__ = ["GpuCheckConfig", "Shapes", "markdown", "merge_reports", "run_gpu_check", "write_report"]

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from perf import stats
 from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
 from runtime.schema import setting
@@ -217,7 +218,7 @@ def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[
                 result.itl_s.extend(gaps)
                 if tuple(ids) != case.reference:
                     result.mismatches.append(f"{case.key}: {len(ids)} tokens, offline {len(case.reference)}; first "
-                                             f"difference at {_first_difference(ids, case.reference)}")
+                                             f"difference at {stats.first_difference(ids, case.reference)}")
 
     sampler = threading.Thread(target=sample_rss, daemon=True) if pids is not None else None
     if sampler is not None:
@@ -232,10 +233,6 @@ def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[
     if sampler is not None:
         sampler.join()
     return result
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def server_pids(server_pid: int) -> Callable[[], list[int]]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from perf.__main__ import main
-from perf.gpu_check import GpuCheckConfig, Shapes, first_difference, merge_reports, run_gpu_check
+from perf.gpu_check import GpuCheckConfig, Shapes, merge_reports, run_gpu_check
 from runtime.errors import ConfigError
 from tests.tiny import make_checkpoint
 
@@ -91,12 +91,6 @@ def test_e2e_dtype_overrides_the_config_s(tiny):
     assert not (out / "gpu_check.png").exists()  # nothing to plot without verify / bandwidth
     with pytest.raises(ConfigError, match="e2e_dtype"):
         GpuCheckConfig(e2e_dtype="int4")
-
-
-def test_first_difference():
-    assert first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert first_difference([1, 2], [1, 2, 3]) == 2  # one output stopped early
 
 
 def test_merge_joins_runs_of_disjoint_sections(tiny, capsys):
