@@ -104,8 +104,7 @@ class GpuCheckConfig:
     smollm2: Path = REPO_ROOT / "models" / "smollm2-135m-instruct"  # imported from the GGUF when missing
     smollm2_config: Path = REPO_ROOT / "configs" / "smollm2.yaml"  # the drafter, its weights and tree
     e2e_draft: str | None = setting(None, choices=KINDS)  # override the drafter (e.g. lookup: no head weights needed)
-    # None: the config's build dtype. On CUDA only float32 keeps greedy output identical in this runtime: its
-    # batch invariance in bf16 is built from CPU kernels (perf/results/2026-12-04-gpu-nvidia-h200/README.md)
+    # None: the config's build dtype (bf16 and fp16 run batch-invariant on CUDA: runtime/model.py `pads_rows`)
     e2e_dtype: str | None = setting(None, choices=tuple(DTYPES))
     prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
     seed: int = 0
@@ -298,7 +297,7 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     from perf import stats
     from perf.bench import Target, build_decoder
     from perf.prompt_sets import load_prompts
-    from runtime.model import TargetModel
+    from runtime.model import TargetModel, batch_invariant
     from runtime.tokenizer import Tokenizer
 
     s = config.shapes
@@ -341,7 +340,11 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
                      "speedup": tp / ts if ts > 0 else None, "tau": rs.stats.tau})
     total_plain = sum(r["tokens"] / r["plain_tok_s"] for r in rows)
     total_spec = sum(r["tokens"] / r["spec_tok_s"] for r in rows)
-    return {"target": str(path), "drafter": draft.kind, "draft": draft.describe(), "dtype": dtype,
+    # dtype: what the model runs in (a 16-bit model failing the load-time row check runs in float32)
+    return {"target": str(path), "drafter": draft.kind, "draft": draft.describe(),
+            "dtype": str(model.dtype).removeprefix("torch."), "requested_dtype": dtype,
+            "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
+            "batch_invariant": batch_invariant(model.dtype, model.device),
             "tree": json.dumps([list(c) for c in tree.choices]) if tree is not None else draft.tree,
             "rows": rows, "identical": all(r["identical"] for r in rows), "warmup_seconds": warm_seconds,
             "speedup": total_plain / total_spec if total_spec else None}
@@ -458,6 +461,9 @@ def _verify_md(v: dict[str, Any]) -> list[str]:
 def _e2e_md(e: dict[str, Any]) -> list[str]:
     lines = ["", f"## End to end: {e['drafter']} vs plain decoding ({e['dtype']}), speedup {e['speedup']:.2f}x, "
               f"greedy identical: {'yes' if e['identical'] else 'NO'}", ""]
+    if "kv_dtype" in e:
+        lines += [f"Weights {e['dtype']} (asked: {e['requested_dtype']}), attention and KV cache {e['kv_dtype']}, "
+                  f"batch-invariant: {'yes' if e['batch_invariant'] else 'no'}.", ""]
     if "warmup_seconds" in e:
         lines += [f"Timed after an untimed pass over every prompt by both decoders ({e['warmup_seconds']:.0f} s).", ""]
     lines += ["| prompt | tokens | plain tok/s | speculative tok/s | speedup | tau | identical |",

@@ -55,7 +55,13 @@ class RMSNorm(nn.Module):
         # x  # [..., H]
         dtype = x.dtype
         xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if pads_rows(x.device) and batch_invariant(dtype, x.device):
+            # A GPU reduction splits a row's sum by how many rows there are; in float64 every split rounds to
+            # the same float32 (see "batch invariance")
+            variance = xf.to(torch.float64).pow(2).mean(-1, keepdim=True).to(torch.float32)
+        else:
+            variance = xf.pow(2).mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(variance + self.eps)
         return self.weight * xf.to(dtype)
 
 
@@ -209,21 +215,39 @@ def attend(
 # What a CPU's kernels do is measured, not assumed (`row_plan`, per weight shape, once per process): whether a lone
 # row needs the GEMM, and that every row count then gives each row its lone result. A bfloat16 model checks its
 # shapes when it loads and runs in float32 where they fail.
-# float16 on CPU gains nothing (its matmuls differ from 2 rows on, measured), float32 needs nothing, and CUDA
-# computes in the weights' dtype; all of them run unchanged, 16-bit ones with a warning: on an H200, bfloat16
-# SmolLM2 gave 5 of 6 greedy speculative answers that left plain decoding's (float32: 6 of 6 identical;
-# perf/results/2026-12-04-gpu-nvidia-h200/). Checked, with negative controls, in tests/test_batch_invariance.py.
-INVARIANT_ROWS = 32
+# On CUDA, bfloat16 and float16 weights run batch-invariant too, by other means (`pads_rows`): on an H200, bf16
+# SmolLM2 without them gave 5 of 6 greedy speculative answers that left plain decoding's (float32: 6 of 6
+# identical; perf/results/2026-12-04-gpu-nvidia-h200/). cuBLAS picks its kernel by shape, so
+# - every weight matmul runs exactly PADDED_ROWS rows (zero-padded; more rows: blocks of PADDED_ROWS): one kernel
+#   for a one-token step, a tree step and a prompt chunk, whose rows do not mix (`row_plan` measures that too);
+# - attention runs in float64 (`kv_dtype`; the Triton kernel's bf16 blocking depends on N and on where the tree
+#   slots sit), as on a CPU without the kernel above;
+# - RMSNorm sums its squares in float64 (GPU reductions split a row by the number of rows).
+# At one token a GPU step reads weights, so 64 rows cost little more than one. float16 on CPU gains nothing (its
+# matmuls differ from 2 rows on, measured) and runs unchanged with a warning; float32 needs nothing.
+# Checked, with negative controls, in tests/test_batch_invariance.py (the CUDA route also on the CPU).
+INVARIANT_ROWS = 32  # CPU: blocks of at most this many rows
+PADDED_ROWS = 64  # CUDA: every weight matmul exactly this many rows (a draft tree of 63 nodes + its root)
+_PADDED_DEVICE_TYPES = ("cuda",)
+
+
+def pads_rows(device: torch.device) -> bool:
+    """Whether batch invariance on `device` pads every weight matmul to PADDED_ROWS rows (see above)."""
+    return device.type in _PADDED_DEVICE_TYPES
 
 
 def batch_invariant(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights of `dtype` on `device` run batch-invariant (see above)."""
+    if pads_rows(device):
+        return dtype in (torch.bfloat16, torch.float16)
     return device.type == "cpu" and dtype == torch.bfloat16
 
 
 def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a target model's KV cache is kept and its attention computed in, for weights in `dtype`."""
-    if not batch_invariant(dtype, device) or native_attention.load() is not None:
+    if not batch_invariant(dtype, device):
+        return dtype
+    if not pads_rows(device) and native_attention.load() is not None:
         return dtype
     return torch.float64
 
@@ -338,6 +362,8 @@ def linear(
         return F.linear(x, plain, bias)
     if not batch_invariant(plain.dtype, plain.device):
         return _matmul(x, weight, bias)
+    if pads_rows(plain.device):
+        return _padded_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if 2 <= rows <= INVARIANT_ROWS:
         return _matmul(x, weight, bias)
@@ -365,6 +391,21 @@ def _invariant_linear(
         else _matmul(block, weight, bias)  # a GEMM's rows are independent: the copy changes nothing in the first
         for block in blocks
     ])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _padded_linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor | PackedWeight,  # [out, in]
+    bias: torch.Tensor | None,  # [out]
+) -> torch.Tensor:  # [..., out]
+    """`linear`'s batch-invariant path on devices that pad (`pads_rows`): matmuls of exactly PADDED_ROWS rows, the
+    last block zero-padded, one call per block (a batched call would run as one taller GEMM)."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    padded = flat.new_zeros(-(-rows // PADDED_ROWS) * PADDED_ROWS, x.shape[-1])
+    padded[:rows] = flat
+    out = torch.cat([_matmul(block, weight, bias) for block in padded.split(PADDED_ROWS)])[:rows]
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -397,19 +438,26 @@ def row_plan(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> 
 @torch.no_grad()
 def _measure_row_plan(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> RowPlan:
     out_f, in_f = shape
+    block = PADDED_ROWS if pads_rows(device) else INVARIANT_ROWS
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).to(dtype=dtype, device=device)
     if PackedWeight.supported(dtype, device):  # measured on the kernels the model runs
         weight = PackedWeight.of(weight)
-    x = torch.randn(INVARIANT_ROWS + 1, in_f, generator=g).to(dtype=dtype, device=device)
-    gemv = torch.cat([_matmul(row[None], weight, None) for row in x])  # [rows, out]
-    gemm = torch.cat([_matmul(row[None].repeat(2, 1), weight, None)[:1] for row in x])
-    gemm_lone_row = not torch.equal(gemv, gemm)
-    alone = gemm if gemm_lone_row else gemv
+    x = torch.randn(block + 1, in_f, generator=g).to(dtype=dtype, device=device)
+    if pads_rows(device):  # a lone row is padded like any other: the check is that rows do not mix
+        gemm_lone_row = False
+        alone = torch.cat([_padded_linear(row[None], weight, None) for row in x])  # [rows, out]
+    else:
+        gemv = torch.cat([_matmul(row[None], weight, None) for row in x])  # [rows, out]
+        gemm = torch.cat([_matmul(row[None].repeat(2, 1), weight, None)[:1] for row in x])
+        gemm_lone_row = not torch.equal(gemv, gemm)
+        alone = gemm if gemm_lone_row else gemv
     # Enough row counts to compare at least ~2 * 10^5 elements (every count for small outputs), the last two always.
-    step = max(1, (INVARIANT_ROWS * out_f) // 200_000)
-    for n in sorted({*range(2, INVARIANT_ROWS, step), INVARIANT_ROWS, INVARIANT_ROWS + 1}):
-        differ = (_invariant_linear(x[:n], weight, None, gemm_lone_row) != alone[:n]).any(dim=-1)
+    step = max(1, (block * out_f) // 200_000)
+    for n in sorted({*range(2, block, step), block, block + 1}):
+        run = (_padded_linear(x[:n], weight, None) if pads_rows(device)
+               else _invariant_linear(x[:n], weight, None, gemm_lone_row))
+        differ = (run != alone[:n]).any(dim=-1)
         if bool(differ.any()):
             rows = differ.nonzero().flatten().tolist()[:4]
             return RowPlan(gemm_lone_row, f"a [{n}, {in_f}] x [{in_f}, {out_f}] {str(dtype).removeprefix('torch.')} "
@@ -614,17 +662,18 @@ class TargetModel(nn.Module):
         return super()._apply(fn, recurse)
 
     def _ensure_row_invariance(self) -> None:
-        """bfloat16 on CPU: check that this machine's matmul kernels give each row its lone-row result at the model's
-        weight shapes (`row_plan`); where they do not, run in float32 (with a warning), whose rounding
-        needs no invariance: a bf16 tree step would not reproduce plain decoding and greedy output would change.
-        Other 16-bit weights (float16; bfloat16 on CUDA) run as asked, with a warning that greedy output may change."""
+        """Weights that run batch-invariant (bfloat16 on CPU; bfloat16 / float16 on CUDA): check that this machine's
+        matmul kernels give each row its lone-row result at the model's weight shapes (`row_plan`); where they do
+        not, run in float32 (with a warning), whose rounding needs no invariance: a 16-bit tree step would not
+        reproduce plain decoding and greedy output would change. float16 on CPU runs as asked, with a warning that
+        greedy output may change."""
         if not batch_invariant(self.dtype, self.device):
             if self.dtype in (torch.bfloat16, torch.float16):
                 warnings.warn(
                     f"{self.config.dtype} weights on {self.device.type} do not run batch-invariant in this runtime: a "
                     "tree step can round a token's logits differently from plain decoding's one-token steps, so "
-                    "greedy speculative output may differ from plain greedy decoding (on an H200 in bfloat16, 5 of "
-                    "6 SmolLM2 answers did; float32 keeps them identical)", RuntimeWarning, stacklevel=3,
+                    "greedy speculative output may differ from plain greedy decoding (float32 keeps it identical)",
+                    RuntimeWarning, stacklevel=3,
                 )
             return
         layer = self.model.layers[0]
@@ -634,14 +683,15 @@ class TargetModel(nn.Module):
             error = row_plan(shape, self.dtype, self.device).error
             if error is not None:
                 warnings.warn(
-                    f"bfloat16 matmuls on this CPU are not row-invariant ({error}): a tree step would not reproduce "
-                    "plain decoding bit for bit, so the model runs in float32 (pass dtype float32 to choose it)",
+                    f"{self.config.dtype} matmuls on this {self.device.type} are not row-invariant ({error}): a tree "
+                    "step would not reproduce plain decoding bit for bit, so the model runs in float32 (pass dtype "
+                    "float32 to choose it)",
                     RuntimeWarning, stacklevel=3,
                 )
                 self.config = self.config.with_dtype("float32")
                 self.to(torch.float32)
                 return
-        if native_attention.load() is None:
+        if not pads_rows(self.device) and native_attention.load() is None:
             warnings.warn(
                 f"the row-invariant attention kernel is unavailable ({native_attention.unavailable()}): this bfloat16 "
                 "model attends in float64 instead (slower, 4x the KV cache memory)", RuntimeWarning, stacklevel=3,
@@ -809,5 +859,6 @@ class TargetModel(nn.Module):
 __all__ = [
     "RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "Segment", "AttendingCache",
     "SegmentCaches", "attend",
-    "causal_mask", "kv_dtype", "batch_invariant", "linear", "INVARIANT_ROWS", "RowPlan", "row_plan", "PackedWeight",
+    "causal_mask", "kv_dtype", "batch_invariant", "pads_rows", "linear", "INVARIANT_ROWS", "PADDED_ROWS", "RowPlan",
+    "row_plan", "PackedWeight",
 ]

@@ -10,7 +10,7 @@ import torch
 
 import plugins.tree_attention.native
 import runtime.model
-from runtime.model import INVARIANT_ROWS, PackedWeight, RowPlan, linear, row_plan
+from runtime.model import INVARIANT_ROWS, PADDED_ROWS, PackedWeight, RowPlan, linear, row_plan
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.model import TargetModel, causal_mask
 from tests.test_model import tree_paths
@@ -101,7 +101,12 @@ def test_kv_dtype_follows_the_kernel():
     assert runtime.model.kv_dtype(torch.bfloat16, cpu) == torch.bfloat16  # the row-invariant kernel's
     assert runtime.model.kv_dtype(torch.float16, cpu) == torch.float16  # its CPU matmuls are not row-invariant
     assert runtime.model.kv_dtype(torch.float32, cpu) == torch.float32
-    assert runtime.model.kv_dtype(torch.bfloat16, cuda) == torch.bfloat16
+    # CUDA: 16-bit weights run batch-invariant by padding their matmuls and attend in float64
+    assert runtime.model.batch_invariant(torch.bfloat16, cuda) and runtime.model.batch_invariant(torch.float16, cuda)
+    assert runtime.model.pads_rows(cuda) and not runtime.model.pads_rows(cpu)
+    assert runtime.model.kv_dtype(torch.bfloat16, cuda) == torch.float64
+    assert runtime.model.kv_dtype(torch.float16, cuda) == torch.float64
+    assert runtime.model.kv_dtype(torch.float32, cuda) == torch.float32
 
 
 def test_kv_dtype_without_the_kernel_is_float64_for_bf16_on_cpu(without_native_kernel):
@@ -248,3 +253,84 @@ def test_16_bit_weights_without_invariance_warn_that_greedy_output_may_change(ck
     recwarn.clear()
     TargetModel.from_pretrained(ckpts("llama3"), dtype="float32")
     assert not [w for w in recwarn if "batch-invariant" in str(w.message)]
+
+
+# ---- the padded route (CUDA's), run on the CPU ------------------------------------------------------------------
+# No GPU here: these run CUDA's route (runtime.model.pads_rows) on the CPU's kernels. oneDNN's GEMM at a fixed row
+# count keeps rows apart as cuBLAS's does, so the route's logic (padding, blocks, float64 attention and norms, the
+# load-time check) is tested end to end; what cuBLAS does is measured where it runs (`row_plan` when a model loads;
+# `python -m perf gpu-check`, e2e).
+
+
+@pytest.fixture
+def padded_route(monkeypatch):
+    monkeypatch.setattr(runtime.model, "_PADDED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
+
+
+def test_padded_route_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, padded_route, recwarn):
+    model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
+    assert not [w for w in recwarn if "row-invariant" in str(w.message)]  # the load-time check passed
+    assert model.dtype == torch.bfloat16 and model.kv_dtype == torch.float64
+    for seed, (prefix_len, num_nodes) in enumerate(CASES):  # 70 nodes: two padded blocks
+        assert _mismatches(model, prefix_len, num_nodes, seed) == 0
+
+
+def test_padded_route_float16_runs_batch_invariant(ckpts, padded_route, recwarn):
+    model = TargetModel.from_pretrained(ckpts("llama3"), dtype="float16")
+    if model.dtype == torch.float32:  # this CPU's float16 GEMM mixes rows: the check sent the model to float32
+        assert [w for w in recwarn if "float16 matmuls on this cpu are not row-invariant" in str(w.message)]
+        return
+    assert not [w for w in recwarn if "batch-invariant" in str(w.message)]
+    assert model.kv_dtype == torch.float64
+    for seed, (prefix_len, num_nodes) in enumerate(CASES[:2]):
+        assert _mismatches(model, prefix_len, num_nodes, seed) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, PADDED_ROWS - 1, PADDED_ROWS, PADDED_ROWS + 1, 2 * PADDED_ROWS + 3])
+def test_padded_linear_gives_every_row_its_matmul_value_and_shape(padded_route, monkeypatch, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 40, generator=g).double()
+    b = torch.randn(48, generator=g).double()
+    x = torch.randn(2, rows, 40, generator=g).double()  # float64: exact enough to compare with one GEMM
+    calls = []
+    real = runtime.model._matmul
+
+    def counting(xx, ww, bb):
+        calls.append(xx.shape[0])
+        return real(xx, ww, bb)
+
+    monkeypatch.setattr(runtime.model, "_matmul", counting)
+    got = runtime.model._padded_linear(x, w, b)
+    assert got.shape == (2, rows, 48)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-12, atol=1e-12)
+    assert calls == [PADDED_ROWS] * -(-2 * rows // PADDED_ROWS)  # every matmul exactly PADDED_ROWS rows
+
+
+def test_padded_route_rms_norm_sums_in_float64(padded_route):
+    """The padded route's RMSNorm: HF's arithmetic but for the sum of squares (float64, then float32), so its
+    output is HF's up to one rounding of the last bit."""
+    g = torch.Generator().manual_seed(0)
+    norm = runtime.model.RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
+    x = (3 * torch.randn(70, 576, generator=g)).bfloat16()
+    got = norm(x)
+    xf = x.float()
+    expected = norm.weight * (xf * torch.rsqrt(xf.double().pow(2).mean(-1, keepdim=True).float() + 1e-5)).bfloat16()
+    assert torch.equal(got, expected)
+    alone = torch.cat([norm(row[None]) for row in x])
+    assert torch.equal(got, alone)
+
+
+def test_negative_control_padded_row_plan_catches_rows_that_mix(padded_route, monkeypatch):
+    """A matmul whose rounding depends on the other rows of its block (here: a float32 pass when the block holds
+    more than 4 nonzero rows) is caught by the check, and the model then runs in float32."""
+    real = runtime.model._matmul
+
+    def mixing(x, w, b=None):
+        busy = int((x != 0).any(dim=-1).sum()) > 4
+        return _float32_matmul(x, w, b) if busy else real(x, w, b)
+
+    monkeypatch.setattr(runtime.model, "_matmul", mixing)
+    error = row_plan((576, 1536), torch.bfloat16, torch.device("cpu")).error
+    assert error is not None and "x [1536, 576] bfloat16 matmul gives row(s)" in error
