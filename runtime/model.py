@@ -402,11 +402,10 @@ def _padded_linear(
     """`linear`'s batch-invariant path on devices that pad (`pads_rows`): matmuls of exactly PADDED_ROWS rows, the
     last block zero-padded, one call per block (a batched call would run as one taller GEMM)."""
     rows = x.numel() // x.shape[-1]
-    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % PADDED_ROWS))
-    if padded.shape[0] == PADDED_ROWS:  # every decoding step: no concatenation
-        out = _matmul(padded, weight, bias)[:rows]
-    else:
-        out = torch.cat([_matmul(block, weight, bias) for block in padded.split(PADDED_ROWS)])[:rows]
+    flat = x.reshape(rows, x.shape[-1])
+    padded = flat.new_zeros(-(-rows // PADDED_ROWS) * PADDED_ROWS, x.shape[-1])
+    padded[:rows] = flat
+    out = torch.cat([_matmul(block, weight, bias) for block in padded.split(PADDED_ROWS)])[:rows]
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

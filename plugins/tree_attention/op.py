@@ -2,8 +2,7 @@
 
 Registered with torch.library when this module is imported:
 - CUDA runs the Triton kernel (plugins/tree_attention/kernel.py, imported on first CUDA call) for fp16, bf16
-  and fp32, SDPA under the unpacked mask (plugins/tree_attention/cpu.py) for fp64 (what bf16 / fp16 models attend
-  in on CUDA, runtime/model.py `kv_dtype`), and the torch reference for other floating dtypes;
+  and fp32, and the torch reference for other floating dtypes (fp64 checks);
 - the CPU runs bf16 through the row-invariant kernel (plugins/tree_attention/native.py: what bf16 models attend
   with on CPU, runtime/model.py `kv_dtype`) where it builds, and torch's fused SDPA under the unpacked mask
   (plugins/tree_attention/cpu.py) for fp16, fp32, fp64 (bf16 models' KV dtype where the kernel does not build)
@@ -53,9 +52,6 @@ def _tree_attention_cpu(q, k, v, tree_mask, scale):
 
 
 def _tree_attention_cuda(q, k, v, tree_mask, scale):
-    if q.dtype == torch.float64:  # what 16-bit models attend in on CUDA: few launches, the mask unpacked once
-        check_inputs(q, k, v, tree_mask)
-        return tree_attention_sdpa(q, k, v, tree_mask, scale)
     if q.dtype not in KERNEL_DTYPES:
         return _tree_attention_any(q, k, v, tree_mask, scale)
     from plugins.tree_attention.kernel import tree_attention_triton

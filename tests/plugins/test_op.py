@@ -65,19 +65,6 @@ def test_cpu_dispatch_respects_the_tree_mask():
     assert changed[1].max() == 0
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(n=1), dict(n=37, prefix=50), dict(q_heads=8, kv_heads=1)])
-def test_cuda_implementation_runs_fp64_through_sdpa(shape):
-    """fp64 is what 16-bit models attend in on CUDA (runtime.model.kv_dtype): the CUDA implementation sends it to
-    SDPA under the unpacked mask, device-agnostic code run here on CPU tensors, reference-exact to fp64 rounding."""
-    q, k, v, mask = inputs(dtype=torch.float64, **shape)
-    out = plugins.tree_attention.op._tree_attention_cuda(q, k, v, mask, 0.3)
-    assert out.dtype == torch.float64
-    torch.testing.assert_close(out, tree_attention_reference(q, k, v, mask, 0.3), atol=1e-12, rtol=1e-12)
-    with pytest.raises(TreeAttentionShapeError):
-        n = q.shape[2]  # fewer keys than tree tokens
-        plugins.tree_attention.op._tree_attention_cuda(q, k[:, :, :n - 1], v[:, :, :n - 1], mask, 0.3)
-
-
 def test_op_has_cuda_and_fake_kernels():
     name = "spectree::tree_attention"
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")  # the Triton kernel
