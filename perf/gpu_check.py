@@ -250,6 +250,7 @@ def random_target(sizes: dict[str, int], dtype: str, device: torch.device, seed:
 
 def verify_ratios(config: GpuCheckConfig) -> dict[str, Any]:
     from perf.verify_cost import MASKS, Case, schedule, summarize, time_cases, verify_input
+    from runtime.model import batch_invariant
 
     device, s = config.device, config.shapes
     model = random_target(s.verify_model, s.verify_dtype, device, config.seed)
@@ -276,8 +277,11 @@ def verify_ratios(config: GpuCheckConfig) -> dict[str, Any]:
     if cache.length != s.verify_context:
         raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
     params = sum(p.numel() for p in model.parameters())
+    ran = {"dtype": str(model.dtype).removeprefix("torch."), "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
+           "batch_invariant": batch_invariant(model.dtype, model.device)}  # what the model ran in (see end_to_end)
     del model, cache
-    return {"model": {**s.verify_model, "dtype": s.verify_dtype, "parameters": params, "context": s.verify_context},
+    return {"model": {**s.verify_model, "dtype": s.verify_dtype, "parameters": params, "context": s.verify_context,
+                      "ran": ran},
             "rows": [{k: r[k] for k in ("mask", "size", "median_ms", "min_ms", "ratio")} for r in rows]}
 
 
@@ -451,6 +455,10 @@ def _verify_md(v: dict[str, Any]) -> list[str]:
     lines = ["", f"## verify(N) / verify(1), {v['model']['parameters'] / 1e9:.2f}B-parameter random Llama-3-8B-shaped "
               f"model, {v['model']['dtype']}, context {v['model']['context']}", "",
               "| N | chain ms | chain ratio | tree ms | tree ratio |", "|---|---|---|---|---|"]
+    if "ran" in v["model"]:
+        ran = v["model"]["ran"]
+        lines[2:2] = [f"Ran in {ran['dtype']}, attention and KV cache {ran['kv_dtype']}, batch-invariant: "
+                      f"{'yes' if ran['batch_invariant'] else 'no'}.", ""]
     by = {(r["mask"], r["size"]): r for r in v["rows"]}
     for n in sorted({r["size"] for r in v["rows"]}):
         c, t = by[("chain", n)], by[("tree", n)]
