@@ -55,9 +55,9 @@ class RMSNorm(nn.Module):
         # x  # [..., H]
         dtype = x.dtype
         xf = x.to(torch.float32)
-        if pads_rows(x.device) and batch_invariant(dtype, x.device):
+        if pads_rows(x.device) and batch_invariant(dtype, x.device) and not torch.compiler.is_compiling():
             # A GPU reduction splits a row's sum by how many rows there are; in float64 every split rounds to
-            # the same float32 (see "batch invariance")
+            # the same float32 (see "batch invariance"; an exported graph keeps HF's arithmetic, as in `linear`)
             variance = xf.to(torch.float64).pow(2).mean(-1, keepdim=True).to(torch.float32)
         else:
             variance = xf.pow(2).mean(-1, keepdim=True)
