@@ -216,15 +216,16 @@ def attend(
 # row needs the GEMM, and that every row count then gives each row its lone result. A bfloat16 model checks its
 # shapes when it loads and runs in float32 where they fail.
 # On CUDA, bfloat16 and float16 weights run batch-invariant too, by other means (`pads_rows`): on an H200, bf16
-# SmolLM2 without them gave 5 of 6 greedy speculative answers that left plain decoding's (float32: 6 of 6
-# identical; perf/results/2026-12-04-gpu-nvidia-h200/). cuBLAS picks its kernel by shape, so
+# SmolLM2 without them gave 5 of 6 greedy speculative answers that left plain decoding's, with them 0 of 6
+# (perf/results/2026-12-04-gpu-nvidia-h200*/). cuBLAS picks its kernel by shape, so
 # - every weight matmul runs exactly PADDED_ROWS rows (zero-padded; more rows: blocks of PADDED_ROWS): one kernel
 #   for a one-token step, a tree step and a prompt chunk, whose rows do not mix (`row_plan` measures that too);
 # - attention runs in float64 (`kv_dtype`; the Triton kernel's bf16 blocking depends on N and on where the tree
 #   slots sit), as on a CPU without the kernel above;
 # - RMSNorm sums its squares in float64 (GPU reductions split a row by the number of rows).
-# At one token a GPU step reads weights, so 64 rows cost little more than one. float16 on CPU gains nothing (its
-# matmuls differ from 2 rows on, measured) and runs unchanged with a warning; float32 needs nothing.
+# Its cost there, measured: an 8B-shaped bf16 forward 44 ms against 27-31 ms without it (this eager runtime is
+# launch- and host-bound; the weights' bytes alone take 3.8 ms). float16 on CPU gains nothing (its matmuls differ
+# from 2 rows on, measured) and runs unchanged with a warning; float32 needs nothing.
 # Checked, with negative controls, in tests/test_batch_invariance.py (the CUDA route also on the CPU).
 INVARIANT_ROWS = 32  # CPU: blocks of at most this many rows
 PADDED_ROWS = 64  # CUDA: every weight matmul exactly this many rows (a draft tree of 63 nodes + its root)
