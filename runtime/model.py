@@ -447,18 +447,18 @@ def _measure_row_plan(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     x = torch.randn(block + 1, in_f, generator=g).to(dtype=dtype, device=device)
     if pads_rows(device):  # a lone row is padded like any other: the check is that rows do not mix
         gemm_lone_row = False
-        alone = torch.cat([_padded_linear(row[None], weight, None) for row in x])  # [rows, out]
+        run = functools.partial(_padded_linear, weight=weight, bias=None)
+        alone = torch.cat([run(row[None]) for row in x])  # [rows, out]
     else:
         gemv = torch.cat([_matmul(row[None], weight, None) for row in x])  # [rows, out]
         gemm = torch.cat([_matmul(row[None].repeat(2, 1), weight, None)[:1] for row in x])
         gemm_lone_row = not torch.equal(gemv, gemm)
         alone = gemm if gemm_lone_row else gemv
+        run = functools.partial(_invariant_linear, weight=weight, bias=None, gemm_lone_row=gemm_lone_row)
     # Enough row counts to compare at least ~2 * 10^5 elements (every count for small outputs), the last two always.
     step = max(1, (block * out_f) // 200_000)
     for n in sorted({*range(2, block, step), block, block + 1}):
-        run = (_padded_linear(x[:n], weight, None) if pads_rows(device)
-               else _invariant_linear(x[:n], weight, None, gemm_lone_row))
-        differ = (run != alone[:n]).any(dim=-1)
+        differ = (run(x[:n]) != alone[:n]).any(dim=-1)
         if bool(differ.any()):
             rows = differ.nonzero().flatten().tolist()[:4]
             return RowPlan(gemm_lone_row, f"a [{n}, {in_f}] x [{in_f}, {out_f}] {str(dtype).removeprefix('torch.')} "
