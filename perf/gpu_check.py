@@ -250,7 +250,6 @@ def random_target(sizes: dict[str, int], dtype: str, device: torch.device, seed:
 
 def verify_ratios(config: GpuCheckConfig) -> dict[str, Any]:
     from perf.verify_cost import MASKS, Case, schedule, summarize, time_cases, verify_input
-    from runtime.model import batch_invariant
 
     device, s = config.device, config.shapes
     model = random_target(s.verify_model, s.verify_dtype, device, config.seed)
@@ -277,8 +276,7 @@ def verify_ratios(config: GpuCheckConfig) -> dict[str, Any]:
     if cache.length != s.verify_context:
         raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
     params = sum(p.numel() for p in model.parameters())
-    ran = {"dtype": str(model.dtype).removeprefix("torch."), "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
-           "batch_invariant": batch_invariant(model.dtype, model.device)}  # what the model ran in (see end_to_end)
+    ran = _ran_in(model)
     del model, cache
     return {"model": {**s.verify_model, "dtype": s.verify_dtype, "parameters": params, "context": s.verify_context,
                       "ran": ran},
@@ -295,13 +293,21 @@ def _smollm2(config: GpuCheckConfig) -> Path:
     return path
 
 
+def _ran_in(model) -> dict[str, Any]:
+    """What a loaded TargetModel runs in: a 16-bit model failing the load-time row check runs in float32."""
+    from runtime.model import batch_invariant
+
+    return {"dtype": str(model.dtype).removeprefix("torch."), "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
+            "batch_invariant": batch_invariant(model.dtype, model.device)}
+
+
 def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     """Speculative vs plain decoding of the SmolLM2 target on the device, greedy, same prompts, interleaved."""
     from builder.config import load_config
     from perf import stats
     from perf.bench import Target, build_decoder
     from perf.prompt_sets import load_prompts
-    from runtime.model import TargetModel, batch_invariant
+    from runtime.model import TargetModel
     from runtime.tokenizer import Tokenizer
 
     s = config.shapes
@@ -344,11 +350,8 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
                      "speedup": tp / ts if ts > 0 else None, "tau": rs.stats.tau})
     total_plain = sum(r["tokens"] / r["plain_tok_s"] for r in rows)
     total_spec = sum(r["tokens"] / r["spec_tok_s"] for r in rows)
-    # dtype: what the model runs in (a 16-bit model failing the load-time row check runs in float32)
-    return {"target": str(path), "drafter": draft.kind, "draft": draft.describe(),
-            "dtype": str(model.dtype).removeprefix("torch."), "requested_dtype": dtype,
-            "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
-            "batch_invariant": batch_invariant(model.dtype, model.device),
+    return {"target": str(path), "drafter": draft.kind, "draft": draft.describe(), **_ran_in(model),
+            "requested_dtype": dtype,
             "tree": json.dumps([list(c) for c in tree.choices]) if tree is not None else draft.tree,
             "rows": rows, "identical": all(r["identical"] for r in rows), "warmup_seconds": warm_seconds,
             "speedup": total_plain / total_spec if total_spec else None}
@@ -457,8 +460,7 @@ def _verify_md(v: dict[str, Any]) -> list[str]:
               "| N | chain ms | chain ratio | tree ms | tree ratio |", "|---|---|---|---|---|"]
     if "ran" in v["model"]:
         ran = v["model"]["ran"]
-        lines[2:2] = [f"Ran in {ran['dtype']}, attention and KV cache {ran['kv_dtype']}, batch-invariant: "
-                      f"{'yes' if ran['batch_invariant'] else 'no'}.", ""]
+        lines[2:2] = [f"Ran in {ran['dtype']}, {_ran_md(ran)}", ""]
     by = {(r["mask"], r["size"]): r for r in v["rows"]}
     for n in sorted({r["size"] for r in v["rows"]}):
         c, t = by[("chain", n)], by[("tree", n)]
@@ -470,8 +472,7 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
     lines = ["", f"## End to end: {e['drafter']} vs plain decoding ({e['dtype']}), speedup {e['speedup']:.2f}x, "
               f"greedy identical: {'yes' if e['identical'] else 'NO'}", ""]
     if "kv_dtype" in e:
-        lines += [f"Weights {e['dtype']} (asked: {e['requested_dtype']}), attention and KV cache {e['kv_dtype']}, "
-                  f"batch-invariant: {'yes' if e['batch_invariant'] else 'no'}.", ""]
+        lines += [f"Weights {e['dtype']} (asked: {e['requested_dtype']}), {_ran_md(e)}", ""]
     if "warmup_seconds" in e:
         lines += [f"Timed after an untimed pass over every prompt by both decoders ({e['warmup_seconds']:.0f} s).", ""]
     lines += ["| prompt | tokens | plain tok/s | speculative tok/s | speedup | tau | identical |",
@@ -479,6 +480,10 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
     lines += [f"| {r['prompt']} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
               f"{r['speedup']:.2f} | {r['tau']:.2f} | {_identical(r)} |" for r in e["rows"]]
     return lines
+
+
+def _ran_md(ran: dict[str, Any]) -> str:
+    return f"attention and KV cache {ran['kv_dtype']}, batch-invariant: {'yes' if ran['batch_invariant'] else 'no'}."
 
 
 def _identical(row: dict[str, Any]) -> str:

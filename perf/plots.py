@@ -217,10 +217,6 @@ def batch_plot(report: dict[str, Any], path: Path) -> Path:
     return _save(plt, fig, path)
 
 
-__all__ = ["acceptance_by_depth", "batch_plot", "bench_plots", "serve_plot", "speedup_by_tree_size", "time_split",
-           "verify_cost_plot"]
-
-
 def gpu_check_plot(report: dict[str, Any], path: Path) -> Path:
     """Left: verify(N) / verify(1) by N (chain and tree masks); right: the tree-attention kernel's time over the
     floor its bytes set at the measured copy bandwidth, by tree size, per dtype and prefix length."""
@@ -262,3 +258,7 @@ def gpu_check_plot(report: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"gpu-check | {m.get('gpu') or m.get('cpu_model')} | torch {m['torch']}"
                  f"{' | DRY RUN: not measurements' if report['dry_run'] else ''}", fontsize=9)
     return _save(plt, fig, path)
+
+
+__all__ = ["acceptance_by_depth", "batch_plot", "bench_plots", "gpu_check_plot", "serve_plot", "speedup_by_tree_size",
+           "time_split", "verify_cost_plot"]
