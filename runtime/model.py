@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plugins.tree_attention.op  # noqa: F401  (registers torch.ops.spectree.tree_attention)
+from plugins.rowwise import native as rowwise
 from plugins.tree_attention import native as native_attention
 from plugins.tree_attention.mask import mask_words, pack_mask
 from runtime.checkpoint import LM_HEAD, load_checkpoint, validate_tensors
@@ -53,6 +54,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x  # [..., H]
+        out = rowwise.rms_norm(x, self.weight, self.eps)  # one native call on CPU (plugins/rowwise/native.py)
+        if out is not None:
+            return out
         dtype = x.dtype
         xf = x.to(torch.float32)
         if pads_rows(x.device) and batch_invariant(dtype, x.device) and not torch.compiler.is_compiling():

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from plugins.rowwise import native as rowwise
 from runtime.config import ModelConfig, RopeScaling
 from runtime.errors import ConfigError
 
@@ -77,8 +78,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x # [B, H, N, D]; cos, sin # [B, N, D] (cast to x's dtype if they are not in it) -> rotated x in x's dtype."""
-    cos = cos.to(x.dtype)[:, None]  # [B, 1, N, D]
-    sin = sin.to(x.dtype)[:, None]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    out = rowwise.rope(x, cos, sin)  # one native call on CPU, bit-identical (plugins/rowwise/native.py)
+    if out is not None:
+        return out
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, N, D]
     return x * cos + rotate_half(x) * sin
 
 

@@ -9,40 +9,28 @@ On CPUs with AVX512-BF16, bf16 inputs with a head size that is a multiple of 32 
 products, with 16 (row, head) pairs per vector, which multiplies the values by softmax weights rounded to bf16 (as GPU
 flash attention does): ~1.5x faster again at 8-24 rows (`Native.rounds_weights`).
 
-Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (it runs where it is built) with OpenMP, which
-resolves to the libgomp torch has already loaded, so its threads are torch's (torch.set_num_threads applies). The
-library is cached under `$SPECTREE_CACHE_DIR` (default `$XDG_CACHE_HOME/spectree` or `~/.cache/spectree`), named by a
-hash of the source, the flags, the compiler's version and this CPU's feature flags; written to a temporary name and
-renamed, so concurrent processes never load a half-written file. Where no compiler works, `load()` returns None,
-`unavailable()` says why, and callers keep the float64 route.
+Build: `plugins/native_build.py` (the system C compiler, `-O3 -march=native` with OpenMP, cached per source, flags,
+compiler and CPU). Where no compiler works, `load()` returns None, `unavailable()` says why, and callers keep the
+float64 route.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from plugins import native_build
 from plugins.tree_attention.spec import check_inputs
 
 SOURCE = Path(__file__).with_name("invariant.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
-OPENMP = "-fopenmp"
 # the dtypes it takes: q, k and v share one of them; the output is float32
 DTYPES = (torch.float32, torch.bfloat16)
 # the dtype the op routes to it on CPU (plugins/tree_attention/op.py); float32 keeps SDPA, which is as fast or faster
 # at long prefixes and many rows, and float32 models need no row invariance (runtime/model.py)
 INVARIANT_DTYPE = torch.bfloat16
-CACHE_ENV = "SPECTREE_CACHE_DIR"
 
 
 @dataclass(frozen=True)
@@ -60,118 +48,30 @@ class Native:
         return bool(self.rounds_weights_fn(head_size, int(dtype == torch.bfloat16)))
 
 
-_lock = threading.Lock()
-_loaded: Native | None = None
-_failure: str | None = None
-
-
-def cache_dir() -> Path:
-    """Where built libraries are kept."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "spectree"
-
-
-def _private_temp_dir() -> Path:
-    """A folder of this user's under the system temp folder (0700): where libraries go when the cache folder cannot
-    be written. Refused if someone else owns it (a library loaded from there would run their code)."""
-    path = Path(tempfile.gettempdir()) / f"spectree-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise OSError(f"{path} is not a private folder of this user's")
-    return path
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (what -march=native compiles for); the machine name where /proc/cpuinfo is absent."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _compile(cc: str, flags: tuple[str, ...], out: Path) -> None:
-    """Compile SOURCE into `out` (atomically: a temporary name in the same folder, then renamed)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                timeout=120, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} exited {result.returncode}: {result.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _load_or_compile(cc: str, flags: tuple[str, ...], name: str) -> tuple[ctypes.CDLL, Path]:
-    """The library `name` from the cache folder, compiled there first if missing; the private temp folder where the
-    cache folder cannot be written."""
-    try:
-        path = cache_dir() / name
-        if not path.exists():
-            _compile(cc, flags, path)
-    except OSError:
-        path = _private_temp_dir() / name
-        if not path.exists():
-            _compile(cc, flags, path)
-    return ctypes.CDLL(str(path)), path
-
-
 def _build() -> Native:
-    name = os.environ.get("CC") or "cc"
-    cc = shutil.which(name)
-    if cc is None:
-        raise RuntimeError(f"no C compiler: {name} is not on PATH (set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-    # what the library depends on besides its flags: the source, the compiler, the CPU -march=native targets
-    built_from = [SOURCE.read_bytes(), version.encode(), _cpu_flags().encode()]
-    errors = []
-    for threaded in (True, False):  # without OpenMP where the compiler has none: one thread
-        flags = FLAGS + ((OPENMP,) if threaded else ())
-        key = hashlib.sha256(b"\0".join([" ".join(flags).encode(), *built_from])).hexdigest()[:16]
-        try:
-            lib, path = _load_or_compile(cc, flags, f"tree_attention_{key}.so")
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            errors.append(f"{' '.join(flags)}: {exc}")
-            continue
-        fn = lib.spectree_tree_attention
-        fn.restype = ctypes.c_int
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                       ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-        rounds = lib.spectree_rounds_weights
-        rounds.restype = ctypes.c_int
-        rounds.argtypes = [i64, ctypes.c_int]
-        return Native(fn, path, threaded, rounds)
-    raise RuntimeError("; ".join(errors))
+    lib, path, threaded = native_build.build(SOURCE, "tree_attention")
+    fn = lib.spectree_tree_attention
+    fn.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                   ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    rounds = lib.spectree_rounds_weights
+    rounds.restype = ctypes.c_int
+    rounds.argtypes = [i64, ctypes.c_int]
+    return Native(fn, path, threaded, rounds)
+
+
+_library = native_build.Lazy(_build)
 
 
 def load() -> Native | None:
     """The kernel, built on first call (about a second); None where it cannot be built (see `unavailable`)."""
-    global _loaded, _failure
-    if _loaded is not None or _failure is not None:
-        return _loaded
-    with _lock:
-        if _loaded is None and _failure is None:
-            try:
-                _loaded = _build()
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failure = str(exc)
-    return _loaded
+    return _library.get()
 
 
 def unavailable() -> str | None:
     """Why `load()` gave None (None while it has not been tried or when it worked)."""
-    return _failure
+    return _library.failure
 
 
 def tree_attention_native(
@@ -187,7 +87,7 @@ def tree_attention_native(
     the kernel trusts every shape it is given) unless the caller has done so (`checked`, the op's CPU path)."""
     native = load()
     if native is None:
-        raise RuntimeError(f"the row-invariant tree-attention kernel is unavailable: {_failure}")
+        raise RuntimeError(f"the row-invariant tree-attention kernel is unavailable: {unavailable()}")
     if not checked:
         check_inputs(q, k, v, tree_mask)
     if q.dtype not in DTYPES:
@@ -206,5 +106,4 @@ def tree_attention_native(
     return out
 
 
-__all__ = ["CACHE_ENV", "DTYPES", "INVARIANT_DTYPE", "Native", "SOURCE", "cache_dir", "load", "tree_attention_native",
-           "unavailable"]
+__all__ = ["DTYPES", "INVARIANT_DTYPE", "Native", "SOURCE", "load", "tree_attention_native", "unavailable"]

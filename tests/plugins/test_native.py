@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from plugins import native_build
 from plugins.tree_attention import native
 from plugins.tree_attention.cpu import tree_attention_sdpa
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
@@ -209,27 +210,30 @@ def test_a_last_dimension_with_a_stride_is_made_contiguous(kernel):
                                rtol=0)
 
 
+def _fresh_library(monkeypatch):
+    """The kernel not loaded yet in this process (restored after the test)."""
+    monkeypatch.setattr(native, "_library", native_build.Lazy(native._build))
+
+
 def test_built_once_into_the_cache_folder_then_reused(kernel, tmp_path, monkeypatch):
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
+    _fresh_library(monkeypatch)
     first = native.load()
     assert first is not None and first.path.parent == tmp_path and first.path.name.startswith("tree_attention_")
     assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no temporary file left behind
-    monkeypatch.setattr(native, "_loaded", None)
+    _fresh_library(monkeypatch)
 
     def no_compile(*args):
         raise AssertionError("compiled again although the library was cached")
 
-    monkeypatch.setattr(native, "_compile", no_compile)
+    monkeypatch.setattr(native_build, "_compile", no_compile)
     assert native.load().path == first.path
 
 
 def test_without_a_compiler_it_says_why_and_the_op_falls_back_to_sdpa(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
+    _fresh_library(monkeypatch)
     assert native.load() is None
     assert "no C compiler" in native.unavailable() and "no-such-cc" in native.unavailable()
     with pytest.raises(RuntimeError, match="kernel is unavailable: no C compiler"):
@@ -247,9 +251,8 @@ def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatc
                     "echo 'boom: no such flag' >&2\nexit 3\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
+    _fresh_library(monkeypatch)
     assert native.load() is None
     assert "exited 3" in native.unavailable() and "boom: no such flag" in native.unavailable()
     assert not any((tmp_path / "cache").iterdir())  # no half-written library left
@@ -258,11 +261,10 @@ def test_a_compiler_that_fails_is_reported_with_its_message(tmp_path, monkeypatc
 def test_an_unwritable_cache_folder_falls_back_to_a_private_temp_folder(kernel, tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
-    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv(native_build.CACHE_ENV, str(blocker / "cache"))
+    monkeypatch.setattr(native_build.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_failure", None)
+    _fresh_library(monkeypatch)
     built = native.load()
     assert built is not None, native.unavailable()
     assert built.path.parent == tmp_path / "tmp" / f"spectree-{os.getuid()}"

@@ -1,0 +1,143 @@
+"""Building the plugins' C kernels for this CPU: compiled on first use, cached, loaded through ctypes.
+
+Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (a library runs where it is built) with OpenMP,
+which resolves to the libgomp torch has already loaded, so its threads are torch's (torch.set_num_threads applies);
+without OpenMP where the compiler has none. A library is cached under `$SPECTREE_CACHE_DIR` (default
+`$XDG_CACHE_HOME/spectree` or `~/.cache/spectree`), named by a hash of its source, the flags, the compiler's version
+and this CPU's feature flags; written to a temporary name and renamed, so concurrent processes never load a
+half-written file. Where the cache folder cannot be written, a private folder of this user's under the system temp
+folder is used. `build` raises with the compiler's message where nothing builds; each kernel's module turns that into
+"unavailable, and why" and keeps its torch route.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Generic, TypeVar
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+OPENMP = "-fopenmp"
+CACHE_ENV = "SPECTREE_CACHE_DIR"
+# what a failed build raises (callers catch these and report the message)
+BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "spectree"
+
+
+def _private_temp_dir() -> Path:
+    """A folder of this user's under the system temp folder (0700): where libraries go when the cache folder cannot
+    be written. Refused if someone else owns it (a library loaded from there would run their code)."""
+    path = Path(tempfile.gettempdir()) / f"spectree-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{path} is not a private folder of this user's")
+    return path
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (what -march=native compiles for); the machine name where /proc/cpuinfo is absent."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile(cc: str, flags: tuple[str, ...], source: Path, out: Path) -> None:
+    """Compile `source` into `out` (atomically: a temporary name in the same folder, then renamed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
+                                timeout=120, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} exited {result.returncode}: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load_or_compile(cc: str, flags: tuple[str, ...], source: Path, name: str) -> tuple[ctypes.CDLL, Path]:
+    """The library `name` from the cache folder, compiled there first if missing; the private temp folder where the
+    cache folder cannot be written."""
+    try:
+        path = cache_dir() / name
+        if not path.exists():
+            _compile(cc, flags, source, path)
+    except OSError:
+        path = _private_temp_dir() / name
+        if not path.exists():
+            _compile(cc, flags, source, path)
+    return ctypes.CDLL(str(path)), path
+
+
+def build(source: Path, stem: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL, Path, bool]:
+    """(library, its path, whether it has OpenMP) for the C file `source`, named `{stem}_{hash}.so` in the cache;
+    raises one of BUILD_ERRORS, naming every attempt's failure, where it cannot be built."""
+    name = os.environ.get("CC") or "cc"
+    cc = shutil.which(name)
+    if cc is None:
+        raise RuntimeError(f"no C compiler: {name} is not on PATH (set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    # what the library depends on besides its flags: the source, the compiler, the CPU -march=native targets
+    built_from = [source.read_bytes(), version.encode(), _cpu_flags().encode()]
+    errors = []
+    for threaded in (True, False):
+        flags = FLAGS + extra_flags + ((OPENMP,) if threaded else ())
+        key = hashlib.sha256(b"\0".join([" ".join(flags).encode(), *built_from])).hexdigest()[:16]
+        try:
+            lib, path = _load_or_compile(cc, flags, source, f"{stem}_{key}.so")
+        except BUILD_ERRORS as exc:
+            errors.append(f"{' '.join(flags)}: {exc}")
+            continue
+        return lib, path, threaded
+    raise RuntimeError("; ".join(errors))
+
+
+T = TypeVar("T")
+
+
+class Lazy(Generic[T]):
+    """A kernel's loaded library, built by `make` on the first `get()` (thread-safe, once): None from then on where
+    that raised one of BUILD_ERRORS, with the reason in `failure`."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self.failure: str | None = None
+
+    def get(self) -> T | None:
+        if self._value is not None or self.failure is not None:
+            return self._value
+        with self._lock:
+            if self._value is None and self.failure is None:
+                try:
+                    self._value = self._make()
+                except BUILD_ERRORS as exc:
+                    self.failure = str(exc)
+        return self._value
+
+
+__all__ = ["BUILD_ERRORS", "CACHE_ENV", "FLAGS", "Lazy", "OPENMP", "build", "cache_dir"]

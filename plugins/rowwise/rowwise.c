@@ -1,0 +1,99 @@
+/* Row-wise layer ops for the CPU runtime: RMSNorm and rotary embeddings, one call each instead of the 6-8 small
+ * torch ops that compute them (native.py says why).
+ *
+ * Arithmetic: what the torch expressions in runtime/model.py (RMSNorm) and runtime/rope.py (apply_rope) compute, op
+ * by op, each result rounded to the tensor dtype as torch rounds it (bfloat16: round to nearest even from float32).
+ * Build with -ffp-contract=off: a fused multiply-add would round once where torch rounds twice.
+ * - rope is bit-identical to apply_rope: every op is an exactly rounded product or sum of two values.
+ * - rms_norm differs from the torch expression in one place only: the mean of squares is summed in double, in row
+ *   order (torch sums float32 in a vectorised order), so its float32 result may differ from torch's in the last bit.
+ *   Every row's result depends on that row alone, whatever the other rows are.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(const uint16_t *p) {
+    uint32_t u = (uint32_t)(*p) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* c10::BFloat16's rounding: NaN -> 0x7FC0, else round to nearest even. */
+static inline uint16_t bf16_round(float f) {
+    if (isnan(f)) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_rounded(float f) {
+    uint32_t u = (uint32_t)bf16_round(f) << 16;
+    float r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+static inline float load(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_load((const uint16_t *)base + i) : ((const float *)base)[i];
+}
+
+static inline void store(void *base, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)base)[i] = bf16_round(v);
+    else ((float *)base)[i] = v;
+}
+
+/* out[r] = weight * to_dtype(x[r] * rsqrt(mean(x[r]^2) + eps)), the squares and the scaling in float32.
+ * x: rows of `hidden` elements, row r at x + r * x_row_stride (elements); out and weight contiguous. */
+void spectree_rms_norm(const void *x, int64_t rows, int64_t hidden, int64_t x_row_stride, const void *weight,
+                       float eps, void *out, int bf16) {
+#pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t base = r * x_row_stride;
+        double sum = 0.0;
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = load(x, base + i, bf16);
+            float sq = v * v;
+            sum += (double)sq;
+        }
+        float variance = (float)(sum / (double)hidden);
+        float scale = 1.0f / sqrtf(variance + eps);
+        for (int64_t i = 0; i < hidden; i++) {
+            float y = load(x, base + i, bf16) * scale;
+            if (bf16) y = bf16_rounded(y);
+            store(out, r * hidden + i, load(weight, i, bf16) * y, bf16);
+        }
+    }
+}
+
+/* x * cos + rotate_half(x) * sin over the first `heads` heads of each token (rotate-half layout: element i pairs
+ * with i + dim/2), each product and the sum rounded to the dtype.
+ * x: [batch, tokens, >= heads, dim] by strides (elements; the last dimension contiguous);
+ * cos, sin: [batch, tokens, dim] by strides; out: [batch, tokens, heads, dim] contiguous. */
+void spectree_rope(const void *x, int64_t batch, int64_t tokens, int64_t heads, int64_t dim, int64_t xs_b,
+                   int64_t xs_n, int64_t xs_h, const void *cos, const void *sin, int64_t cs_b, int64_t cs_n,
+                   void *out, int bf16) {
+    int64_t half = dim / 2;
+    int64_t count = batch * tokens;
+#pragma omp parallel for schedule(static) if (count * heads >= 2048)
+    for (int64_t bn = 0; bn < count; bn++) {
+        int64_t b = bn / tokens, n = bn % tokens;
+        int64_t cbase = b * cs_b + n * cs_n;
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t xbase = b * xs_b + n * xs_n + h * xs_h;
+            int64_t obase = ((bn * heads) + h) * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                float v = load(x, xbase + i, bf16);
+                float rot = i < half ? -load(x, xbase + i + half, bf16) : load(x, xbase + i - half, bf16);
+                float a = v * load(cos, cbase + i, bf16);
+                float c = rot * load(sin, cbase + i, bf16);
+                if (bf16) {
+                    a = bf16_rounded(a);
+                    c = bf16_rounded(c);
+                }
+                store(out, obase + i, a + c, bf16);
+            }
+        }
+    }
+}
