@@ -45,7 +45,7 @@ def _build() -> Rowwise:
     norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     rope = lib.spectree_rope
     rope.restype = None
-    rope.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    rope.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_int]
     return Rowwise(norm, rope, path)
 
 
@@ -108,11 +108,16 @@ def rope(
         x = x.contiguous()
     if cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
-    # [B, N, H, D] in memory, as torch lays out an elementwise result of a head-transposed projection
-    out = torch.empty(b, n, h, d, dtype=x.dtype)
+    # laid out as torch lays out an elementwise result: [B, N, H, D] in memory for a head-transposed projection (what
+    # Attention passes), [B, H, N, D] for a contiguous x
+    if x.stride(1) < x.stride(2):
+        out = torch.empty(b, n, h, d, dtype=x.dtype).transpose(1, 2)
+    else:
+        out = torch.empty(b, h, n, d, dtype=x.dtype)
     lib.rope(x.data_ptr(), b, n, h, d, x.stride(0), x.stride(2), x.stride(1), cos.data_ptr(), sin.data_ptr(),
-             cos.stride(0), cos.stride(1), out.data_ptr(), int(x.dtype == torch.bfloat16))
-    return out.transpose(1, 2)
+             cos.stride(0), cos.stride(1), out.data_ptr(), out.stride(0), out.stride(2), out.stride(1),
+             int(x.dtype == torch.bfloat16))
+    return out
 
 
 __all__ = ["DTYPES", "Rowwise", "SOURCE", "load", "rms_norm", "rope", "unavailable"]

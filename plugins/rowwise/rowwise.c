@@ -70,10 +70,10 @@ void spectree_rms_norm(const void *x, int64_t rows, int64_t hidden, int64_t x_ro
 /* x * cos + rotate_half(x) * sin over the first `heads` heads of each token (rotate-half layout: element i pairs
  * with i + dim/2), each product and the sum rounded to the dtype.
  * x: [batch, tokens, >= heads, dim] by strides (elements; the last dimension contiguous);
- * cos, sin: [batch, tokens, dim] by strides; out: [batch, tokens, heads, dim] contiguous. */
+ * cos, sin: [batch, tokens, dim] by strides; out: [batch, tokens, heads, dim] by strides (the last contiguous). */
 void spectree_rope(const void *x, int64_t batch, int64_t tokens, int64_t heads, int64_t dim, int64_t xs_b,
                    int64_t xs_n, int64_t xs_h, const void *cos, const void *sin, int64_t cs_b, int64_t cs_n,
-                   void *out, int bf16) {
+                   void *out, int64_t os_b, int64_t os_n, int64_t os_h, int bf16) {
     int64_t half = dim / 2;
     int64_t count = batch * tokens;
 #pragma omp parallel for schedule(static) if (count * heads >= 2048)
@@ -82,7 +82,7 @@ void spectree_rope(const void *x, int64_t batch, int64_t tokens, int64_t heads, 
         int64_t cbase = b * cs_b + n * cs_n;
         for (int64_t h = 0; h < heads; h++) {
             int64_t xbase = b * xs_b + n * xs_n + h * xs_h;
-            int64_t obase = ((bn * heads) + h) * dim;
+            int64_t obase = b * os_b + n * os_n + h * os_h;
             for (int64_t i = 0; i < dim; i++) {
                 float v = load(x, xbase + i, bf16);
                 float rot = i < half ? -load(x, xbase + i + half, bf16) : load(x, xbase + i - half, bf16);

@@ -35,6 +35,10 @@ def _torch_rms_norm(x, weight, eps):  # runtime/model.py RMSNorm's torch route (
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _layout(t):  # [B, H, N, D]: laid out heads-major, token-major (strides of size-1 dimensions do not matter)
+    return t.is_contiguous(), t.transpose(1, 2).is_contiguous()
+
+
 def _torch_rope(x, cos, sin):  # runtime/rope.py apply_rope's torch route
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
@@ -52,9 +56,11 @@ def test_rope_is_bit_identical_to_the_torch_expression(library, dtype, b, n, hq,
     out = rowwise.rope(x, cos, sin)
     expected = _torch_rope(x, cos, sin)
     assert out.shape == expected.shape and out.dtype == dtype
-    assert torch.equal(out, expected)
+    assert torch.equal(out, expected) and _layout(out) == _layout(expected)
     assert torch.equal(apply_rope(x, cos, sin), expected)  # the runtime's entry point takes it
-    assert torch.equal(rowwise.rope(x.contiguous(), cos, sin), expected)
+    heads_major = x.contiguous()
+    out = rowwise.rope(heads_major, cos, sin)
+    assert torch.equal(out, expected) and _layout(out) == _layout(_torch_rope(heads_major, cos, sin))
 
 
 def test_rope_negative_control_a_fused_multiply_add_is_not_bit_identical(library):
