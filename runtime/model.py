@@ -653,6 +653,9 @@ class TargetModel(nn.Module):
         self._ensure_row_invariance()
         if PackedWeight.supported(self.dtype, self.device):
             self.pack_weights()
+        if self.device.type == "cpu" and self.dtype in rowwise.DTYPES:
+            # built (or read from the cache) now rather than inside the first request; None: torch's ops run
+            rowwise.load()
 
     def pack_weights(self) -> None:
         """Keep oneDNN-packed copies of every weight the forward multiplies by (`PackedWeight`: faster matmuls, the

@@ -11,8 +11,10 @@ import torch
 
 from plugins import native_build
 from plugins.rowwise import native as rowwise
-from runtime.model import RMSNorm
+from runtime.checkpoint import load_checkpoint
+from runtime.model import RMSNorm, TargetModel
 from runtime.rope import apply_rope, rotate_half
+from tests.tiny import make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +150,18 @@ def test_without_a_compiler_it_says_why_and_the_runtime_keeps_torch(without_libr
     h = torch.randn(2, 16, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(norm(h), _torch_rms_norm(h, norm.weight, 1e-5))
+
+
+def test_a_cpu_model_builds_the_kernels_when_it_loads(tmp_path, monkeypatch):
+    """The kernels are built (or read from the cache) while the model loads, not inside its first request."""
+    made = []
+
+    def make():
+        made.append(True)
+        return rowwise._build()
+
+    monkeypatch.setattr(rowwise, "_library", native_build.Lazy(make))
+    config, tensors = load_checkpoint(make_checkpoint(tmp_path, "llama3"))
+    model = TargetModel.from_state(config, tensors)
+    assert made == [True]
+    assert model.device.type == "cpu" and model.dtype in rowwise.DTYPES
