@@ -653,7 +653,7 @@ class TargetModel(nn.Module):
         self._ensure_row_invariance()
         if PackedWeight.supported(self.dtype, self.device):
             self.pack_weights()
-        if self.device.type == "cpu" and self.dtype in rowwise.DTYPES:
+        if rowwise.covers(self.dtype, self.device):
             # built (or read from the cache) now rather than inside the first request; None: torch's ops run
             rowwise.load()
 

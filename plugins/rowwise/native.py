@@ -62,13 +62,18 @@ def unavailable() -> str | None:
     return _library.failure
 
 
+def covers(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether tensors of `dtype` on `device` can go to the kernels (a model there loads them when it loads)."""
+    return dtype in DTYPES and device.type == "cpu"
+
+
 def _usable(*tensors: torch.Tensor) -> Rowwise | None:
     """The library when these tensors can go to it (see the module doc), else None."""
     dtype = tensors[0].dtype
-    if dtype not in DTYPES or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return None
     for t in tensors:
-        if t.dtype != dtype or t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled()):
+        if t.dtype != dtype or not covers(t.dtype, t.device) or (t.requires_grad and torch.is_grad_enabled()):
             return None
     return load()
 
@@ -120,4 +125,4 @@ def rope(
     return out
 
 
-__all__ = ["DTYPES", "Rowwise", "SOURCE", "load", "rms_norm", "rope", "unavailable"]
+__all__ = ["DTYPES", "Rowwise", "SOURCE", "covers", "load", "rms_norm", "rope", "unavailable"]
