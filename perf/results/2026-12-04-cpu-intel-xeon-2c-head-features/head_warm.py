@@ -1,19 +1,10 @@
 # Run from the repository root. The head on its own, weights warm: one static draft step, one 2-row head forward and
 # one draft output layer repeated in a loop; then the op profile and the Python profile of the head forward.
 import sys, time, os, collections
-sys.path.insert(0, '.')
 import torch
-torch.set_num_threads(2)
-from pathlib import Path
-from perf.bench import BenchConfig, load_target, build_decoder, resolve, VariantSpec, encode_prompt
-from runtime.prompts import load_prompt_file
+from common import setup  # first: puts the repository root on sys.path
 from runtime.drafters import eagle as E
-cfg = BenchConfig(config=Path('configs/smollm2.yaml'), threads=2)
-target = load_target(cfg)
-prompts = load_prompt_file('demo/smollm2/prompts/merge-tuning.jsonl')[0:44:8]
-enc = [encode_prompt(target.tokenizer, p) for p in prompts]
-spec = resolve(VariantSpec.parse('eagle'), target, {})
-dec, _ = build_decoder(target, spec)
+target, enc, dec = setup(8)
 drafter = dec.drafter.primary
 head = drafter.head
 m = target.model

@@ -1,21 +1,11 @@
 # Run from the repository root. Per decoding step, torch profiler op time of plain decoding and of the configured
 # drafter (4 merge-tuning prompts, 96 tokens each, twice in turn): what a speculative step adds, op by op.
 import sys, time, collections
-sys.path.insert(0, '.')
 import torch
-torch.set_num_threads(2)
-from pathlib import Path
-from perf.bench import BenchConfig, load_target, build_decoder, resolve, VariantSpec, encode_prompt
-from runtime.prompts import load_prompt_file
+from common import setup  # first: puts the repository root on sys.path
 from runtime.drafters import eagle as E
 from torch.profiler import profile
-cfg = BenchConfig(config=Path('configs/smollm2.yaml'), threads=2)
-target = load_target(cfg)
-prompts = load_prompt_file('demo/smollm2/prompts/merge-tuning.jsonl')[0:44:11]
-enc = [encode_prompt(target.tokenizer, p) for p in prompts]
-spec = resolve(VariantSpec.parse('eagle'), target, {})
-dec, _ = build_decoder(target, spec)
-plain, _ = build_decoder(target, None)
+target, enc, dec, plain = setup(11, plain=True)
 for d in (dec, plain): d.generate(enc[0], max_tokens=32, ignore_eos=True)
 res = {}
 for name, d in (('plain', plain), ('spec', dec), ('plain2', plain), ('spec2', dec)):
