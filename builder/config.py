@@ -8,7 +8,7 @@
       tree: {preset: mc_sim_7b_63}               # or {choices: [[0], [0, 0], [1]]}
                                                  # or {dynamic: {total_tokens: 60, depth: 5, top_k: 10}} (eagle)
       lookup: {max_ngram: 3, num_draft_tokens: 10}   # lookup; on medusa / eagle: merged into their trees
-      quantization: int8                         # eagle: its head's weights as drafting reads them (CPU)
+      quantization: int8                         # or int4 (eagle): its head's weights as drafting reads them (CPU)
       pruning: {min_path_prob: 0.02}             # eagle: nodes the head finds less likely are not verified
     build:
       dtype: float16                             # float32 | bfloat16 | float16 (default: the checkpoint's)
@@ -112,7 +112,7 @@ class DraftSection:
     tree: TreeSection | None = None  # default: the drafter's own (Medusa: mc_sim_7b_63 / chain; EAGLE: dynamic)
     # prompt-lookup bounds: method lookup's own, or (medusa / eagle) continuations merged into each step's tree
     lookup: LookupOptions | None = None
-    quantization: str | None = None  # "int8": the head's weights as drafting reads them (eagle, CPU)
+    quantization: str | None = None  # "int8" / "int4": the head's weights as drafting reads them (eagle, CPU)
     pruning: PruneOptions | None = None  # eagle: each step verifies only the nodes the head finds likely enough
 
     def __post_init__(self) -> None:

@@ -316,7 +316,7 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     limit, dtype = build.build.max_draft_len, config.e2e_dtype or build.build.dtype
     draft = (DraftSpec.create(config.e2e_draft, max_draft_len=limit) if config.e2e_draft is not None
              else build.draft.spec(max_draft_len=limit))
-    if config.device.type != "cpu":  # int8 draft weights are a CPU kernel's: on the GPU the head runs as stored
+    if config.device.type != "cpu":  # quantized draft weights are CPU kernels': on the GPU the head runs as stored
         draft = dataclasses.replace(draft, quantization=None)
     model = TargetModel.from_pretrained(path, dtype=dtype, device=config.device)  # shared by both decoders
     target = Target("checkpoint", path, model, Tokenizer.from_dir(path), draft)

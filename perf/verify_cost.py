@@ -191,7 +191,7 @@ def summarize(samples: Mapping[Case, Sequence[float]]) -> list[dict[str, Any]]:
 # time is attention too: the row-invariant CPU kernel runs inside it (a ctypes call, no profiled child op); on the SDPA
 # route it is the op's input checks and mask.
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
-              "mkldnn::_linear_pointwise")
+              "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_cudnn_attention", "spectree::tree_attention")

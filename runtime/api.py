@@ -37,8 +37,8 @@ class LoadConfig:
     max_draft_len: int = 63  # most draft nodes per step (root excluded), as TensorRT-LLM's max_draft_len
     device: str = "cpu"  # torch device for the target and drafter weights: "cpu", "cuda", "cuda:1", ...
     draft_options: dict[str, Any] = field(default_factory=dict)  # the drafter's options (DraftSpec.with_options)
-    # "int8": the draft head's weights as drafting reads them (DraftSpec.quantization); None: an engine's own choice,
-    # else the weights' dtype
+    # "int8" / "int4": the draft head's weights as drafting reads them (DraftSpec.quantization); None: an engine's own
+    # choice, else the weights' dtype
     draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -141,8 +141,8 @@ def load(
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
     dtype        float32 | bfloat16 | float16 (default: the checkpoint's)
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
-    draft_quantization  "int8": the EAGLE head runs on int8 copies of its weights (CPU; drafts change slightly,
-                 the output never)
+    draft_quantization  "int8" / "int4": the EAGLE head runs on int8 / int4 copies of its weights (CPU; drafts
+                 change slightly, the output never)
     draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; EAGLE: min_path_prob, the path
                  probability below which drafted nodes are not verified; lookup: max_ngram, ...; lookup's on medusa /
                  eagle merge prompt lookup into their trees)

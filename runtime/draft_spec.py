@@ -18,9 +18,10 @@ Fields:
     pruning        PruneOptions (eagle only): each step's draft nodes whose path is less likely than min_path_prob
                    under the head are not verified (None: every node is)
     max_draft_len  most draft nodes per step, root excluded (TensorRT-LLM's meaning); None: the caller's limit
-    quantization   the draft head's weights as drafting reads them: None (their own dtype) or "int8" (weight-only,
-                   per-row scales, CPU; eagle only): drafting reads a few rows per call, so their bytes are its cost;
-                   only what is drafted changes, never the output
+    quantization   the draft head's weights as drafting reads them: None (their own dtype), "int8" (weight-only,
+                   per-row scales, CPU; eagle only) or "int4" (weight-only, a scale and zero per 32 inputs, CPU;
+                   eagle only): drafting reads a few rows per call, so their bytes are its cost; only what is
+                   drafted changes, never the output
 
 A front end may leave path, tree, options and max_draft_len unset and fill them from a configured drafter (its
 own policy, e.g. `LoadConfig.draft_spec`); `load_drafter` needs only the weights of medusa / eagle
@@ -51,7 +52,8 @@ from runtime.schema import setting
 from runtime.tree import Tree
 
 KINDS = ("medusa", "eagle", "lookup", "none")
-QUANTIZATIONS = ("int8",)  # DraftSpec.quantization values (None: the weights' own dtype)
+QUANTIZATIONS = ("int8", "int4")  # DraftSpec.quantization values (None: the weights' own dtype); runtime.model's
+# QUANTIZED_WEIGHTS maps each to its weight class
 QUANTIZED_KINDS = ("eagle",)  # the kinds whose head runs quantized
 WEIGHTED_KINDS = ("medusa", "eagle")  # the kinds with head weights
 DYNAMIC: Literal["dynamic"] = "dynamic"  # the tree of EAGLE-2: chosen every step from the head's scores

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,7 @@ class _Fused(nn.Module):
 
     _fused_names: tuple[str, ...] = ()
     _out_name: str = ""
-    int8: tuple[Int8Weight, Int8Weight] | None = None  # (fused, out) when quantize_int8() was called
+    quantized: tuple[QuantizedWeight, QuantizedWeight] | None = None  # (fused, out) when quantize() was called
     packed: tuple[PackedWeight, PackedWeight] | None = None  # (fused, out) when pack() was called
 
     def _setup_fusion(self) -> None:
@@ -96,7 +96,7 @@ class _Fused(nn.Module):
         self.register_buffer("fused_weight", weight, persistent=False)
         self.register_buffer("fused_bias", bias, persistent=False)
         self.fused_sizes = [m.weight.shape[0] for m in mods]
-        self.int8 = self.packed = None  # int8 / packed copies describe the old weights
+        self.quantized = self.packed = None  # quantized / packed copies describe the old weights
         start = 0
         for m, size in zip(mods, self.fused_sizes):
             m.weight = nn.Parameter(weight[start:start + size], requires_grad=m.weight.requires_grad)
@@ -123,17 +123,17 @@ class _Fused(nn.Module):
         return linear(x, self._weights(proj.weight)[1], proj.bias)
 
     def _weights(self, out: torch.Tensor | None = None) -> tuple:
-        """(fused, out) as the matmuls read them: int8 copies, packed copies or the weights themselves."""
-        if self.int8 is not None:
-            return self.int8
+        """(fused, out) as the matmuls read them: quantized copies, packed copies or the weights themselves."""
+        if self.quantized is not None:
+            return self.quantized
         if self.packed is not None:
             return self.packed
         return self.fused_weight, out
 
-    def quantize_int8(self) -> None:
-        """Run this module's matmuls on int8 copies of its weights (`Int8Weight`; draft heads on CPU). Undone by any
-        change of the weights (a load, a move), which re-fuses them."""
-        self.int8 = (Int8Weight.of(self.fused_weight), Int8Weight.of(getattr(self, self._out_name).weight))
+    def quantize(self, kind: type[QuantizedWeight]) -> None:
+        """Run this module's matmuls on quantized copies of its weights (`Int8Weight` / `Int4Weight`; draft heads on
+        CPU). Undone by any change of the weights (a load, a move), which re-fuses them."""
+        self.quantized = (kind.of(self.fused_weight), kind.of(getattr(self, self._out_name).weight))
 
     def pack(self) -> None:
         """Run this module's matmuls on oneDNN-packed copies of its weights (`PackedWeight`). Undone like int8."""
@@ -257,21 +257,41 @@ def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float64
 
 
-INT8_MAX_ROWS = 16  # above it, an Int8Weight multiplies by its source weight (a decoding step's head forwards don't)
+QUANT_MAX_ROWS = 16  # above it, a quantized weight multiplies by its source weight (a step's head forwards don't)
+
+
+class _Quantized:
+    """What Int8Weight and Int4Weight share: a `source` weight [out, in] and a kernel over a few rows."""
+
+    source: torch.Tensor  # [out, in]: the weight it was quantised from
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.source.shape
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > QUANT_MAX_ROWS:
+            return F.linear(x, self.source)
+        return self._kernel(flat).reshape(*x.shape[:-1], self.source.shape[0])
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:  # flat [rows, in] -> [rows, out]
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(_Quantized):
     """A weight stored as int8 with one float scale per output row (symmetric, weight-only), multiplied by torch's
     packed CPU kernel (`aten._weight_int8pack_mm`; activations stay in their dtype). For draft heads on CPU: they
     run on a handful of rows per call, so reading their weights is the cost, and int8 halves the bytes of bf16.
     Only what is drafted changes (slightly): verification reads the target's own weights.
 
-    A call over more than INT8_MAX_ROWS rows (a head's first forward, over the whole prompt) multiplies by the source
+    A call over more than QUANT_MAX_ROWS rows (a head's first forward, over the whole prompt) multiplies by the source
     weight instead: the int8 kernel's time grows with the rows from a few on (measured on 2 AMD EPYC cores, bf16, a
     head's matmul shapes: 2x F.linear's at 16 rows, 2.7-3x from 256), and the exact weights only bring the draft
     closer to the trained head's. It is a reference, not a copy: the head keeps its weights anyway."""
 
+    name: ClassVar[str] = "int8"  # its DraftSpec.quantization value
     q: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out], the activations' dtype
     source: torch.Tensor  # [out, in]: the weight it was quantised from
@@ -287,23 +307,95 @@ class Int8Weight:
         return cls(q.contiguous(), scales, weight.detach())
 
     @staticmethod
-    def supported(dtype: torch.dtype, device: torch.device, in_features: int | None = None) -> bool:
-        """Whether the packed int8 kernel runs for activations of `dtype` on `device` (and, when given, rows of
-        `in_features`: in bfloat16 a multiple of 16; any other width crashes the process from 2 rows on, measured on
-        torch 2.13's CPU kernel)."""
+    def supported(dtype: torch.dtype, device: torch.device, shape: Sequence[int] | None = None) -> bool:
+        """Whether the packed int8 kernel runs for activations of `dtype` on `device` (and, when given, a weight of
+        `shape` [out, in]: in bfloat16 `in` a multiple of 16; any other width crashes the process from 2 rows on,
+        measured on torch 2.13's CPU kernel)."""
         if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
             return False
-        return in_features is None or dtype == torch.float32 or in_features % 16 == 0
+        return shape is None or dtype == torch.float32 or shape[1] % 16 == 0
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
+    @staticmethod
+    def needs(dtype: torch.dtype) -> str:
+        """What `supported` asks of a weight's shape, in words."""
+        return f"{dtype} rows a multiple of 16 wide"
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > INT8_MAX_ROWS:
-            return F.linear(x, self.source)
-        return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).view(*x.shape[:-1], self.q.shape[0])
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:  # flat [rows, in] -> [rows, out]
+        return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
+
+
+INT4_GROUP = 32  # inputs sharing one int4 scale and zero
+INT4_SHRINK = tuple(1.0 - 0.025 * i for i in range(13))  # range factors searched per group (1.0 .. 0.7)
+
+
+@dataclass(frozen=True)
+class Int4Weight(_Quantized):
+    """A weight stored as int4, asymmetric, with a scale and a zero per group of INT4_GROUP inputs of a row
+    (weight-only), multiplied by torch's CPU kernel (`aten._weight_int4pack_mm_for_cpu`). Half the bytes of
+    `Int8Weight`, at about eight times its rounding error (relative output error ~7.5% against ~1%): what a draft
+    head gains in bytes it gives back in tau, and which wins depends on the machine (perf/results/
+    2026-12-04-cpu-intel-xeon-2c-head-features/: on 2 Intel Xeon cores drafting 1.05 ms cheaper per step, tau 2-3%
+    lower, +1.9% and +0.4% over int8 on two halves of the merge-tuning prompts).
+
+    Each group's range is its [min, max] shrunk by the factor of INT4_SHRINK that gives the group the least squared
+    error (its scale and zero rounded as the kernel reads them): against rounding over the whole range, that kept
+    0.02 of tau the int4 head had lost (2.89 -> 2.91, int8 2.94). The kernel takes a multiple of 16 output rows:
+    others are padded with zero rows, whose outputs are cut off. Calls over more than QUANT_MAX_ROWS rows multiply
+    by the source weight, as for `Int8Weight`."""
+
+    name: ClassVar[str] = "int4"  # its DraftSpec.quantization value
+    packed: torch.Tensor  # the int4 values in the kernel's layout (opaque), out padded to a multiple of 16 rows
+    scale_zeros: torch.Tensor  # [in / INT4_GROUP, padded out, 2]: each group's scale and zero, the activations' dtype
+    source: torch.Tensor  # [out, in]: the weight it was quantised from
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Int4Weight:  # weight [out, in]
+        inp = weight.shape[1]
+        out = -(-weight.shape[0] // 16) * 16
+        w = F.pad(weight.detach().float(), (0, 0, 0, out - weight.shape[0]))  # [out, in], zero rows appended
+        w = w.reshape(out, inp // INT4_GROUP, INT4_GROUP)  # [out, groups, INT4_GROUP]
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # [out, groups, 1] each
+        best = None  # (error, low end, step) per group
+        for factor in INT4_SHRINK:
+            low = lo * factor
+            step = ((hi - lo) * factor / 15).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.round((w - low) / step).clamp(0, 15)
+            # the kernel computes (q - 8) * scale + zero, scale and zero in the activations' dtype
+            zero = (low + 8 * step).to(weight.dtype).float()
+            err = ((q - 8) * step.to(weight.dtype).float() + zero - w).pow(2).sum(-1, keepdim=True)
+            if best is None:
+                best = (err, low, step)
+            else:
+                better = err < best[0]
+                best = tuple(torch.where(better, new, old) for new, old in zip((err, low, step), best))
+        _, low, step = best
+        q = torch.round((w - low) / step).clamp(0, 15).to(torch.int32).reshape(out, inp)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scale_zeros = torch.cat([step, low + 8 * step], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+        return cls(packed, scale_zeros, weight.detach())
+
+    @staticmethod
+    def supported(dtype: torch.dtype, device: torch.device, shape: Sequence[int] | None = None) -> bool:
+        """Whether torch's int4 CPU kernel runs for activations of `dtype` on `device` (and, when given, a weight of
+        `shape` [out, in]: `in` a multiple of INT4_GROUP; torch refuses other widths)."""
+        if (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32)
+                or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")):
+            return False
+        return shape is None or shape[1] % INT4_GROUP == 0
+
+    @staticmethod
+    def needs(dtype: torch.dtype) -> str:
+        """What `supported` asks of a weight's shape, in words."""
+        return f"rows a multiple of {INT4_GROUP} wide"
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:  # flat [rows, in] -> [rows, out]
+        n = self.source.shape[0]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zeros)
+        return out if out.shape[1] == n else out[:, :n]  # [rows, out padded to 16] -> [rows, out]
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+QUANTIZED_WEIGHTS: dict[str, type[QuantizedWeight]] = {kind.name: kind for kind in (Int8Weight, Int4Weight)}
 
 
 @dataclass(frozen=True)
@@ -349,13 +441,13 @@ class PackedWeight:
 
 def linear(
     x: torch.Tensor,  # [..., in]
-    weight: torch.Tensor | Int8Weight | PackedWeight,  # [out, in]
+    weight: torch.Tensor | QuantizedWeight | PackedWeight,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out]
     """F.linear (a PackedWeight by its packed copy), in blocks of INVARIANT_ROWS rows when the weights run
-    batch-invariant; an Int8Weight by its kernel (draft heads only: nothing verified reads one, so it needs no batch
-    invariance)."""
-    if isinstance(weight, Int8Weight):
+    batch-invariant; a quantized weight (Int8Weight, Int4Weight) by its kernel (draft heads only: nothing verified
+    reads one, so it needs no batch invariance)."""
+    if isinstance(weight, _Quantized):
         out = weight.matmul(x)
         return out if bias is None else out + bias
     if isinstance(weight, PackedWeight) and weight.stale:

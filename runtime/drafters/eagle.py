@@ -54,7 +54,8 @@ from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
-from runtime.model import AttendingCache, DecoderLayer, Int8Weight, PackedWeight, causal_mask, linear
+from runtime.model import (QUANTIZED_WEIGHTS, AttendingCache, DecoderLayer, PackedWeight, QuantizedWeight,
+                           causal_mask, linear)
 from runtime.protocol import CandidatePool, Draft, Proposal
 from runtime.tree import Tree, expand_frontier, pruned_pool, select_dynamic_tree
 
@@ -72,7 +73,7 @@ class DraftStateError(SpectreeError, RuntimeError):
 class EagleHead(nn.Module):
     """fc + decoder layer(s); state-dict names are the EAGLE checkpoint's (fc.*, layers.{i}.*, embed_tokens.*)."""
 
-    fc_int8: Int8Weight | None = None  # set by quantize_int8()
+    fc_quantized: QuantizedWeight | None = None  # set by quantize()
     fc_packed: PackedWeight | None = None  # set by pack()
 
     def __init__(self, config: ModelConfig, fc_bias: bool, own_embedding: bool,
@@ -88,29 +89,30 @@ class EagleHead(nn.Module):
         self.register_load_state_dict_post_hook(lambda module, _keys: module._drop_copies())
 
     def _drop_copies(self) -> None:
-        self.fc_int8 = self.fc_packed = None
+        self.fc_quantized = self.fc_packed = None
 
-    def quantize_int8(self) -> None:
-        """Run every matmul of the head on int8 copies of its weights (`runtime.model.Int8Weight`): drafting reads
-        them for a few rows per call, so their bytes are its cost. Undone by any later move of the weights."""
-        self.fc_int8 = Int8Weight.of(self.fc.weight)
+    def quantize(self, kind: type[QuantizedWeight]) -> None:
+        """Run every matmul of the head on quantized copies of its weights (`runtime.model.Int8Weight` /
+        `Int4Weight`): drafting reads them for a few rows per call, so their bytes are its cost. Undone by any later
+        move of the weights."""
+        self.fc_quantized = kind.of(self.fc.weight)
         for layer in self.layers:
-            layer.self_attn.quantize_int8()
-            layer.mlp.quantize_int8()
+            layer.self_attn.quantize(kind)
+            layer.mlp.quantize(kind)
 
     def pack(self) -> None:
         """Run every matmul of the head on oneDNN-packed copies of its weights (`runtime.model.PackedWeight`: the
-        same values, so the same drafts; bf16 on CPU). Undone like quantize_int8()."""
+        same values, so the same drafts; bf16 on CPU). Undone like quantize()."""
         self.fc_packed = PackedWeight.of(self.fc.weight)
         for layer in self.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
 
     @property
-    def fc_weight(self) -> torch.Tensor | Int8Weight | PackedWeight:
-        """fc's weight as the forward multiplies by it: its int8 or packed copy, else itself."""
-        if self.fc_int8 is not None:
-            return self.fc_int8
+    def fc_weight(self) -> torch.Tensor | QuantizedWeight | PackedWeight:
+        """fc's weight as the forward multiplies by it: its quantized or packed copy, else itself."""
+        if self.fc_quantized is not None:
+            return self.fc_quantized
         return self.fc.weight if self.fc_packed is None else self.fc_packed
 
     def _apply(self, fn, recurse=True):
@@ -371,8 +373,9 @@ class EagleDrafter:
         self, head: EagleHead, model: Any, tree: Tree | None = None, dynamic: DynamicTreeOptions | None = None,
         quantization: str | None = None, pruning: PruneOptions | None = None,
     ) -> None:
-        """quantization: DraftSpec.quantization; "int8": the head and its draft output layer run on int8 copies of
-        their weights (`Int8Weight`; CPU). pruning: DraftSpec.pruning (None: every drafted node is verified)."""
+        """quantization: DraftSpec.quantization; "int8" / "int4": the head and its draft output layer run on int8 /
+        int4 copies of their weights (`runtime.model.Int8Weight` / `Int4Weight`; CPU). pruning: DraftSpec.pruning
+        (None: every drafted node is verified)."""
         if (tree is None) == (dynamic is None):
             raise ConfigError("EagleDrafter needs exactly one of tree= (static) or dynamic= (EAGLE-2 options)")
         if head.config.hidden_size != model.config.hidden_size:
@@ -397,27 +400,29 @@ class EagleDrafter:
         self.lm_weight = weight if head.vocab is None else weight[head.vocab.target_ids.to(weight.device)].contiguous()
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-        self.lm_int8: Int8Weight | None = None
+        self.lm_quantized: QuantizedWeight | None = None
         self.lm_packed: PackedWeight | None = None
         self.quantization = quantization
+        kind = None if quantization is None else QUANTIZED_WEIGHTS[quantization]
         # A build plans on meta tensors: nothing to quantize or pack there, but the shapes are checked.
-        if quantization == "int8":
-            if weight.device.type != "meta" and not Int8Weight.supported(weight.dtype, weight.device):
-                raise ConfigError(f"int8 draft weights run on CPU in bfloat16 / float32, not {weight.dtype} on "
-                                  f"{weight.device.type}")
+        if kind is not None:
+            if weight.device.type != "meta" and not kind.supported(weight.dtype, weight.device):
+                raise ConfigError(f"{quantization} draft weights run on CPU in bfloat16 / float32, not {weight.dtype} "
+                                  f"on {weight.device.type}")
             matmuls = {name: w for name, w in head.named_parameters() if w.ndim == 2 and name != "embed_tokens.weight"}
             for name, w in {**matmuls, "draft lm_head": self.lm_weight}.items():
-                if not Int8Weight.supported(weight.dtype, torch.device("cpu"), w.shape[1]):
-                    raise ConfigError(f"quantization 'int8': torch's int8 kernel needs {weight.dtype} rows a "
-                                      f"multiple of 16 wide, but {name} reads {w.shape[1]}; draft this head without "
-                                      f"quantization")
-        if quantization == "int8" and weight.device.type != "meta":
-            if head.fc_int8 is None:  # drafters sharing one head (tune-tree's trees) quantize it once
-                head.quantize_int8()
-            self.lm_int8 = Int8Weight.of(self.lm_weight)
-        elif quantization is None and head.fc_int8 is not None:
-            raise ConfigError("this EAGLE head already drafts from int8 copies for another drafter; load it again "
-                              "for a drafter without quantization")
+                if not kind.supported(weight.dtype, torch.device("cpu"), tuple(w.shape)):
+                    raise ConfigError(f"quantization {quantization!r}: torch's {quantization} kernel needs "
+                                      f"{kind.needs(weight.dtype)}, but {name} reads {w.shape[1]}; draft "
+                                      f"this head without quantization")
+        shared = head.fc_quantized  # drafters sharing one head (tune-tree's trees) quantize it once
+        if shared is not None and shared.name != quantization:
+            raise ConfigError(f"this EAGLE head already drafts from {shared.name} copies for another drafter; load it "
+                              f"again for a drafter with quantization {quantization!r}")
+        if kind is not None and weight.device.type != "meta":
+            if shared is None:
+                head.quantize(kind)
+            self.lm_quantized = kind.of(self.lm_weight)
         elif quantization is None and PackedWeight.supported(weight.dtype, weight.device):
             # bf16 on CPU: oneDNN-packed copies (the same values, so the same drafts; F.linear re-lays a bf16 weight
             # out on every call). int8 still drafts faster in decoding, measured side by side: half the bytes.
@@ -433,7 +438,7 @@ class EagleDrafter:
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""
-        weight = self.lm_int8 if self.lm_int8 is not None else self.lm_packed
+        weight = self.lm_quantized if self.lm_quantized is not None else self.lm_packed
         return linear(features, self.lm_weight if weight is None else weight).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-# Variant file for ../2026-12-04-cpu-intel-xeon-2c/tried/ab.py: int4 draft weights (torch's CPU int4 kernel, groups of
-# 32, asymmetric) rounded to nearest over each group's [min, max] (session 28's v_int4.py), or with each group's range
-# shrunk by the factor in SHRINK that minimises the group's squared error, against the configured int8.
+# Variant file for ../2026-12-04-cpu-intel-xeon-2c/tried/ab.py, the prototype of runtime.model.Int4Weight: int4
+# draft weights (torch's CPU int4 kernel, groups of 32, asymmetric) rounded to nearest over each group's [min, max]
+# (session 28's v_int4.py), or with each group's range shrunk by the factor in SHRINK that minimises the group's
+# squared error, against the configured int8.
 import importlib.util
 from pathlib import Path
 

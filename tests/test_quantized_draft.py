@@ -1,6 +1,7 @@
-"""Weight-only int8 draft weights (runtime.model.Int8Weight): the kernel against a float matmul, the int8 switch of
-the fused projections (undone by any change of the weights), and an int8 EAGLE drafter: its drafts close to the
-float head's, greedy output identical to plain decoding (only drafting reads int8 weights)."""
+"""Weight-only int8 / int4 draft weights (runtime.model.Int8Weight / Int4Weight): the kernels against a float matmul,
+int4's range search against rounding over each group's whole range, the quantized switch of the fused projections
+(undone by any change of the weights), and quantized EAGLE drafters: their drafts close to the float head's, greedy
+output identical to plain decoding (only drafting reads quantized weights)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 import runtime
 from runtime.drafters.eagle import EagleDrafter, load_eagle_head
 from runtime.errors import ConfigError
-from runtime.model import INT8_MAX_ROWS, Int8Weight, TargetModel, linear
+from runtime.draft_spec import QUANTIZATIONS
+from runtime.model import INT4_GROUP, QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, Int4Weight, Int8Weight, TargetModel, linear
 from tests.heads import write_eagle_head
 from tests.tiny import make_checkpoint
 
@@ -38,74 +40,127 @@ def test_int8_matmul_matches_the_float_weights(dtype):
     assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-2), rel
     assert Int8Weight.supported(torch.bfloat16, torch.device("cpu"))
     assert not Int8Weight.supported(torch.float16, torch.device("cpu"))
-    assert Int8Weight.supported(torch.bfloat16, torch.device("cpu"), 576)
-    assert not Int8Weight.supported(torch.bfloat16, torch.device("cpu"), 40)
-    assert Int8Weight.supported(torch.float32, torch.device("cpu"), 40)
+    assert Int8Weight.supported(torch.bfloat16, torch.device("cpu"), (8, 576))
+    assert not Int8Weight.supported(torch.bfloat16, torch.device("cpu"), (8, 40))
+    assert Int8Weight.supported(torch.float32, torch.device("cpu"), (8, 40))
+
+
+def test_every_quantization_has_its_weight_class():
+    assert tuple(QUANTIZED_WEIGHTS) == QUANTIZATIONS
+    assert all(kind.name == name for name, kind in QUANTIZED_WEIGHTS.items())
+
+
+def _full_range_int4(w: torch.Tensor) -> torch.Tensor:  # w [out, in] -> dequantised [out, in] float32
+    """Round to nearest over each group's whole [min, max] (the scale and zero rounded to w's dtype, as the kernel
+    reads them): what Int4Weight's range search must never do worse than."""
+    g = w.float().reshape(w.shape[0], -1, INT4_GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    step = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((g - lo) / step).clamp(0, 15)
+    deq = (q - 8) * step.to(w.dtype).float() + (lo + 8 * step).to(w.dtype).float()
+    return deq.reshape(w.shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_runs_only_few_rows_and_many_rows_read_the_source_weight(dtype):
+def test_int4_matmul_matches_the_float_weights(dtype):
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(100, 96, generator=gen) * 0.05).to(dtype)  # [out, in]: 100 rows, padded to 112 inside
+    x = torch.randn(2, 3, 96, generator=gen).to(dtype)  # [..., in]
+    bias = torch.randn(100, generator=gen).to(dtype)
+    q = Int4Weight.of(w)
+    assert q.shape == w.shape and q.scale_zeros.dtype == dtype and q.scale_zeros.shape == (96 // INT4_GROUP, 112, 2)
+    # what the kernel multiplies by: its output for the identity, row by row
+    eye = torch.eye(96, dtype=dtype)
+    deq = torch.cat([q.matmul(eye[i:i + QUANT_MAX_ROWS]) for i in range(0, 96, QUANT_MAX_ROWS)]).float().T
+    assert deq.shape == w.shape
+    # the searched ranges win overall and, where the kernel's output is exact (float32), never lose a group
+    err = (deq - w.float()).pow(2).reshape(100, -1, INT4_GROUP).sum(-1)  # [out, groups]
+    full = (_full_range_int4(w) - w.float()).pow(2).reshape(100, -1, INT4_GROUP).sum(-1)
+    assert float(err.sum()) < 0.97 * float(full.sum())
+    if dtype == torch.float32:
+        assert bool((err <= full * (1 + 1e-5) + 1e-12).all())
+    got = linear(x, q, bias)  # [2, 3, 100]
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    assert got.shape == (2, 3, 100) and got.dtype == dtype
+    rel = (got.float() - want).norm() / want.norm()
+    assert 1e-3 < rel < 0.1, rel  # int4 rounds much more coarsely than int8, but stays close
+    cpu = torch.device("cpu")
+    assert Int4Weight.supported(torch.bfloat16, cpu, (8192, 576)) and Int4Weight.supported(torch.float32, cpu, (7, 64))
+    assert not Int4Weight.supported(torch.bfloat16, cpu, (64, 120)) and not Int4Weight.supported(torch.float16, cpu)
+
+
+@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_weights_run_only_few_rows_and_many_rows_read_the_source_weight(kind, dtype):
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(48, 32, generator=gen) * 0.05).to(dtype)  # [out, in]
-    q = Int8Weight.of(w)
-    for rows in (1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 3 * INT8_MAX_ROWS):
+    q = kind.of(w)
+    for rows in (1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 3 * QUANT_MAX_ROWS):
         x = torch.randn(rows, 32, generator=gen).to(dtype)  # [rows, in]
         exact = torch.nn.functional.linear(x, w)
-        assert torch.equal(q.matmul(x), exact) == (rows > INT8_MAX_ROWS), rows
-        if rows <= INT8_MAX_ROWS:
+        assert torch.equal(q.matmul(x), exact) == (rows > QUANT_MAX_ROWS), rows
+        if rows <= QUANT_MAX_ROWS and kind is Int8Weight:
             assert torch.equal(q.matmul(x), torch.ops.aten._weight_int8pack_mm(x, q.q, q.scales))
+        if rows <= QUANT_MAX_ROWS and kind is Int4Weight:
+            kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, q.packed, INT4_GROUP, q.scale_zeros)
+            assert torch.equal(q.matmul(x), kernel)
 
 
-def test_fused_projections_switch_to_int8_until_the_weights_change(target_dir):
+@pytest.mark.parametrize("kind,tolerance", [(Int8Weight, 2e-2), (Int4Weight, 0.15)])
+def test_fused_projections_switch_to_quantized_copies_until_the_weights_change(target_dir, kind, tolerance):
     layer = TargetModel.from_pretrained(target_dir).model.layers[0]
     mlp, attn = layer.mlp, layer.self_attn
     x = torch.randn(3, mlp.down_proj.weight.shape[0], generator=torch.Generator().manual_seed(0))
     want = mlp(x)
-    mlp.quantize_int8()
-    assert mlp.int8 is not None
+    mlp.quantize(kind)
+    assert all(isinstance(w, kind) for w in mlp.quantized)
     got = mlp(x)
-    assert not torch.equal(got, want)  # it really runs the int8 copies
-    assert (got - want).norm() / want.norm() < 2e-2
+    assert not torch.equal(got, want)  # it really runs the quantized copies
+    assert (got - want).norm() / want.norm() < tolerance
     mlp.load_state_dict(mlp.state_dict())
-    assert mlp.int8 is None and torch.equal(mlp(x), want)
-    attn.quantize_int8()
+    assert mlp.quantized is None and torch.equal(mlp(x), want)
+    attn.quantize(kind)
     attn.to(torch.float64)
-    assert attn.int8 is None
+    assert attn.quantized is None
 
 
+@pytest.mark.parametrize("quantization,tolerance", [("int8", 5e-2), ("int4", 0.2)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int8_eagle_drafter(target_dir, tmp_path, dtype):
+def test_quantized_eagle_drafter(target_dir, tmp_path, dtype, quantization, tolerance):
     model = TargetModel.from_pretrained(target_dir, dtype=getattr(torch, dtype))
     heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
     tree = runtime.tree.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     float_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree)
-    int8_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree, quantization="int8")
-    assert int8_drafter.lm_int8 is not None and int8_drafter.head.fc_int8 is not None
+    quant_drafter = EagleDrafter(load_eagle_head(heads, model), model, tree=tree, quantization=quantization)
+    kind = QUANTIZED_WEIGHTS[quantization]
+    assert isinstance(quant_drafter.lm_quantized, kind) and isinstance(quant_drafter.head.fc_quantized, kind)
     prompt = [0, 5, 9, 33, 7, 5, 9, 33, 12, 40]
     logits, hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
     root = int(logits[0, -1].argmax())
     feats = float_drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None],
                                hidden[:, :], torch.arange(len(prompt))[None], float_drafter.head.new_cache(32),
                                runtime.model.causal_mask(len(prompt)))
-    feats8 = int8_drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None],
-                               hidden[:, :], torch.arange(len(prompt))[None], int8_drafter.head.new_cache(32),
+    feats_q = quant_drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None],
+                               hidden[:, :], torch.arange(len(prompt))[None], quant_drafter.head.new_cache(32),
                                runtime.model.causal_mask(len(prompt)))
-    assert (feats8.float() - feats.float()).norm() / feats.float().norm() < 5e-2
-    # greedy output through the int8 drafter is plain decoding's
+    assert 0 < (feats_q.float() - feats.float()).norm() / feats.float().norm() < tolerance
+    # greedy output through the quantized drafter is plain decoding's
     plain = runtime.load(str(target_dir), draft="none", dtype=dtype).generate(prompt, max_tokens=32, ignore_eos=True)
-    dec = runtime.decode.SpecDecoder(model, None, int8_drafter, tree.num_nodes)
+    dec = runtime.decode.SpecDecoder(model, None, quant_drafter, tree.num_nodes)
     out = dec.generate(prompt, runtime.sampling.SamplingParams(max_tokens=32, ignore_eos=True))
     assert out.token_ids == plain.token_ids
     assert out.stats.drafted_tokens > 0
 
 
-def test_int8_needs_a_cpu_kernel(target_dir, tmp_path):
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_drafting_needs_a_cpu_kernel(target_dir, tmp_path, quantization):
     model = TargetModel.from_pretrained(target_dir, dtype=torch.float16)
     heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
-    with pytest.raises(ConfigError, match="int8 draft weights run on CPU in bfloat16 / float32, not torch.float16"):
-        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int8")
-    with pytest.raises(ConfigError, match="quantization must be None or one of int8, got 'int4'"):
-        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int4")
+    with pytest.raises(ConfigError, match=f"{quantization} draft weights run on CPU in bfloat16 / float32, not "
+                                          "torch.float16"):
+        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization=quantization)
+    with pytest.raises(ConfigError, match="quantization must be None or one of int8, int4, got 'int2'"):
+        EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int2")
 
 
 def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
@@ -121,6 +176,10 @@ def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
     EagleDrafter(load_eagle_head(heads, bf16), bf16, tree=tree)
     fp32 = TargetModel.from_pretrained(odd, dtype=torch.float32)
     EagleDrafter(load_eagle_head(heads, fp32), fp32, tree=tree, quantization="int8")
+    # int4 groups 32 inputs: 120 is refused in every dtype
+    with pytest.raises(ConfigError, match=r"quantization 'int4': torch's int4 kernel needs rows a multiple of 32 "
+                                          r"wide, but layers.0.mlp.down_proj.weight reads 120"):
+        EagleDrafter(load_eagle_head(heads, fp32), fp32, tree=tree, quantization="int4")
     # a build (which plans on meta tensors) refuses it too
     from builder.build import build_engine
     from builder.config import load_config
@@ -133,9 +192,10 @@ def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
         build_engine(load_config(cfg))
 
 
-def test_int8_from_every_front_end(target_dir, tmp_path):
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_drafting_from_every_front_end(target_dir, tmp_path, quantization):
     """runtime.load's draft_quantization, and the YAML's draft.quantization recorded in engine.json: the loaded
-    EAGLE drafter runs int8 and says so in its spec; greedy output stays plain decoding's."""
+    EAGLE drafter runs quantized and says so in its spec; greedy output stays plain decoding's."""
     from builder.build import build_engine
     from builder.config import load_config
 
@@ -143,21 +203,23 @@ def test_int8_from_every_front_end(target_dir, tmp_path):
     prompt = [0, 5, 9, 33, 7, 5, 9, 33, 12, 40]
     plain = runtime.load(str(target_dir), draft="none").generate(prompt, max_tokens=24, ignore_eos=True)
     dec = runtime.load(str(target_dir), draft="eagle", draft_model=str(heads), tree="chain-3",
-                       draft_quantization="int8")
-    assert dec.drafter.lm_int8 is not None and dec.drafter.spec.quantization == "int8"
+                       draft_quantization=quantization)
+    kind = QUANTIZED_WEIGHTS[quantization]
+    assert isinstance(dec.drafter.lm_quantized, kind) and dec.drafter.spec.quantization == quantization
     assert dec.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
     cfg = tmp_path / "eagle.yaml"
     cfg.write_text(f"model: {{checkpoint: {target_dir}}}\n"
-                   f"draft: {{method: eagle, checkpoint: {heads}, tree: {{preset: chain-3}}, quantization: int8}}\n"
+                   f"draft: {{method: eagle, checkpoint: {heads}, tree: {{preset: chain-3}}, "
+                   f"quantization: {quantization}}}\n"
                    f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false}}\n")
     result = build_engine(load_config(cfg))
-    assert result.manifest["draft"]["quantization"] == "int8"
+    assert result.manifest["draft"]["quantization"] == quantization
     engine = runtime.load(str(result.output))
-    assert engine.drafter.lm_int8 is not None
+    assert isinstance(engine.drafter.lm_quantized, kind)
     assert engine.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
     bad = tmp_path / "bad.yaml"
-    bad.write_text(cfg.read_text().replace("quantization: int8", "quantization: int4"))
-    with pytest.raises(ConfigError, match="draft.quantization: got 'int4', expected one of int8"):
+    bad.write_text(cfg.read_text().replace(f"quantization: {quantization}", "quantization: int2"))
+    with pytest.raises(ConfigError, match="draft.quantization: got 'int2', expected one of int8, int4"):
         load_config(bad)
 
 
@@ -189,6 +251,9 @@ def test_bf16_eagle_head_drafts_from_packed_copies(target_dir, tmp_path):
     EagleDrafter(shared, model, tree=tree, quantization="int8")
     with pytest.raises(ConfigError, match="already drafts from int8 copies"):
         EagleDrafter(shared, model, tree=tree)
+    with pytest.raises(ConfigError, match="already drafts from int8 copies for another drafter; load it again for a "
+                                          "drafter with quantization 'int4'"):
+        EagleDrafter(shared, model, tree=tree, quantization="int4")
     # greedy output through the packed drafter is plain decoding's
     plain = runtime.load(str(target_dir), draft="none", dtype="bfloat16").generate(prompt, max_tokens=32,
                                                                                    ignore_eos=True)
