@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-draft-len", type=int, default=_default(LoadConfig, "max_draft_len"))
     g.add_argument("--device", default=_default(LoadConfig, "device"), help="torch device: cpu, cuda, cuda:1, ...")
     g.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=_default(LoadConfig, "draft_quantization"),
-                   help="the EAGLE head's weights as drafting reads them (int8: weight-only, CPU)")
+                   help="the EAGLE head's weights as drafting reads them (int8 / int4: weight-only, CPU)")
     g.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, e.g. total_tokens=60 (eagle) or max_ngram=4 (lookup); repeatable")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
