@@ -136,7 +136,7 @@ class _Fused(nn.Module):
         self.quantized = (kind.of(self.fused_weight), kind.of(getattr(self, self._out_name).weight))
 
     def pack(self) -> None:
-        """Run this module's matmuls on oneDNN-packed copies of its weights (`PackedWeight`). Undone like int8."""
+        """Run this module's matmuls on oneDNN-packed copies of its weights (`PackedWeight`). Undone like quantize()."""
         self.packed = (PackedWeight.of(self.fused_weight), PackedWeight.of(getattr(self, self._out_name).weight))
 
 

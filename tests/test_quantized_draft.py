@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import runtime
+from runtime.draft_spec import QUANTIZATIONS
 from runtime.drafters.eagle import EagleDrafter, load_eagle_head
 from runtime.errors import ConfigError
-from runtime.draft_spec import QUANTIZATIONS
 from runtime.model import INT4_GROUP, QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, Int4Weight, Int8Weight, TargetModel, linear
 from tests.heads import write_eagle_head
 from tests.tiny import make_checkpoint
@@ -137,12 +137,9 @@ def test_quantized_eagle_drafter(target_dir, tmp_path, dtype, quantization, tole
     prompt = [0, 5, 9, 33, 7, 5, 9, 33, 12, 40]
     logits, hidden = model.prefill(torch.tensor([prompt]), model.new_cache(len(prompt)))
     root = int(logits[0, -1].argmax())
-    feats = float_drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None],
-                               hidden[:, :], torch.arange(len(prompt))[None], float_drafter.head.new_cache(32),
-                               runtime.model.causal_mask(len(prompt)))
-    feats_q = quant_drafter.head(model.embed(torch.tensor([prompt[1:] + [root]]))[0][None],
-                               hidden[:, :], torch.arange(len(prompt))[None], quant_drafter.head.new_cache(32),
-                               runtime.model.causal_mask(len(prompt)))
+    embeds, positions = model.embed(torch.tensor([prompt[1:] + [root]]))[0][None], torch.arange(len(prompt))[None]
+    feats, feats_q = (d.head(embeds, hidden, positions, d.head.new_cache(32), runtime.model.causal_mask(len(prompt)))
+                      for d in (float_drafter, quant_drafter))
     assert 0 < (feats_q.float() - feats.float()).norm() / feats.float().norm() < tolerance
     # greedy output through the quantized drafter is plain decoding's
     plain = runtime.load(str(target_dir), draft="none", dtype=dtype).generate(prompt, max_tokens=32, ignore_eos=True)
