@@ -12,6 +12,7 @@ Dynamic trees (EAGLE-2, reference-facts section 2) are selected from a scored ca
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -142,7 +143,7 @@ class Tree:
 
         max_depth bounds the path length; max_nodes bounds the node count, root included.
         """
-        return cls(_normalize_choices(paths, max_depth=max_depth, max_nodes=max_nodes))
+        return _built(_normalize_choices(paths, max_depth=max_depth, max_nodes=max_nodes))
 
     @classmethod
     def root_only(cls) -> Tree:
@@ -334,6 +335,13 @@ class Tree:
         return f"Tree(num_nodes={self.num_nodes}, max_depth={self.max_depth}, leaves={len(self._leaves)})"
 
 
+@functools.lru_cache(maxsize=4096)
+def _built(choices: tuple[Path, ...]) -> Tree:
+    """The tree of canonical choices, built once per process: a Tree is immutable, and decoding asks for the same
+    few shapes step after step (a static tree's pruned subtrees, its merges with lookup continuations)."""
+    return Tree(choices)
+
+
 # ---- dynamic trees (EAGLE-2) ------------------------------------------------------------------------------
 
 
@@ -375,10 +383,17 @@ def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_token
     Sibling ranks follow (effective score, raw score) descending, then creation order.
     """
     _check_pool(parents, scores)
+    tree, entries = _select_entries(parents.tolist(), scores.double().tolist(), total_tokens, min_score)
+    return tree, torch.tensor([-1] + entries, dtype=torch.int64)
+
+
+def _select_entries(par: list[int], scores: list[float], total_tokens: int,
+                    min_score: float | None) -> tuple[Tree, list[int]]:
+    """`select_dynamic_pool` over a well-formed pool as lists: the tree and the pool entry of each node below its
+    root, in node order."""
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1:
         raise ConfigError(f"total_tokens must be an int >= 1 (root included), got {total_tokens!r}")
-    par = parents.tolist()
-    raw = [-math.inf if math.isnan(s) else s for s in scores.double().tolist()]
+    raw = [-math.inf if math.isnan(s) else s for s in scores]
     eff = list(raw)
     for i, p in enumerate(par):
         if p >= 0:
@@ -397,11 +412,11 @@ def select_dynamic_pool(parents: torch.Tensor, scores: torch.Tensor, total_token
     paths: dict[int, Path] = {}
     for i in keep:  # creation order: a parent's path exists before its children's
         paths[i] = (paths[par[i]] if par[i] >= 0 else ()) + (rank[i],)
-    tree = Tree.from_choices(list(paths.values())) if paths else Tree.root_only()
-    pool_index = torch.full((tree.num_nodes,), -1, dtype=torch.int64)
-    for i, p in paths.items():
-        pool_index[tree.index(p)] = i
-    return tree, pool_index
+    if not paths:
+        return Tree.root_only(), []
+    tree = Tree.from_choices(list(paths.values()))
+    entry = {p: i for i, p in paths.items()}
+    return tree, [entry[p] for p in tree.choices]
 
 
 def capped_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float]:
@@ -459,12 +474,20 @@ def select_dynamic_tree(
     effective scores the selection ranked by (the root's 0).
     """
     _check_pool(parents, scores, tokens)
-    tree, pool_index = select_dynamic_pool(parents, scores, total_tokens, min_score)
-    node_tokens = torch.full((tree.num_nodes,), root_token, dtype=torch.int64)
-    effective = [0.0]
-    if tree.num_nodes > 1:
-        node_tokens[1:] = tokens.cpu()[pool_index[1:]].to(torch.int64)
-        effective = capped_scores(tree.parent_list, [0.0] + scores.cpu()[pool_index[1:]].double().tolist())
+    return select_dynamic_tree_lists(parents.tolist(), tokens.tolist(), scores.double().tolist(), total_tokens,
+                                     root_token, min_score)
+
+
+def select_dynamic_tree_lists(
+    parents: list[int], tokens: list[int], scores: list[float], total_tokens: int, root_token: int = -1,
+    min_score: float | None = None,
+) -> tuple[Tree, torch.Tensor, torch.Tensor]:
+    """`select_dynamic_tree` of a pool held in Python lists, which it trusts to be well formed (parents[i] in
+    [-1, i)): for callers that build their pool in Python (`runtime.drafters.merged.merge_pools`) and would
+    otherwise pay for tensors made only to be read back."""
+    tree, entries = _select_entries(parents, scores, total_tokens, min_score)
+    node_tokens = torch.tensor([root_token] + [tokens[e] for e in entries], dtype=torch.int64)
+    effective = capped_scores(tree.parent_list, [0.0] + [scores[e] for e in entries])
     return tree, node_tokens, torch.tensor(effective, dtype=torch.float32)
 
 
@@ -504,4 +527,5 @@ def expand_frontier(frontier_scores: torch.Tensor, logprobs: torch.Tensor, top_k
     return Expansion(parent=parent, tokens=top_tok.reshape(-1).to(torch.int64), scores=cum, frontier=frontier)
 
 
-__all__ = ["Tree", "Expansion", "expand_frontier", "select_dynamic_pool", "select_dynamic_tree"]
+__all__ = ["Tree", "Expansion", "expand_frontier", "select_dynamic_pool", "select_dynamic_tree",
+           "select_dynamic_tree_lists"]

@@ -26,13 +26,14 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.draft_spec import DraftSpec
 from runtime.drafters.lookup import LookupDrafter, LookupSession
 from runtime.errors import ConfigError
 from runtime.protocol import CandidatePool, Draft, DraftSession, Proposal
-from runtime.tree import Tree, select_dynamic_tree
+from runtime.tree import Tree, select_dynamic_tree_lists
 
 
 def merge_drafts(primary: Draft, extra: Draft, max_nodes: int) -> Draft:
@@ -120,9 +121,9 @@ def merge_pools(pools: list[CandidatePool], root: int, max_nodes: int) -> Draft:
     pool_scores: list[float] = []
     for parent, cond in zip(pool_parent, pool_cond):
         pool_scores.append((pool_scores[parent] if parent >= 0 else 0.0) + cond)
-    tree, tokens, scores = select_dynamic_tree(
-        torch.tensor(pool_parent), torch.tensor(pool_tokens, dtype=torch.int64),
-        torch.tensor(pool_scores, dtype=torch.float32), max_nodes, root_token=root)
+    # ranked in float32, as a drafter's scores are handed over
+    scores32 = np.asarray(pool_scores, dtype=np.float32).tolist()
+    tree, tokens, scores = select_dynamic_tree_lists(pool_parent, pool_tokens, scores32, max_nodes, root_token=root)
     return Draft(tree, tokens, Proposal.DETERMINISTIC, scores=scores)
 
 
