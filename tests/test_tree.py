@@ -76,7 +76,19 @@ def test_tensor_properties_are_copies():
     m[:] = False
     d = tree.depth
     d[:] = 9
-    assert bool(tree.mask[0, 0]) and tree.depth[0] == 0
+    p = tree.packed_mask
+    p[:] = 0
+    assert bool(tree.mask[0, 0]) and tree.depth[0] == 0 and int(tree.packed_mask[0, 0]) == 1
+
+
+def test_equal_choices_share_one_built_tree():
+    """from_choices builds each distinct tree once (decoding asks for the same shapes every step); the shared tree
+    is never written through what it hands out (above), so what one caller does to it no other caller sees."""
+    first = Tree.from_choices(GOLDEN_CHOICES)
+    first.mask[:] = False
+    again = Tree.from_choices(list(reversed(GOLDEN_CHOICES)))
+    assert again is first and torch.equal(again.mask, Tree(first.choices).mask)
+    assert Tree.from_choices([[0], [1]]) is not Tree.from_choices([[0], [0, 0]])
 
 
 def test_chain_root_only_and_presets():
