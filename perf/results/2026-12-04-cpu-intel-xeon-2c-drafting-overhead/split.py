@@ -19,11 +19,7 @@ target, enc, dec = setup(4)
 acc, cnt = defaultdict(float), defaultdict(int)
 
 
-def wrap(owner, name, label):
-    raw = owner.__dict__[name]
-    is_cm = isinstance(raw, classmethod)
-    f = raw.__func__ if is_cm else raw
-
+def timer(f, label):
     @functools.wraps(f)
     def timed(*a, **k):
         t = time.perf_counter()
@@ -32,11 +28,7 @@ def wrap(owner, name, label):
         finally:
             acc[label] += time.perf_counter() - t
             cnt[label] += 1
-    setattr(owner, name, classmethod(timed) if is_cm else timed)
-
-
-class _Mod:  # module-level functions: wrap in the module that calls them
-    pass
+    return timed
 
 
 for owner, name, label in [
@@ -46,18 +38,13 @@ for owner, name, label in [
     (L.LookupSession, 'draft', 'lookup.draft'), (DS.Datastore, 'continuation', 'datastore.continuation'),
     (T.Tree, 'from_choices', 'Tree.from_choices'), (T.Tree, '__post_init__', 'Tree.__post_init__'),
 ]:
-    wrap(owner, name, label)
-for module, name, label in [(M.__dict__, 'merge_pools', 'merge_pools'), (D.__dict__, 'prune_draft', 'prune_draft')]:
-    f = module[name]
-
-    def timed(*a, _f=f, _label=label, **k):
-        t = time.perf_counter()
-        try:
-            return _f(*a, **k)
-        finally:
-            acc[_label] += time.perf_counter() - t
-            cnt[_label] += 1
-    module[name] = timed
+    raw = owner.__dict__[name]
+    if isinstance(raw, classmethod):
+        setattr(owner, name, classmethod(timer(raw.__func__, label)))
+    else:
+        setattr(owner, name, timer(raw, label))
+for module, name in [(M, 'merge_pools'), (D, 'prune_draft')]:  # module functions: replaced where they are called
+    setattr(module, name, timer(getattr(module, name), name))
 dec.generate(enc[0], max_tokens=32, ignore_eos=True)
 for _ in range(2):
     acc.clear()
