@@ -260,9 +260,12 @@ def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 QUANT_MAX_ROWS = 16  # above it, a quantized weight multiplies by its source weight (a step's head forwards don't)
 
 
-class _Quantized:
-    """What Int8Weight and Int4Weight share: a `source` weight [out, in] and a kernel over a few rows."""
+class QuantizedWeight:
+    """A draft head's weight as drafting reads it, quantized (Int8Weight, Int4Weight; by name in QUANTIZED_WEIGHTS):
+    a `source` weight [out, in] and a kernel over a few rows. Each kind also gives `of(weight)`, `supported(dtype,
+    device, shape)` and `needs(dtype)`."""
 
+    name: ClassVar[str]  # its DraftSpec.quantization value
     source: torch.Tensor  # [out, in]: the weight it was quantised from
 
     @property
@@ -280,7 +283,7 @@ class _Quantized:
 
 
 @dataclass(frozen=True)
-class Int8Weight(_Quantized):
+class Int8Weight(QuantizedWeight):
     """A weight stored as int8 with one float scale per output row (symmetric, weight-only), multiplied by torch's
     packed CPU kernel (`aten._weight_int8pack_mm`; activations stay in their dtype). For draft heads on CPU: they
     run on a handful of rows per call, so reading their weights is the cost, and int8 halves the bytes of bf16.
@@ -291,7 +294,7 @@ class Int8Weight(_Quantized):
     head's matmul shapes: 2x F.linear's at 16 rows, 2.7-3x from 256), and the exact weights only bring the draft
     closer to the trained head's. It is a reference, not a copy: the head keeps its weights anyway."""
 
-    name: ClassVar[str] = "int8"  # its DraftSpec.quantization value
+    name: ClassVar[str] = "int8"
     q: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out], the activations' dtype
     source: torch.Tensor  # [out, in]: the weight it was quantised from
@@ -329,7 +332,7 @@ INT4_SHRINK = tuple(1.0 - 0.025 * i for i in range(13))  # range factors searche
 
 
 @dataclass(frozen=True)
-class Int4Weight(_Quantized):
+class Int4Weight(QuantizedWeight):
     """A weight stored as int4, asymmetric, with a scale and a zero per group of INT4_GROUP inputs of a row
     (weight-only), multiplied by torch's CPU kernel (`aten._weight_int4pack_mm_for_cpu`). Half the bytes of
     `Int8Weight`, at about eight times its rounding error (relative output error ~7.5% against ~1%): what a draft
@@ -343,7 +346,7 @@ class Int4Weight(_Quantized):
     others are padded with zero rows, whose outputs are cut off. Calls over more than QUANT_MAX_ROWS rows multiply
     by the source weight, as for `Int8Weight`."""
 
-    name: ClassVar[str] = "int4"  # its DraftSpec.quantization value
+    name: ClassVar[str] = "int4"
     packed: torch.Tensor  # the int4 values in the kernel's layout (opaque), out padded to a multiple of 16 rows
     scale_zeros: torch.Tensor  # [in / INT4_GROUP, padded out, 2]: each group's scale and zero, the activations' dtype
     source: torch.Tensor  # [out, in]: the weight it was quantised from
@@ -394,7 +397,6 @@ class Int4Weight(_Quantized):
         return out if out.shape[1] == n else out[:, :n]  # [rows, out padded to 16] -> [rows, out]
 
 
-QuantizedWeight = Int8Weight | Int4Weight
 QUANTIZED_WEIGHTS: dict[str, type[QuantizedWeight]] = {kind.name: kind for kind in (Int8Weight, Int4Weight)}
 
 
@@ -447,7 +449,7 @@ def linear(
     """F.linear (a PackedWeight by its packed copy), in blocks of INVARIANT_ROWS rows when the weights run
     batch-invariant; a quantized weight (Int8Weight, Int4Weight) by its kernel (draft heads only: nothing verified
     reads one, so it needs no batch invariance)."""
-    if isinstance(weight, _Quantized):
+    if isinstance(weight, QuantizedWeight):
         out = weight.matmul(x)
         return out if bias is None else out + bias
     if isinstance(weight, PackedWeight) and weight.stale:
