@@ -4,6 +4,7 @@
                                                            medusa_lm_head.safetensors or medusa_lm_head.pt
     write_eagle_head(dir, target_dir, ...)                 SafeAILab EAGLE-1: config.json (Llama-style, one
                                                            layer) + pytorch_model.bin or model.safetensors
+    write_eagle_config(path, target_dir, heads, ...)       a builder YAML drafting target_dir with that EAGLE head
     draft_paths(draft)                                     every node of a drafted tree as its token path
 
 The Medusa state dict is produced by the FasterDecoding module structure itself (nn.ModuleList of
@@ -233,6 +234,28 @@ def write_eagle_head(
         from safetensors.torch import save_file
 
         save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def write_eagle_config(
+    path: str | Path,
+    target_dir: str | Path,
+    heads: str | Path,
+    draft: dict[str, Any] | None = None,
+    build: dict[str, Any] | None = None,
+) -> Path:
+    """Write a builder YAML at `path` for the target at target_dir drafted by the EAGLE head directory `heads`: the
+    tree preset chain-2, a float32 engine in `engine/` beside the YAML, no ONNX; `draft` / `build` add or replace keys
+    of those sections. Returns the path."""
+    import yaml
+
+    out = Path(path)
+    data = {
+        "model": {"checkpoint": str(target_dir)},
+        "draft": {"method": "eagle", "checkpoint": str(heads), "tree": {"preset": "chain-2"}, **(draft or {})},
+        "build": {"dtype": "float32", "output": str(out.parent / "engine"), "onnx": False, **(build or {})},
+    }
+    out.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return out
 
 

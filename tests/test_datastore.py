@@ -21,7 +21,7 @@ from runtime.drafters.datastore import DATASTORE_FILE, SEPARATOR, Datastore
 from runtime.drafters.lookup import LookupDrafter
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.model import TargetModel
-from tests.heads import write_eagle_head
+from tests.heads import write_eagle_config, write_eagle_head
 from tests.tiny import make_checkpoint
 
 
@@ -200,11 +200,9 @@ def test_engine_carries_the_datastore(target, tmp_path):
 
     plain = runtime.load(str(target), draft="none").generate(PROMPTS[0], max_tokens=24, ignore_eos=True)
     heads = _head_with_datastore(target, tmp_path, [list(plain.token_ids)])
-    cfg = tmp_path / "eagle.yaml"
-    cfg.write_text(f"model: {{checkpoint: {target}}}\n"
-                   f"draft: {{method: eagle, checkpoint: {heads}, tree: {{preset: chain-2}},\n"
-                   f"        lookup: {{num_draft_tokens: 2, max_branches: 1, datastore_tokens: 4}}}}\n"
-                   f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false, max_draft_len: 8}}\n")
+    cfg = write_eagle_config(tmp_path / "eagle.yaml", target, heads,
+                             draft={"lookup": {"num_draft_tokens": 2, "max_branches": 1, "datastore_tokens": 4}},
+                             build={"max_draft_len": 8})
     result = build_engine(load_config(cfg))
     assert f"draft/{DATASTORE_FILE}" in result.manifest["files"]
     assert result.manifest["draft"]["options"]["datastore_tokens"] == 4

@@ -19,7 +19,7 @@ from runtime.errors import ConfigError
 from runtime.model import TargetModel
 from runtime.protocol import CandidatePool, Draft, Proposal
 from runtime.tree import Tree
-from tests.heads import draft_paths, write_eagle_head, write_medusa_head
+from tests.heads import draft_paths, write_eagle_config, write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
 
 
@@ -235,14 +235,13 @@ def test_eagle2_total_tokens_bound_the_merged_tree(target, tmp_path):
     look = LookupDrafter(static.lookup).start(torch.tensor(PROMPT), None, 30).draft(44)
     tree = merged_static.start(torch.tensor(PROMPT), hidden, 30).draft(44, None, None)
     assert draft_paths(tree) == draft_paths(merge_drafts(base, look, 64)) and tree.tree.num_nodes <= 11
-    cfg = tmp_path / "eagle2.yaml"
-    cfg.write_text(f"model: {{checkpoint: {target}}}\n"
-                   f"draft: {{method: eagle, checkpoint: {head}, tree: {{dynamic: {{total_tokens: 6, top_k: 3}}}},\n"
-                   f"        lookup: {{num_draft_tokens: 8, datastore_tokens: 0}}}}\n"
-                   f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false, max_draft_len: 5}}\n")
-    assert plan_build(load_config(cfg)).draft.draft_nodes == 5
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(cfg.read_text().replace("total_tokens: 6", "total_tokens: 7"))
+    def dynamic(name, total_tokens):
+        return write_eagle_config(tmp_path / name, target, head, build={"max_draft_len": 5}, draft={
+            "tree": {"dynamic": {"total_tokens": total_tokens, "top_k": 3}},
+            "lookup": {"num_draft_tokens": 8, "datastore_tokens": 0}})
+
+    assert plan_build(load_config(dynamic("eagle2.yaml", 6))).draft.draft_nodes == 5
+    bad = dynamic("bad.yaml", 7)
     with pytest.raises(ConfigError, match=r"6 draft nodes per step.*build.max_draft_len = 5"):
         plan_build(load_config(bad))
 
@@ -299,11 +298,8 @@ def test_engine_keeps_the_merge(target, tmp_path):
     from builder.config import load_config, plan_build
 
     heads = write_eagle_head(tmp_path / "eagle", target, seed=1)
-    cfg = tmp_path / "eagle.yaml"
-    cfg.write_text(f"model: {{checkpoint: {target}}}\n"
-                   f"draft: {{method: eagle, checkpoint: {heads}, tree: {{preset: chain-2}},\n"
-                   f"        lookup: {{num_draft_tokens: 4, max_branches: 1}}}}\n"
-                   f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false, max_draft_len: 6}}\n")
+    lookup = {"lookup": {"num_draft_tokens": 4, "max_branches": 1}}
+    cfg = write_eagle_config(tmp_path / "eagle.yaml", target, heads, draft=lookup, build={"max_draft_len": 6})
     result = build_engine(load_config(cfg))
     assert result.manifest["draft"]["options"]["num_draft_tokens"] == 4
     dec = runtime.load(str(result.output))
@@ -311,8 +307,7 @@ def test_engine_keeps_the_merge(target, tmp_path):
     plain = runtime.load(str(target), draft="none").generate(PROMPT, max_tokens=24, ignore_eos=True)
     assert dec.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
     # the node budget covers the head's tree plus lookup's nodes
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(cfg.read_text().replace("max_draft_len: 6", "max_draft_len: 5"))
+    bad = write_eagle_config(tmp_path / "bad.yaml", target, heads, draft=lookup, build={"max_draft_len": 5})
     with pytest.raises(ConfigError, match=r"draft.tree \+ draft.lookup.num_draft_tokens: 6 draft nodes per step"):
         plan_build(load_config(bad))
 

@@ -13,7 +13,7 @@ from runtime.draft_spec import QUANTIZATIONS
 from runtime.drafters.eagle import EagleDrafter, load_eagle_head
 from runtime.errors import ConfigError
 from runtime.model import INT4_GROUP, QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, Int4Weight, Int8Weight, TargetModel, linear
-from tests.heads import write_eagle_head
+from tests.heads import write_eagle_config, write_eagle_head
 from tests.tiny import make_checkpoint
 
 
@@ -181,10 +181,8 @@ def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
     from builder.build import build_engine
     from builder.config import load_config
 
-    cfg = tmp_path / "odd.yaml"
-    cfg.write_text(f"model: {{checkpoint: {odd}}}\n"
-                   f"draft: {{method: eagle, checkpoint: {tmp_path / 'eagle'}, tree: {{preset: chain-3}}, "
-                   f"quantization: int8}}\nbuild: {{dtype: bfloat16, output: {tmp_path / 'engine'}, onnx: false}}\n")
+    cfg = write_eagle_config(tmp_path / "odd.yaml", odd, tmp_path / "eagle", build={"dtype": "bfloat16"},
+                             draft={"tree": {"preset": "chain-3"}, "quantization": "int8"})
     with pytest.raises(ConfigError, match="but layers.0.mlp.down_proj.weight reads 120"):
         build_engine(load_config(cfg))
 
@@ -204,18 +202,17 @@ def test_quantized_drafting_from_every_front_end(target_dir, tmp_path, quantizat
     kind = QUANTIZED_WEIGHTS[quantization]
     assert isinstance(dec.drafter.lm_quantized, kind) and dec.drafter.spec.quantization == quantization
     assert dec.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
-    cfg = tmp_path / "eagle.yaml"
-    cfg.write_text(f"model: {{checkpoint: {target_dir}}}\n"
-                   f"draft: {{method: eagle, checkpoint: {heads}, tree: {{preset: chain-3}}, "
-                   f"quantization: {quantization}}}\n"
-                   f"build: {{dtype: float32, output: {tmp_path / 'engine'}, onnx: false}}\n")
+    def config(name, quant):
+        return write_eagle_config(tmp_path / name, target_dir, heads,
+                                  draft={"tree": {"preset": "chain-3"}, "quantization": quant})
+
+    cfg = config("eagle.yaml", quantization)
     result = build_engine(load_config(cfg))
     assert result.manifest["draft"]["quantization"] == quantization
     engine = runtime.load(str(result.output))
     assert isinstance(engine.drafter.lm_quantized, kind)
     assert engine.generate(prompt, max_tokens=24, ignore_eos=True).token_ids == plain.token_ids
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(cfg.read_text().replace(f"quantization: {quantization}", "quantization: int2"))
+    bad = config("bad.yaml", "int2")
     with pytest.raises(ConfigError, match="draft.quantization: got 'int2', expected one of int8, int4"):
         load_config(bad)
 
