@@ -25,6 +25,7 @@ speedups are ratios of tokens/s over all prompts (equal token counts, so also ra
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -529,6 +530,32 @@ def _tokens_per_s(runs: Sequence[Run], prompts: Sequence[str] | None = None) -> 
     return sum(tokens.values()) / sum(walls.values())
 
 
+# The speedup's interval over prompts: a paired percentile bootstrap (each resample draws prompts with replacement and
+# keeps both variants' runs of a drawn prompt together), seeded so that a report regenerates identically.
+SPEEDUP_CI_LEVEL = 0.95
+SPEEDUP_CI_RESAMPLES = 2000
+
+
+def speedup_interval(runs: Sequence[Run], reference: Sequence[Run]) -> tuple[float, float] | None:
+    """95% bootstrap interval over prompts of tokens/s(runs) / tokens/s(reference), each computed as `_tokens_per_s`
+    does (tokens over the sum of per-prompt median walls) on the prompts both measured. It says how much the
+    speedup rests on which prompts were drawn (what another prompt set of this size and kind would likely give), not
+    how much the machine varies from run to run. None with fewer than two common prompts."""
+    walls, ref_walls = _per_prompt_wall(runs), _per_prompt_wall(reference)
+    keys = sorted(set(walls) & set(ref_walls))
+    if len(keys) < 2:
+        return None
+    tokens = {r.prompt: len(r.token_ids) for r in runs}
+    ref_tokens = {r.prompt: len(r.token_ids) for r in reference}
+    cols = [(tokens[k], walls[k], ref_tokens[k], ref_walls[k]) for k in keys]
+
+    def speedup(idx: Sequence[int]) -> float:
+        t, w, rt, rw = (sum(cols[i][j] for i in idx) for j in range(4))
+        return (t / w) / (rt / rw) if w > 0 and rt > 0 else math.inf
+
+    return stats.bootstrap_interval(len(keys), speedup, SPEEDUP_CI_RESAMPLES, SPEEDUP_CI_LEVEL)
+
+
 def best_hf_peer(variants: Sequence[Variant], tokens_per_s: Mapping[str, float | None]) -> str | None:
     """The fastest of transformers' speculative variants (hf-lookup, hf-assisted) over all prompts; None if none
     was measured."""
@@ -556,6 +583,7 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
         generated = sum(len(r.token_ids) for r in first)
         forwards = sum(r.target_forwards for r in first)
         differ = [m for m in mismatches if m.variant == v.name]
+        interval = speedup_interval(rs, by_variant["plain"]) if v.name != "plain" and by_variant.get("plain") else None
         d: dict[str, Any] = {
             "name": v.name, "kind": v.kind, "drafter": v.drafter, **v.info,
             "prompts": len(first), "generated_tokens": generated,
@@ -563,6 +591,7 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
             "tokens_per_s": tps[v.name],
             "target_forwards_per_token": forwards / generated if generated else None,
             **{f"speedup_vs_{key}": stats.ratio(tps[v.name], tps.get(ref)) for key, ref in references.items()},
+            "speedup_vs_plain_ci95": list(interval) if interval else None,
             "per_set": {s: {"tokens_per_s": tps_set[v.name][s],
                             **{f"speedup_vs_{key}": stats.ratio(tps_set[v.name][s], tps_set.get(ref, {}).get(s))
                                for key, ref in references.items()}}
@@ -661,6 +690,7 @@ __all__ = [
     "parse_specs",
     "resolve",
     "run_bench",
+    "speedup_interval",
     "split_specs",
     "summarize",
 ]

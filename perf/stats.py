@@ -9,7 +9,8 @@ Accepted length: a speculative step accepts k draft tokens (0 <= k <= tree depth
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
 
 def accepted_histogram(accepted: Sequence[int]) -> list[int]:
@@ -78,6 +79,25 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def bootstrap_interval(
+    n: int, statistic: Callable[[Sequence[int]], float], resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of a statistic over n items: `statistic(indices)` is computed on `resamples`
+    draws of n indices in [0, n) with replacement (seeded, so a report is reproducible), and the interval is the
+    (1 - level) / 2 and (1 + level) / 2 percentiles of those values. Indices rather than items, so a paired
+    statistic (two measurements of the same prompt) resamples both together."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"bootstrap needs at least one item, got n={n!r}")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"bootstrap resamples must be a positive int, got {resamples!r}")
+    if not 0 < level < 1:
+        raise ValueError(f"bootstrap level must be in (0, 1), got {level!r}")
+    rng = random.Random(seed)
+    values = [statistic([rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
+    tail = 100 * (1 - level) / 2
+    return percentile(values, tail), percentile(values, 100 - tail)
+
+
 def first_difference(expected: Sequence[int], got: Sequence[int]) -> int | None:
     """Index of the first position where two token sequences differ (a length difference counts); None if equal."""
     for i, (a, b) in enumerate(zip(expected, got)):
@@ -88,6 +108,7 @@ def first_difference(expected: Sequence[int], got: Sequence[int]) -> int | None:
 
 __all__ = [
     "accepted_histogram",
+    "bootstrap_interval",
     "conditional_by_depth",
     "first_difference",
     "mean",

@@ -24,6 +24,7 @@ from perf.bench import (
     VariantSpec,
     check_identity,
     parse_specs,
+    speedup_interval,
     split_specs,
     summarize,
 )
@@ -83,6 +84,11 @@ def test_bench_cli_writes_json_markdown_and_plots(bench_run):
         assert v["generated_tokens"] == 4 * 7 and v["tokens_per_s"] > 0 and v["greedy_identical"]
         assert set(v["per_set"]) == {"code", "prose"}
     assert by["plain"]["speedup_vs_plain"] == 1.0 and by["hf"]["speedup_vs_hf"] == 1.0
+    assert by["plain"]["speedup_vs_plain_ci95"] is None
+    for v in report["variants"][1:]:
+        lo, hi = v["speedup_vs_plain_ci95"]
+        assert lo <= v["speedup_vs_plain"] <= hi
+        assert f"{v['speedup_vs_plain']:.2f}x ({lo:.2f}-{hi:.2f})" in (out / "bench.md").read_text()
     assert report["best_hf"] is None and by["plain"]["speedup_vs_best_hf"] is None
     assert by["hf"]["identity_enforced"] is False and by["lookup"]["identity_enforced"] is True
     assert not any(p["chat"] for p in report["prompts"]) and "vs best hf" not in (out / "bench.md").read_text()
@@ -289,7 +295,60 @@ def test_summary_speedups_acceptance_and_flags():
     assert [v["greedy_identical"] for v in bad] == [True, True, False]
 
 
+def test_speedup_interval_is_paired_over_prompts():
+    walls = [0.5, 1.0, 4.0, 9.0, 2.0, 3.0]  # plain's: prompts of very different cost
+    plain = [_run("plain", f"code/{i}", [1] * 8, wall=w) for i, w in enumerate(walls)]
+    # the same 2x on every prompt: the interval is that point, however much the prompts' costs differ (an unpaired
+    # bootstrap of the two tokens/s would give a wide one)
+    even = [_run("spec", f"code/{i}", [1] * 8, wall=w / 2) for i, w in enumerate(walls)]
+    assert speedup_interval(even, plain) == pytest.approx((2.0, 2.0))
+    # speedups that differ by prompt: an interval around the point estimate, within the per-prompt extremes
+    factors = [1.5, 2.5, 1.8, 2.2, 3.0, 1.2]
+    uneven = [_run("spec", f"code/{i}", [1] * 8, wall=w / f) for i, (w, f) in enumerate(zip(walls, factors))]
+    point = sum(walls) / sum(w / f for w, f in zip(walls, factors))
+    lo, hi = speedup_interval(uneven, plain)
+    assert min(factors) <= lo < point < hi <= max(factors)
+    assert speedup_interval(uneven, plain) == (lo, hi)  # seeded: a report regenerates identically
+    # only the prompts both measured count; fewer than two: no interval
+    assert speedup_interval(uneven[:3], plain) != (lo, hi)
+    assert speedup_interval(uneven[:1], plain) is None
+
+
+def test_summary_carries_the_speedup_interval():
+    prompts = [Prompt("code", str(i), "x") for i in range(4)]
+    variants = [Variant("plain", "baseline", "none", {}, None), Variant("spec", "speculative", "lookup", {}, None)]
+    runs = ([_run("plain", f"code/{i}", [1] * 8, wall=1.0 + i) for i in range(4)]
+            + [_run("spec", f"code/{i}", [1] * 8, wall=(1.0 + i) / (1.5 + i / 2)) for i in range(4)])
+    out = {v["name"]: v for v in summarize(variants, runs, prompts, [])}
+    assert out["plain"]["speedup_vs_plain_ci95"] is None
+    lo, hi = out["spec"]["speedup_vs_plain_ci95"]
+    assert 1.5 <= lo < out["spec"]["speedup_vs_plain"] < hi <= 3.0
+
+
 # ---- statistics ------------------------------------------------------------------------------------------------
+
+
+def test_bootstrap_interval_covers_as_its_level_says():
+    rng = np.random.default_rng(1)
+    assert stats.bootstrap_interval(5, lambda idx: 3.0) == (3.0, 3.0)
+    values = rng.normal(size=400).tolist()
+    lo, hi = stats.bootstrap_interval(400, lambda idx: sum(values[i] for i in idx) / len(idx), resamples=500)
+    assert lo < stats.mean(values) < hi and 0.14 < hi - lo < 0.26  # ~ 2 x 1.96 / sqrt(400)
+    # coverage of the true mean over many samples: ~95% at level 0.95; the negative control, level 0.5, ~50%
+    covered = {0.95: 0, 0.5: 0}
+    trials = 100
+    for t in range(trials):
+        sample = rng.normal(loc=1.0, size=30).tolist()
+        for level in covered:
+            lo, hi = stats.bootstrap_interval(30, lambda idx: sum(sample[i] for i in idx) / 30, resamples=200,
+                                              level=level, seed=t)
+            covered[level] += lo <= 1.0 <= hi
+    assert covered[0.95] / trials >= 0.85 and 0.3 <= covered[0.5] / trials <= 0.7
+    for kwargs, message in ((dict(n=0), "at least one item"), (dict(n=3, level=1.0), "level must be in"),
+                            (dict(n=3, resamples=0), "resamples must be a positive int")):
+        with pytest.raises(ValueError, match=message):
+            stats.bootstrap_interval(statistic=lambda idx: 0.0, **kwargs)
+
 
 
 def test_acceptance_statistics():
