@@ -530,10 +530,11 @@ def _tokens_per_s(runs: Sequence[Run], prompts: Sequence[str] | None = None) -> 
     return sum(tokens.values()) / sum(walls.values())
 
 
-# The speedup's interval over prompts: a paired percentile bootstrap (each resample draws prompts with replacement and
-# keeps both variants' runs of a drawn prompt together), seeded so that a report regenerates identically.
-SPEEDUP_CI_LEVEL = 0.95
-SPEEDUP_CI_RESAMPLES = 2000
+# The intervals over prompts (the speedup's, tau's): a percentile bootstrap (each resample draws prompts with
+# replacement; a speedup keeps both variants' runs of a drawn prompt together), seeded so that a report regenerates
+# identically.
+CI_LEVEL = 0.95
+CI_RESAMPLES = 2000
 
 
 def speedup_interval(runs: Sequence[Run], reference: Sequence[Run]) -> tuple[float, float] | None:
@@ -553,7 +554,21 @@ def speedup_interval(runs: Sequence[Run], reference: Sequence[Run]) -> tuple[flo
         t, w, rt, rw = (sum(cols[i][j] for i in idx) for j in range(4))
         return (t / w) / (rt / rw) if w > 0 and rt > 0 else math.inf
 
-    return stats.bootstrap_interval(len(keys), speedup, SPEEDUP_CI_RESAMPLES, SPEEDUP_CI_LEVEL)
+    return stats.bootstrap_interval(len(keys), speedup, CI_RESAMPLES, CI_LEVEL)
+
+
+def tau_interval(runs: Sequence[Run]) -> tuple[float, float] | None:
+    """95% bootstrap interval over prompts of tau (tokens emitted per verification step: accepted + 1 each), from
+    each prompt's first repeat; None with fewer than two prompts that ran a verification step."""
+    per_prompt = [(sum(r.accepted_per_step) + len(r.accepted_per_step), len(r.accepted_per_step))
+                  for r in runs if r.repeat == 0 and r.accepted_per_step]
+    if len(per_prompt) < 2:
+        return None
+
+    def tau(idx: Sequence[int]) -> float:
+        return sum(per_prompt[i][0] for i in idx) / sum(per_prompt[i][1] for i in idx)
+
+    return stats.bootstrap_interval(len(per_prompt), tau, CI_RESAMPLES, CI_LEVEL)
 
 
 def best_hf_peer(variants: Sequence[Variant], tokens_per_s: Mapping[str, float | None]) -> str | None:
@@ -583,7 +598,7 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
         generated = sum(len(r.token_ids) for r in first)
         forwards = sum(r.target_forwards for r in first)
         differ = [m for m in mismatches if m.variant == v.name]
-        interval = speedup_interval(rs, by_variant["plain"]) if v.name != "plain" and by_variant.get("plain") else None
+        speedup_ci = speedup_interval(rs, by_variant["plain"]) if v.name != "plain" and by_variant.get("plain") else None
         d: dict[str, Any] = {
             "name": v.name, "kind": v.kind, "drafter": v.drafter, **v.info,
             "prompts": len(first), "generated_tokens": generated,
@@ -591,7 +606,7 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
             "tokens_per_s": tps[v.name],
             "target_forwards_per_token": forwards / generated if generated else None,
             **{f"speedup_vs_{key}": stats.ratio(tps[v.name], tps.get(ref)) for key, ref in references.items()},
-            "speedup_vs_plain_ci95": list(interval) if interval else None,
+            "speedup_vs_plain_ci95": list(speedup_ci) if speedup_ci else None,
             "per_set": {s: {"tokens_per_s": tps_set[v.name][s],
                             **{f"speedup_vs_{key}": stats.ratio(tps_set[v.name][s], tps_set.get(ref, {}).get(s))
                                for key, ref in references.items()}}
@@ -609,6 +624,7 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
             d.update({
                 "steps": steps,
                 "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
+                "tau_ci95": list(tau_ci) if v.kind != "baseline" and (tau_ci := tau_interval(first)) else None,
                 "mean_accepted": stats.mean(accepted) if accepted else None,
                 "mean_tree_nodes": 1 + sum(r.drafted_tokens for r in first) / steps if steps else None,
                 "accepted_histogram": stats.accepted_histogram(accepted),
@@ -691,6 +707,7 @@ __all__ = [
     "resolve",
     "run_bench",
     "speedup_interval",
+    "tau_interval",
     "split_specs",
     "summarize",
 ]

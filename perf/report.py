@@ -101,8 +101,8 @@ def _identity_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _interval_cell(v: dict[str, Any], reference: str) -> str:
-    ci = v.get(f"speedup_vs_{reference}_ci95")
+def _interval(ci: list[float] | None) -> str:
+    """A 95% interval after its figure: " (a-b)", or nothing where the report has none."""
     return f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
 
 
@@ -139,9 +139,10 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
     ]
     for v in report["variants"]:
         split = v.get("time_split") or {}
-        speedups = " | ".join(_num(v.get(f"speedup_vs_{r}"), ".2f", "x") + _interval_cell(v, r) for r in refs)
+        speedups = " | ".join(_num(v.get(f"speedup_vs_{r}"), ".2f", "x") + _interval(v.get(f"speedup_vs_{r}_ci95"))
+                              for r in refs)
         lines.append(
-            f"| {label(v)} | {_tree_cell(v)} | {_num(v.get('tau'))} "
+            f"| {label(v)} | {_tree_cell(v)} | {_num(v.get('tau'))}{_interval(v.get('tau_ci95'))} "
             f"| {_num(v['target_forwards_per_token'], '.3f')} | {_num(v['tokens_per_s'], '.1f')} | {speedups} "
             f"| {_pct(split.get('prefill'))} | {_pct(split.get('draft'))} | {_pct(split.get('verify'))} "
             f"| {_pct(split.get('other'))} | {_identical_cell(v)} |"
@@ -168,10 +169,10 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
     lines += ["", ("tau: tokens emitted per verification step (accepted + bonus). target fwd / token: target forward "
               "passes per generated token, prefill included. Time split: share of the runtime's own time (prefill, "
               "drafting, target forward + acceptance, cache compaction and bookkeeping).")]
-    if any(v.get("speedup_vs_plain_ci95") for v in report["variants"]):
-        lines[-1] += (" (a-b) after a speedup over plain: its 95% interval over the prompts (a paired bootstrap: "
-                      "prompts drawn with replacement, both variants' runs of a prompt kept together), the range "
-                      "another prompt set of this size and kind would likely give; the machine's run-to-run "
+    if any(v.get("speedup_vs_plain_ci95") or v.get("tau_ci95") for v in report["variants"]):
+        lines[-1] += (" (a-b) after tau or a speedup over plain: its 95% interval over the prompts (a bootstrap: "
+                      "prompts drawn with replacement, for a speedup both variants' runs of a prompt together), the "
+                      "range another prompt set of this size and kind would likely give; the machine's run-to-run "
                       "variation comes on top.")
     if best:
         lines[-1] += (" transformers' speculative variants draft a chain (≤: at most that many nodes per step); "

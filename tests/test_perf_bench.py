@@ -27,6 +27,7 @@ from perf.bench import (
     speedup_interval,
     split_specs,
     summarize,
+    tau_interval,
 )
 from perf.hf_baseline import HFBaseline
 from runtime.draft_spec import DraftSpec, DynamicTreeOptions, LookupOptions
@@ -89,6 +90,11 @@ def test_bench_cli_writes_json_markdown_and_plots(bench_run):
         lo, hi = v["speedup_vs_plain_ci95"]
         assert lo <= v["speedup_vs_plain"] <= hi
         assert f"{v['speedup_vs_plain']:.2f}x ({lo:.2f}-{hi:.2f})" in (out / "bench.md").read_text()
+        if v["kind"] == "speculative":
+            lo, hi = v["tau_ci95"]
+            assert lo <= v["tau"] <= hi and f"{v['tau']:.2f} ({lo:.2f}-{hi:.2f})" in (out / "bench.md").read_text()
+        else:
+            assert v.get("tau_ci95") is None
     assert report["best_hf"] is None and by["plain"]["speedup_vs_best_hf"] is None
     assert by["hf"]["identity_enforced"] is False and by["lookup"]["identity_enforced"] is True
     assert not any(p["chat"] for p in report["prompts"]) and "vs best hf" not in (out / "bench.md").read_text()
@@ -314,6 +320,20 @@ def test_speedup_interval_is_paired_over_prompts():
     assert speedup_interval(uneven[:1], plain) is None
 
 
+def test_tau_interval_resamples_prompts():
+    # the same acceptance on every prompt: the interval is tau itself
+    same = [_run("spec", f"code/{i}", [1] * 8, accepted=[2, 1, 0], steps=3) for i in range(5)]
+    assert tau_interval(same) == pytest.approx((2.0, 2.0))
+    # prompts that accept differently: an interval around the pooled tau, within the per-prompt extremes
+    mixed = same[:2] + [_run("spec", f"code/{i}", [1] * 8, accepted=a, steps=len(a))
+                        for i, a in enumerate(([0, 0, 0, 0], [4, 4], [1, 0, 2]), start=2)]
+    accepted = [k for r in mixed for k in r.accepted_per_step]
+    pooled = (sum(accepted) + len(accepted)) / len(accepted)
+    lo, hi = tau_interval(mixed)
+    assert 1.0 <= lo < pooled < hi <= 5.0
+    assert tau_interval(same[:1]) is None and tau_interval([_run("plain", "code/0", [1] * 8)]) is None
+
+
 def test_summary_carries_the_speedup_interval():
     prompts = [Prompt("code", str(i), "x") for i in range(4)]
     variants = [Variant("plain", "baseline", "none", {}, None), Variant("spec", "speculative", "lookup", {}, None)]
@@ -323,6 +343,7 @@ def test_summary_carries_the_speedup_interval():
     assert out["plain"]["speedup_vs_plain_ci95"] is None
     lo, hi = out["spec"]["speedup_vs_plain_ci95"]
     assert 1.5 <= lo < out["spec"]["speedup_vs_plain"] < hi <= 3.0
+    assert "tau_ci95" not in out["spec"]  # no verification steps recorded in these runs
 
 
 # ---- statistics ------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The 95% interval over prompts of every recorded benchmark's speedup over plain decoding, recomputed from the runs
-each bench.json stores (its per-prompt walls and token counts) with `perf.bench.speedup_interval`, the function that
-`python -m perf bench` now reports it with. Run from the repository root:
+"""The 95% intervals over prompts of every recorded benchmark's speedups over plain decoding and taus, recomputed from
+the runs each bench.json stores (per-prompt walls, token counts, accepted lengths) with `perf.bench.speedup_interval`
+and `tau_interval`, the functions `python -m perf bench` now reports them with. Run from the repository root:
     python perf/results/2026-12-05-cpu-intel-xeon-2c-intervals/intervals.py > perf/results/2026-12-05-cpu-intel-xeon-2c-intervals/intervals.md
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from perf.bench import Run, speedup_interval
+from perf.bench import Run, speedup_interval, tau_interval
 
 RESULTS = Path(__file__).resolve().parent.parent
 FIELDS = {"variant", "prompt", "repeat", "prompt_tokens", "wall_s", "target_forwards"}
@@ -18,14 +18,15 @@ FIELDS = {"variant", "prompt", "repeat", "prompt_tokens", "wall_s", "target_forw
 def runs_of(report: dict) -> dict[str, list[Run]]:
     out: dict[str, list[Run]] = {}
     for r in report["runs"]:
-        run = Run(**{k: r[k] for k in FIELDS}, token_ids=(0,) * r["generated_tokens"])
+        run = Run(**{k: r[k] for k in FIELDS}, token_ids=(0,) * r["generated_tokens"],
+                  accepted_per_step=tuple(r.get("accepted_per_step") or ()))
         out.setdefault(r["variant"], []).append(run)
     return out
 
 
 def main() -> None:
-    print("| results | prompts | variant | tau | vs plain | 95% interval over prompts |")
-    print("|---|---:|---|---:|---:|---|")
+    print("| results | prompts | variant | tau | 95% interval | vs plain | 95% interval |")
+    print("|---|---:|---|---:|---|---:|---|")
     for bench in sorted(RESULTS.glob("*/bench.json")):
         report = json.loads(bench.read_text())
         runs = runs_of(report)
@@ -35,7 +36,8 @@ def main() -> None:
             if v["drafter"] in ("none", "transformers"):
                 continue
             lo, hi = speedup_interval(runs[v["name"]], runs["plain"])
-            tau = f"{v['tau']:.2f}" if v.get("tau") else "—"
+            tau_ci = tau_interval(runs[v["name"]])
+            tau = f"{v['tau']:.2f} | {tau_ci[0]:.2f}-{tau_ci[1]:.2f}" if v.get("tau") and tau_ci else "— | —"
             print(f"| {bench.parent.name} | {len(report['prompts'])} | {v['name']} | {tau} "
                   f"| {v['speedup_vs_plain']:.2f}x | {lo:.2f}-{hi:.2f} |")
 
