@@ -6,10 +6,11 @@ and `tau_interval`, the functions `python -m perf bench` now reports them with. 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from perf.bench import Run, speedup_interval, tau_interval
+from runtime.errors import ConfigError
+from runtime.files import read_json_object
 
 RESULTS = Path(__file__).resolve().parent.parent
 FIELDS = {"variant", "prompt", "repeat", "prompt_tokens", "wall_s", "target_forwards"}
@@ -28,7 +29,7 @@ def main() -> None:
     print("| results | prompts | variant | tau | 95% interval | vs plain | 95% interval |")
     print("|---|---:|---|---:|---|---:|---|")
     for bench in sorted(RESULTS.glob("*/bench.json")):
-        report = json.loads(bench.read_text())
+        report = read_json_object(bench, ConfigError)
         runs = runs_of(report)
         if "plain" not in runs:
             continue
