@@ -620,11 +620,12 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
         }
         if first and first[0].steps is not None:
             accepted = [k for r in first for k in r.accepted_per_step]
+            tau_ci = tau_interval(first) if v.kind != "baseline" else None
             steps = sum(r.steps for r in first)
             d.update({
                 "steps": steps,
                 "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
-                "tau_ci95": list(tau_ci) if v.kind != "baseline" and (tau_ci := tau_interval(first)) else None,
+                "tau_ci95": list(tau_ci) if tau_ci else None,
                 "mean_accepted": stats.mean(accepted) if accepted else None,
                 "mean_tree_nodes": 1 + sum(r.drafted_tokens for r in first) / steps if steps else None,
                 "accepted_histogram": stats.accepted_histogram(accepted),
