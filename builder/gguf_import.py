@@ -13,8 +13,11 @@ Facts of the format this relies on (llama.cpp's convert_hf_to_gguf.py, the write
 - tokenizer.ggml.model `gpt2` is byte-level BPE (tokens + merges; `tokenizer.ggml.pre` names the pre-tokenizer),
   `llama` is SentencePiece BPE with byte fallback (tokens + scores, merges implied by the scores);
   token_type 3 = control (special), 4 = user-defined (added, not special).
-Llama-3.1-style frequency-factor RoPE (a `rope_freqs` tensor) and YaRN are refused with a clear error rather than
-imported approximately.
+- Llama 3.1 / 3.2 files carry their RoPE scaling as a `rope_freqs` tensor, not as metadata: the converter computes
+  one divisor per frequency from HF's `rope_scaling` (rope_type llama3: factor, low_freq_factor, high_freq_factor,
+  original_max_position_embeddings) and llama.cpp divides each frequency by it. `llama3_rope_scaling` recovers an
+  HF `rope_scaling` that reproduces those divisors, and refuses factors of any other form.
+YaRN and other metadata scaling types are refused with a clear error rather than imported approximately.
 """
 
 from __future__ import annotations
@@ -116,8 +119,79 @@ def unpermute_rope_rows(
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: bool, dtype: str) -> dict[str, Any]:
-    """config.json for the GGUF's metadata (errors name the key)."""
+def llama3_divisors(
+    inv_freq: np.ndarray,  # [head_dim // 2] float64: theta^(-2i/head_dim)
+    scaling: dict[str, Any],  # HF rope_scaling, rope_type llama3
+) -> np.ndarray:  # [head_dim // 2] float64: what each frequency is divided by
+    """The divisors llama.cpp's converter writes as `rope_freqs` for an HF llama3 `rope_scaling`."""
+    old = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, medium))
+
+
+def llama3_rope_scaling(
+    divisors: np.ndarray,  # [head_dim // 2] the GGUF's rope_freqs tensor
+    head_dim: int,
+    theta: float,
+    where: str,  # names the tensor in errors
+) -> dict[str, Any] | None:
+    """An HF llama3 `rope_scaling` whose divisors equal `divisors` (None when they are all 1: no scaling).
+
+    Llama 3.1 divides the frequencies whose wavelength w exceeds L = original_max / low_freq_factor by `factor`, keeps
+    those with w < H = original_max / high_freq_factor, and between the two gives 1 / ((1 - s) / factor + s), where
+    s = (original_max / w - low_freq_factor) / (high_freq_factor - low_freq_factor) is linear in 1 / w, 0 at w = L
+    and 1 at w = H. The divisors fix factor, L and H only, so original_max is taken as round(L), which gives
+    Llama 3.1 / 3.2's own values (8192, 1, 4). With two or more in-between frequencies, s's line gives L and H;
+    with fewer, any L and H in the gaps around the step reproduce the divisors, and the geometric thirds are taken.
+    Whatever is chosen must give back every divisor as stored (float32: relative 1e-6), or the file is refused.
+    """
+    divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if divisors.shape != inv_freq.shape:
+        raise ConfigError(f"{where} has {divisors.size} values; expected head_dim / 2 = {inv_freq.size}")
+    if np.allclose(divisors, 1.0, rtol=0, atol=1e-6):
+        return None
+    wavelen = 2 * np.pi / inv_freq
+    factor = float(divisors.max())
+    expected = ("Llama-3.1-style factors: 1 for the short wavelengths, rising to one factor for the long ones")
+    if abs(divisors[0] - 1.0) > 1e-6 or abs(divisors[-1] - factor) > 1e-6 * factor or np.any(np.diff(divisors) < -1e-6):
+        raise ConfigError(f"{where}: the values {np.round(divisors, 4).tolist()} are not {expected}")
+    is_one = divisors <= 1 + 1e-6
+    is_full = divisors >= factor * (1 - 1e-6)
+    between = ~is_one & ~is_full
+    # s per in-between frequency, from 1 / divisor = 1 / factor + s (1 - 1 / factor)
+    s = (1 / divisors[between] - 1 / factor) / (1 - 1 / factor)
+    x = 1 / wavelen[between]
+    last_one, first_full = int(np.flatnonzero(is_one).max()), int(np.flatnonzero(is_full).min())
+    if between.sum() >= 2:
+        slope, intercept = np.polyfit(x, s, 1)  # s = slope / w + intercept
+        low_wave, high_wave = -slope / intercept, slope / (1 - intercept)
+    elif between.sum() == 1:
+        # L in the gap above the one in-between frequency, H from its s
+        w = wavelen[between][0]
+        low_wave = w * (wavelen[first_full] / w) ** 0.5
+        high_wave = low_wave / (1 + (low_wave / w - 1) / s[0])
+    else:
+        gap = wavelen[first_full] / wavelen[last_one]
+        high_wave, low_wave = wavelen[last_one] * gap ** (1 / 3), wavelen[last_one] * gap ** (2 / 3)
+    if not np.isfinite(low_wave) or not np.isfinite(high_wave) or not 0 < high_wave < low_wave:
+        raise ConfigError(f"{where}: the values {np.round(divisors, 4).tolist()} are not {expected}")
+    old = max(1, round(low_wave))
+    for lf, hf in ((round(old / low_wave, 4), round(old / high_wave, 4)), (old / low_wave, old / high_wave)):
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(lf),
+                   "high_freq_factor": float(hf), "original_max_position_embeddings": int(old)}
+        if np.allclose(llama3_divisors(inv_freq, scaling), divisors, rtol=1e-6, atol=0):  # float32's rounding
+            return scaling
+    raise ConfigError(f"{where}: no llama3 rope_scaling reproduces the values {np.round(divisors, 4).tolist()}; "
+                      f"expected {expected}")
+
+
+def hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: bool, dtype: str,
+              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """config.json for the GGUF's metadata (errors name the key); rope_freqs: the file's `rope_freqs` tensor."""
     arch = _require(meta, "general.architecture", path)
     if arch not in ARCHITECTURES:
         raise ConfigError(
@@ -142,6 +216,12 @@ def hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: bool
     elif scaling_type != "none":
         raise ConfigError(f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported; "
                           "expected 'none' or 'linear'")
+    rope_scaling = None if rope["rope_type"] == "default" else {"rope_type": "linear", "factor": rope["factor"]}
+    if rope_freqs is not None:
+        if rope_scaling is not None:
+            raise ConfigError(f"{path}: carries both {arch}.rope.scaling.type {scaling_type!r} and a rope_freqs "
+                              "tensor; expected one of them")
+        rope_scaling = llama3_rope_scaling(rope_freqs, head_dim, rope["rope_theta"], f"{path}: tensor rope_freqs")
     tokens_meta = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     cfg: dict[str, Any] = {
         "architectures": [hf_arch],
@@ -155,7 +235,7 @@ def hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: bool
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope["rope_theta"],
-        "rope_scaling": None if rope["rope_type"] == "default" else {"rope_type": "linear", "factor": rope["factor"]},
+        "rope_scaling": rope_scaling,
         "vocab_size": int(meta.get(f"{arch}.vocab_size", 0)) or None,
         "hidden_act": "silu",
         "tie_word_embeddings": not has_output,
@@ -204,11 +284,10 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32
         raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from exc
     meta = _fields(reader)
     by_name = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in by_name:
-        raise ConfigError(f"{path}: carries rope_freqs (Llama-3.1-style frequency-factor RoPE), which this importer "
-                          "does not convert; import the model from its Hugging Face checkpoint instead")
+    rope_freqs = by_name.pop("rope_freqs.weight", None)
     has_bias = any(n.endswith("attn_q.bias") for n in by_name)
-    config = hf_config(meta, path, "output.weight" in by_name, has_bias, dtype)
+    config = hf_config(meta, path, "output.weight" in by_name, has_bias, dtype,
+                       None if rope_freqs is None else _dequantise(gguf, rope_freqs, path))
     arch = meta["general.architecture"]
     layers = config["num_hidden_layers"]
     names = dict(_GLOBAL_TENSORS)
@@ -362,5 +441,6 @@ def find_smollm2_gguf() -> Path:
     return path
 
 
-__all__ = ["ARCHITECTURES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config", "merges_from_scores",
+__all__ = ["ARCHITECTURES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config", "llama3_divisors",
+           "llama3_rope_scaling", "merges_from_scores",
            "tokenizer_files", "unpermute_rope_rows", "PRE_TOKENIZERS"]

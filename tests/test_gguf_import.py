@@ -9,6 +9,8 @@ for Qwen2, byte-level BPE tokenizer), so F32 imports must reproduce the original
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,11 @@ import pytest
 import torch
 
 from builder.__main__ import main as builder_main
-from builder.gguf_import import find_smollm2_gguf, import_gguf, merges_from_scores, unpermute_rope_rows
+from builder.gguf_import import (find_smollm2_gguf, import_gguf, llama3_divisors, llama3_rope_scaling,
+                                 merges_from_scores, unpermute_rope_rows)
+from runtime.config import RopeScaling
 from runtime.errors import CheckpointError, ConfigError
+from runtime.rope import inverse_frequencies
 from runtime.model import TargetModel
 from runtime.tokenizer import Tokenizer
 from tests.tiny import make_checkpoint
@@ -29,6 +34,30 @@ TEXTS = ["Hello world, how are you?", "def f(x):\n    return x * 2  # ok\n", "pr
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's `permute` (HF half-split RoPE rows -> GGML interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def converter_rope_factors(cfg: dict) -> np.ndarray | None:
+    """llama.cpp convert_hf_to_gguf's `rope_freqs` for an HF llama3 rope_scaling (LlamaModel.generate_extra_tensors),
+    None for other configs."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type") != "llama3":
+        return None
+    base = cfg.get("rope_theta") or scaling["rope_theta"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
 def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None) -> Path:
@@ -75,6 +104,9 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None
              "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.weight": "attn_output.weight",
              "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    factors = converter_rope_factors(cfg)
+    if factors is not None:
+        w.add_tensor("rope_freqs.weight", factors)
     for name, t in state.items():
         if name.startswith("model.layers."):
             i, rest = name.removeprefix("model.layers.").split(".", 1)
@@ -97,7 +129,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None
     return out
 
 
-@pytest.mark.parametrize(("variant", "arch"), [("llama2", "llama"), ("mistral", "llama"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize(("variant", "arch"),
+                         [("llama2", "llama"), ("llama3", "llama"), ("mistral", "llama"), ("qwen2", "qwen2")])
 def test_f32_gguf_round_trips_to_the_original_logits(tmp_path, variant, arch):
     hf = make_checkpoint(tmp_path / "hf", variant)
     gg = write_gguf(hf, tmp_path / "model.gguf", arch)
@@ -114,6 +147,76 @@ def test_f32_gguf_round_trips_to_the_original_logits(tmp_path, variant, arch):
     for text in TEXTS[:4]:
         assert tok_b.encode(text) == tok_a.encode(text), text
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path):
+    """Llama 3.1 / 3.2 GGUFs carry their RoPE scaling only as the rope_freqs tensor: the import recovers an HF llama3
+    rope_scaling from it, and the logits over a long sequence equal the original model's (negative control: the
+    same checkpoint without the scaling does not)."""
+    hf = make_checkpoint(tmp_path / "hf", "llama3")
+    gg = write_gguf(hf, tmp_path / "model.gguf", "llama")
+    out = tmp_path / "imported"
+    import_gguf(gg, out, quiet=True)
+    scaling = json.loads((out / "config.json").read_text())["rope_scaling"]
+    assert scaling["rope_type"] == "llama3"
+    ids = torch.arange(3, 3 + 60).remainder(200)[None]
+    original, ours = TargetModel.from_pretrained(hf), TargetModel.from_pretrained(out)
+    want, _ = original.prefill(ids, original.new_cache(64))
+    got, _ = ours.prefill(ids, ours.new_cache(64))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    from transformers import AutoModelForCausalLM  # transformers reads the recovered rope_scaling the same way
+
+    with torch.no_grad():
+        hf_want = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)(ids).logits
+        hf_got = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(hf_got, hf_want, atol=1e-5, rtol=1e-5)
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(out, unscaled)
+    cfg = json.loads((unscaled / "config.json").read_text())
+    (unscaled / "config.json").write_text(json.dumps(cfg | {"rope_scaling": None}))
+    plain = TargetModel.from_pretrained(unscaled)
+    other, _ = plain.prefill(ids, plain.new_cache(64))
+    assert (other - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(("head_dim", "factor", "low", "high", "old"),
+                         [(128, 8.0, 1.0, 4.0, 8192), (128, 32.0, 1.0, 4.0, 8192), (64, 8.0, 1.0, 4.0, 8192),
+                          (16, 4.0, 2.0, 3.0, 100), (8, 4.0, 1.0, 8.0, 256), (32, 16.0, 0.5, 2.0, 4096)])
+def test_llama3_rope_scaling_reproduces_the_converter_factors(head_dim, factor, low, high, old):
+    """Llama 3.1 (factor 8) and 3.2 (32) at head_dim 128 come back as their own parameters; other shapes (no or
+    one in-between frequency, other low/high factors) as parameters that give the same factors."""
+    theta = 500000.0
+    cfg = {"head_dim": head_dim, "rope_theta": theta, "rope_scaling": {
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+        "original_max_position_embeddings": old}}
+    factors = converter_rope_factors(cfg)
+    scaling = llama3_rope_scaling(factors, head_dim, theta, "rope_freqs")
+    if head_dim == 128:
+        assert scaling == cfg["rope_scaling"]
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    np.testing.assert_allclose(llama3_divisors(inv_freq, scaling), factors, rtol=1e-4)
+    # the runtime's own llama3 frequencies (transformers' arithmetic) divide by the same factors
+    got = inverse_frequencies(head_dim, theta, RopeScaling(**scaling))
+    np.testing.assert_allclose(got.double().numpy(), inv_freq / factors, rtol=1e-5)
+    assert llama3_rope_scaling(np.ones(head_dim // 2, dtype=np.float32), head_dim, theta, "rope_freqs") is None
+
+
+def test_rope_freqs_of_another_form_are_refused():
+    rising = converter_rope_factors({"head_dim": 64, "rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}})
+    for bad, why in [(rising[::-1].copy(), "are not Llama-3.1-style factors"),
+                     (rising * 1.5, "are not Llama-3.1-style factors"),
+                     (rising[:-1], "has 31 values; expected head_dim / 2 = 32")]:
+        with pytest.raises(ConfigError, match=why):
+            llama3_rope_scaling(bad, 64, 500000.0, "rope_freqs")
+    # LongRoPE-style factors: rising, but not along llama3's curve between 1 and the factor
+    wobbly = rising.copy()
+    between = np.flatnonzero((rising > 1) & (rising < 8))
+    wobbly[between] = 1 + (rising[between] - 1) ** 2 / 7
+    assert np.all(np.diff(wobbly) >= 0) and wobbly.max() == 8.0
+    with pytest.raises(ConfigError, match="no llama3 rope_scaling reproduces"):
+        llama3_rope_scaling(wobbly, 64, 500000.0, "rope_freqs")
 
 
 def test_synthetic_gguf_matches_transformers_loader(tmp_path):
