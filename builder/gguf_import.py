@@ -23,6 +23,8 @@ YaRN and other metadata scaling types are refused with a clear error rather than
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,9 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The most bytes of tensors one safetensors file holds. A file's tensors are in memory together while it is written
+# (twice, as safetensors serialises them), so this bounds the import's memory whatever the model's size.
+MAX_SHARD_BYTES = 2 * 1024**3
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -59,6 +64,7 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
 # tokenizer.ggml.pre -> pre-tokenizer. "digits+bytelevel": each digit alone, then GPT-2's regex (llama.cpp groups
 # smollm / starcoder / refact / codeshell this way, and SmolLM2's own tokenizer.json is Digits + ByteLevel).
@@ -262,21 +268,48 @@ def _dequantise(gguf: Any, tensor: Any, path: Path) -> np.ndarray:
             f"{path}: tensor {tensor.name!r} is quantised as {qtype.name}, which the gguf library cannot dequantise "
             f"({exc}); re-export the model with a supported type (F32, F16, BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, K-quants)"
         ) from exc
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return np.array(array, dtype=np.float32).reshape(shape)  # a writable copy
+    return np.array(array, dtype=np.float32).reshape(_torch_shape(tensor))  # a writable copy
 
 
-def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32", quiet: bool = False) -> ImportResult:
-    """Write an HF checkpoint directory for a GGUF file. The output directory must not exist or be empty."""
+def _torch_shape(tensor: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in torch order (GGUF lists the fastest dimension first)."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Tensor names, in order, grouped into files of at most max_bytes (a larger tensor gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, size in sizes.items():
+        if shards[-1] and filled + size > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += size
+    return shards
+
+
+def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32", quiet: bool = False,
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> ImportResult:
+    """Write an HF checkpoint directory for a GGUF file. The output directory must not exist or be empty.
+
+    The weights go to model.safetensors, or, beyond max_shard_bytes, to model-0000i-of-0000n.safetensors with
+    model.safetensors.index.json, one file dequantised and written at a time. Everything is written into a hidden
+    directory beside the output and renamed into place at the end, so a failed or interrupted import leaves no
+    half-written checkpoint.
+    """
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
     gguf = _gguf()
     path, out = Path(gguf_path), Path(output)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if max_shard_bytes < 1:
+        raise ConfigError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"output directory {out} is not empty; choose a new directory")
     try:
         reader = gguf.GGUFReader(str(path))
@@ -289,46 +322,70 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32
     config = hf_config(meta, path, "output.weight" in by_name, has_bias, dtype,
                        None if rope_freqs is None else _dequantise(gguf, rope_freqs, path))
     arch = meta["general.architecture"]
-    layers = config["num_hidden_layers"]
     names = dict(_GLOBAL_TENSORS)
-    for i in range(layers):
+    for i in range(config["num_hidden_layers"]):
         names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _LAYER_TENSORS.items()})
     unknown = sorted(set(by_name) - set(names))
     if unknown:
         raise CheckpointError(f"{path}: unexpected tensors for a {arch} model: {unknown[:5]}"
                               f"{' ...' if len(unknown) > 5 else ''}")
-
-    from tqdm import tqdm
-
-    tensors: dict[str, torch.Tensor] = {}
-    quant_types = set()
-    for name, tensor in tqdm(by_name.items(), desc=f"dequantising {path.name}", unit="tensor", disable=quiet):
-        array = _dequantise(gguf, tensor, path)
-        quant_types.add(tensor.tensor_type.name)
-        if arch in ("llama", "mistral"):
-            if name.endswith("attn_q.weight"):
-                array = unpermute_rope_rows(array, config["num_attention_heads"])
-            elif name.endswith("attn_k.weight"):
-                array = unpermute_rope_rows(array, config["num_key_value_heads"])
-        tensors[names[name]] = torch.from_numpy(array).to(DTYPES[dtype]).contiguous()
-    vocab_rows = tensors["model.embed_tokens.weight"].shape[0]
+    optional = ("output.weight",) + (() if has_bias else _BIASES)  # tied embeddings; no q/k/v biases
+    missing = sorted(n for n in set(names) - set(by_name) if not n.endswith(optional))
+    if missing:
+        raise CheckpointError(f"{path}: tensors missing for a {config['num_hidden_layers']}-layer {arch} model: "
+                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    vocab_rows = _torch_shape(by_name["token_embd.weight"])[0]
     config["vocab_size"] = config["vocab_size"] or vocab_rows
     if config["vocab_size"] != vocab_rows:
         raise CheckpointError(f"{path}: {arch}.vocab_size {config['vocab_size']} != token_embd rows {vocab_rows}")
-
     tokenizer, tok_config = tokenizer_files(reader, meta, path)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         generation["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
 
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    return ImportResult(out, config["architectures"][0], sum(t.numel() for t in tensors.values()), dtype,
-                        tuple(sorted(quant_types)))
+    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    numels = {name: int(np.prod(_torch_shape(t))) for name, t in by_name.items()}
+    shards = plan_shards({name: n * itemsize for name, n in numels.items()}, max_shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    stage = out.parent / f".{out.name}.importing-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    placed = False
+    try:
+        quant_types = set()
+        weight_map: dict[str, str] = {}
+        bar = tqdm(total=len(by_name), desc=f"dequantising {path.name}", unit="tensor", disable=quiet)
+        for file, shard in zip(files, shards):
+            tensors: dict[str, torch.Tensor] = {}
+            for name in shard:
+                tensor = by_name[name]
+                array = _dequantise(gguf, tensor, path)
+                quant_types.add(tensor.tensor_type.name)
+                if arch in ("llama", "mistral"):
+                    if name.endswith("attn_q.weight"):
+                        array = unpermute_rope_rows(array, config["num_attention_heads"])
+                    elif name.endswith("attn_k.weight"):
+                        array = unpermute_rope_rows(array, config["num_key_value_heads"])
+                tensors[names[name]] = torch.from_numpy(array).to(DTYPES[dtype]).contiguous()
+                weight_map[names[name]] = file
+                bar.update()
+            save_file(tensors, str(stage / file), metadata={"format": "pt"})
+            del tensors
+        bar.close()
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(numels.values()) * itemsize}, "weight_map": weight_map}
+            (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (stage / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        tokenizer.save(str(stage / "tokenizer.json"))
+        (stage / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        stage.rename(out)  # POSIX rename replaces an empty directory
+        placed = True
+    finally:
+        if not placed:
+            shutil.rmtree(stage, ignore_errors=True)
+    return ImportResult(out, config["architectures"][0], sum(numels.values()), dtype, tuple(sorted(quant_types)))
 
 
 # ---- tokenizer --------------------------------------------------------------------------------------------
@@ -441,6 +498,6 @@ def find_smollm2_gguf() -> Path:
     return path
 
 
-__all__ = ["ARCHITECTURES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config", "llama3_divisors",
-           "llama3_rope_scaling", "merges_from_scores",
+__all__ = ["ARCHITECTURES", "MAX_SHARD_BYTES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config", "llama3_divisors",
+           "llama3_rope_scaling", "merges_from_scores", "plan_shards",
            "tokenizer_files", "unpermute_rope_rows", "PRE_TOKENIZERS"]

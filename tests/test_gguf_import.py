@@ -19,7 +19,7 @@ import torch
 
 from builder.__main__ import main as builder_main
 from builder.gguf_import import (find_smollm2_gguf, import_gguf, llama3_divisors, llama3_rope_scaling,
-                                 merges_from_scores, unpermute_rope_rows)
+                                 merges_from_scores, plan_shards, unpermute_rope_rows)
 from runtime.config import RopeScaling
 from runtime.errors import CheckpointError, ConfigError
 from runtime.rope import inverse_frequencies
@@ -60,9 +60,9 @@ def converter_rope_factors(cfg: dict) -> np.ndarray | None:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None) -> Path:
+def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None, drop: str | None = None) -> Path:
     """A GGUF for the HF checkpoint at hf_dir in llama.cpp's layout (F32 tensors). int_tensor: store that GGUF
-    tensor as I32 (a type the gguf library cannot dequantise)."""
+    tensor as I32 (a type the gguf library cannot dequantise); drop: leave that GGUF tensor out."""
     import gguf
     from safetensors.torch import load_file
 
@@ -118,6 +118,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None
             a = _permute(a, heads)
         elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             a = _permute(a, kv)
+        if gname == drop:
+            continue
         if gname == int_tensor:
             w.add_tensor(gname, a.astype(np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
         else:
@@ -219,6 +221,43 @@ def test_rope_freqs_of_another_form_are_refused():
         llama3_rope_scaling(wobbly, 64, 500000.0, "rope_freqs")
 
 
+def test_large_models_are_written_in_shards(tmp_path):
+    """Beyond max_shard_bytes the weights go to several safetensors files with an index (one in memory at a time):
+    the runtime and transformers load the same weights and logits as from the single-file import."""
+    from transformers import AutoModelForCausalLM
+
+    hf = make_checkpoint(tmp_path / "hf", "qwen2")
+    gg = write_gguf(hf, tmp_path / "model.gguf", "qwen2")
+    one, many = tmp_path / "one", tmp_path / "many"
+    import_gguf(gg, one, quiet=True)
+    assert builder_main(["import-gguf", "--gguf", str(gg), "--output", str(many), "--quiet",
+                         "--max-shard-gib", str(150_000 / 1024**3)]) == 0
+    files = sorted(p.name for p in many.glob("*.safetensors"))
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == (one / "model.safetensors").stat().st_size - _header_bytes(one)
+    ids = torch.tensor([[0, 5, 17, 99, 230, 7, 64]])
+    a, b = TargetModel.from_pretrained(one), TargetModel.from_pretrained(many)
+    assert torch.equal(a.prefill(ids, a.new_cache(16))[0], b.prefill(ids, b.new_cache(16))[0])
+    sa = AutoModelForCausalLM.from_pretrained(str(one), dtype=torch.float32).state_dict()
+    sb = AutoModelForCausalLM.from_pretrained(str(many), dtype=torch.float32).state_dict()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _header_bytes(checkpoint: Path) -> int:
+    """The size of model.safetensors' header (8-byte length + JSON): the file's size less its tensor bytes."""
+    with open(checkpoint / "model.safetensors", "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_plan_shards_keeps_order_and_bounds():
+    sizes = {"a": 4, "b": 4, "c": 9, "d": 1, "e": 2, "f": 3}
+    assert plan_shards(sizes, 8) == [["a", "b"], ["c"], ["d", "e", "f"]]
+    assert plan_shards(sizes, 100) == [list(sizes)]
+    assert plan_shards(sizes, 1) == [[n] for n in sizes]
+
+
 def test_synthetic_gguf_matches_transformers_loader(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -267,6 +306,10 @@ def test_errors_name_the_problem(tmp_path):
     bad_type = write_gguf(hf, tmp_path / "i32.gguf", "llama", int_tensor="blk.0.ffn_up.weight")
     with pytest.raises(CheckpointError, match=r"tensor 'blk.0.ffn_up.weight' is quantised as I32"):
         import_gguf(bad_type, tmp_path / "a", quiet=True)
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.importing-*"))  # nothing half-written
+    short = write_gguf(hf, tmp_path / "short.gguf", "llama", drop="blk.1.attn_k.weight")
+    with pytest.raises(CheckpointError, match=r"tensors missing for a 2-layer llama model: \['blk.1.attn_k.weight'\]"):
+        import_gguf(short, tmp_path / "a", quiet=True)
     other = write_gguf(hf, tmp_path / "gemma.gguf", "gemma")
     with pytest.raises(ConfigError, match=r"general.architecture 'gemma' is not supported; expected one of"):
         import_gguf(other, tmp_path / "b", quiet=True)
