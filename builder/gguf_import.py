@@ -10,6 +10,8 @@ Facts of the format this relies on (llama.cpp's convert_hf_to_gguf.py, the write
 - GGUF shapes list the fastest dimension first; the dequantised numpy array has the torch layout [out, in];
 - for the `llama` architecture the converter permutes the rows of attn_q / attn_k (per head, from HF's half-split
   RoPE layout to GGML's interleaved pairs); `unpermute_rope_rows` is its exact inverse. Qwen2 is not permuted;
+- a model split with llama.cpp's gguf-split is PREFIX-0000i-of-0000n.gguf: metadata in the first part, tensors
+  spread over all; naming any part imports the whole model;
 - tokenizer.ggml.model `gpt2` is byte-level BPE (tokens + merges; `tokenizer.ggml.pre` names the pre-tokenizer),
   `llama` is SentencePiece BPE with byte fallback (tokens + scores, merges implied by the scores);
   token_type 3 = control (special), 4 = user-defined (added, not special).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +274,49 @@ def _dequantise(gguf: Any, tensor: Any, path: Path) -> np.ndarray:
     return np.array(array, dtype=np.float32).reshape(_torch_shape(tensor))  # a writable copy
 
 
+# llama.cpp's gguf-split (and gguf-py's writer) name the parts of a split model PREFIX-0000i-of-0000n.gguf; the first
+# part holds the metadata, each part some of the tensors, and every part the split.* keys.
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def _open(gguf: Any, path: Path) -> Any:
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def _read_parts(gguf: Any, path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(reader of the part with the metadata, metadata, tensors by name) for a GGUF file, or for a model split into
+    parts (any part may be named: the others are found beside it)."""
+    reader = _open(gguf, path)
+    meta = _fields(reader)
+    count = int(meta.get("split.count", 1))
+    if count <= 1:
+        return reader, meta, {t.name: t for t in reader.tensors}
+    match = _SPLIT_NAME.match(path.name)
+    if match is None or int(match["count"]) != count:
+        raise CheckpointError(f"{path}: one of {count} parts of a split GGUF (split.count {count}), but not named "
+                              f"PREFIX-0000i-of-{count:05d}.gguf, so its other parts cannot be found")
+    parts = [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    absent = [p.name for p in parts if not p.is_file()]
+    if absent:
+        raise CheckpointError(f"{path}: a split GGUF of {count} parts; missing beside it: {', '.join(absent)}")
+    readers = [reader if p == path else _open(gguf, p) for p in parts]
+    metas = [meta if r is reader else _fields(r) for r in readers]
+    for i, (p, m) in enumerate(zip(parts, metas)):
+        if int(m.get("split.no", -1)) != i or int(m.get("split.count", 0)) != count:
+            raise CheckpointError(f"{p}: split.no {m.get('split.no')!r} / split.count {m.get('split.count')!r}; "
+                                  f"expected {i} / {count} for part {i + 1} of {count}")
+    by_name: dict[str, Any] = {}
+    for p, r in zip(parts, readers):
+        for t in r.tensors:
+            if t.name in by_name:
+                raise CheckpointError(f"{p}: tensor {t.name!r} is also in an earlier part")
+            by_name[t.name] = t
+    return readers[0], metas[0], by_name
+
+
 def _torch_shape(tensor: Any) -> tuple[int, ...]:
     """A GGUF tensor's shape in torch order (GGUF lists the fastest dimension first)."""
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -311,12 +357,7 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32
         raise CheckpointError(f"GGUF file {path} does not exist")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"output directory {out} is not empty; choose a new directory")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from exc
-    meta = _fields(reader)
-    by_name = {t.name: t for t in reader.tensors}
+    reader, meta, by_name = _read_parts(gguf, path)
     rope_freqs = by_name.pop("rope_freqs.weight", None)
     has_bias = any(n.endswith("attn_q.bias") for n in by_name)
     config = hf_config(meta, path, "output.weight" in by_name, has_bias, dtype,

@@ -60,15 +60,17 @@ def converter_rope_factors(cfg: dict) -> np.ndarray | None:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None, drop: str | None = None) -> Path:
+def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None, drop: str | None = None,
+               split_tensors: int = 0) -> Path:
     """A GGUF for the HF checkpoint at hf_dir in llama.cpp's layout (F32 tensors). int_tensor: store that GGUF
-    tensor as I32 (a type the gguf library cannot dequantise); drop: leave that GGUF tensor out."""
+    tensor as I32 (a type the gguf library cannot dequantise); drop: leave that GGUF tensor out; split_tensors: split
+    into parts of that many tensors, as gguf-split does (returns the first part)."""
     import gguf
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_tensors)
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w.add_block_count(cfg["num_hidden_layers"])
@@ -128,7 +130,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
+    return out if not split_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
 
 
 @pytest.mark.parametrize(("variant", "arch"),
@@ -243,6 +245,29 @@ def test_large_models_are_written_in_shards(tmp_path):
     sa = AutoModelForCausalLM.from_pretrained(str(one), dtype=torch.float32).state_dict()
     sb = AutoModelForCausalLM.from_pretrained(str(many), dtype=torch.float32).state_dict()
     assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_split_gguf_imports_from_any_part(tmp_path):
+    """A model split into parts (llama.cpp's gguf-split layout) imports whole, naming any part; a missing part is
+    named in the error."""
+    hf = make_checkpoint(tmp_path / "hf", "llama2")
+    whole = write_gguf(hf, tmp_path / "whole.gguf", "llama")
+    (tmp_path / "parts").mkdir()
+    first = write_gguf(hf, tmp_path / "parts" / "model.gguf", "llama", split_tensors=7)
+    parts = sorted(first.parent.glob("model-*-of-*.gguf"))
+    assert len(parts) >= 3 and first == parts[0]
+    import_gguf(whole, tmp_path / "a", quiet=True)
+    import_gguf(parts[1], tmp_path / "b", quiet=True)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    parts[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"a split GGUF of {len(parts)} parts; missing beside it: "
+                                              f"{parts[-1].name}"):
+        import_gguf(first, tmp_path / "c", quiet=True)
+    renamed = tmp_path / "renamed.gguf"
+    parts[0].rename(renamed)
+    with pytest.raises(CheckpointError, match=f"one of {len(parts)} parts of a split GGUF .* not named"):
+        import_gguf(renamed, tmp_path / "d", quiet=True)
 
 
 def _header_bytes(checkpoint: Path) -> int:
