@@ -25,7 +25,6 @@ YaRN and other metadata scaling types are refused with a clear error rather than
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from runtime.errors import CheckpointError, ConfigError
+from runtime.files import remove_stale_work_dirs, work_dir
 
 # general.architecture -> (HF architecture, model_type)
 ARCHITECTURES = {
@@ -47,6 +47,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # The most bytes of tensors one safetensors file holds. A file's tensors are in memory together while it is written
 # (twice, as safetensors serialises them), so this bounds the import's memory whatever the model's size.
 MAX_SHARD_BYTES = 2 * 1024**3
+IMPORTING = "importing"  # the work directory's tag (runtime.files.work_dir)
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -389,9 +390,10 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32
     shards = plan_shards({name: n * itemsize for name, n in numels.items()}, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    stage = out.parent / f".{out.name}.importing-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_work_dirs(out, IMPORTING)
+    stage = work_dir(out, IMPORTING)
+    stage.mkdir()
     placed = False
     try:
         quant_types = set()

@@ -331,10 +331,13 @@ def test_errors_name_the_problem(tmp_path):
     bad_type = write_gguf(hf, tmp_path / "i32.gguf", "llama", int_tensor="blk.0.ffn_up.weight")
     with pytest.raises(CheckpointError, match=r"tensor 'blk.0.ffn_up.weight' is quantised as I32"):
         import_gguf(bad_type, tmp_path / "a", quiet=True)
-    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.importing-*"))  # nothing half-written
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.*"))  # nothing half-written
+    (tmp_path / ".a.importing-999999999-0badc0de").mkdir()  # the leftover of an import killed before cleaning up
     short = write_gguf(hf, tmp_path / "short.gguf", "llama", drop="blk.1.attn_k.weight")
     with pytest.raises(CheckpointError, match=r"tensors missing for a 2-layer llama model: \['blk.1.attn_k.weight'\]"):
         import_gguf(short, tmp_path / "a", quiet=True)
+    import_gguf(write_gguf(hf, tmp_path / "good.gguf", "llama"), tmp_path / "a", quiet=True)
+    assert (tmp_path / "a" / "config.json").is_file() and not list(tmp_path.glob(".a.*"))
     other = write_gguf(hf, tmp_path / "gemma.gguf", "gemma")
     with pytest.raises(ConfigError, match=r"general.architecture 'gemma' is not supported; expected one of"):
         import_gguf(other, tmp_path / "b", quiet=True)
