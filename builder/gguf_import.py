@@ -166,7 +166,7 @@ def llama3_rope_scaling(
         return None
     wavelen = 2 * np.pi / inv_freq
     factor = float(divisors.max())
-    expected = ("Llama-3.1-style factors: 1 for the short wavelengths, rising to one factor for the long ones")
+    expected = "Llama-3.1-style factors: 1 for the short wavelengths, rising to one factor for the long ones"
     if abs(divisors[0] - 1.0) > 1e-6 or abs(divisors[-1] - factor) > 1e-6 * factor or np.any(np.diff(divisors) < -1e-6):
         raise ConfigError(f"{where}: the values {np.round(divisors, 4).tolist()} are not {expected}")
     is_one = divisors <= 1 + 1e-6
@@ -541,6 +541,6 @@ def find_smollm2_gguf() -> Path:
     return path
 
 
-__all__ = ["ARCHITECTURES", "MAX_SHARD_BYTES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config", "llama3_divisors",
-           "llama3_rope_scaling", "merges_from_scores", "plan_shards",
-           "tokenizer_files", "unpermute_rope_rows", "PRE_TOKENIZERS"]
+__all__ = ["ARCHITECTURES", "MAX_SHARD_BYTES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config",
+           "llama3_divisors", "llama3_rope_scaling", "merges_from_scores", "plan_shards", "tokenizer_files",
+           "unpermute_rope_rows", "PRE_TOKENIZERS"]
