@@ -36,22 +36,36 @@ def test_training_prompts_exclude_every_evaluation_prompt():
         assert not leaked, f"{path.name}: {leaked} are also head-training prompts"
 
 
-@pytest.mark.parametrize("part", ["broad", "wide", "prose"])
+@pytest.mark.parametrize("part", ["broad", "wide", "prose", "fresh"])
 def test_generated_parts_are_what_their_generators_write(part):
     records = _records(PROMPTS / "train.jsonl")
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids))
     ours = [r for r in records if r["id"].startswith(f"{part}-")]
     module = _load(part)
-    others = {r["prompt"] for r in records if not r["id"].startswith(f"{part}-")}
+    broad = _load("broad")
+    earlier = broad.earlier_prompts(f"{part}-")
+    assert earlier == {r["prompt"] for r in records[:ids.index(ours[0]["id"])]}  # the parts are in PARTS' order
     if part == "broad":
         want = module.broad_prompts()
     elif part == "wide":
-        want, _ = module.wide_prompts(others - {r["prompt"] for r in records if r["id"].startswith("prose-")})
+        want, _ = module.wide_prompts(earlier)
     else:
-        want = module.prose_prompts(others)
+        want = getattr(module, f"{part}_prompts")(earlier)
     assert [r["prompt"] for r in ours] == want
     assert [r["id"] for r in ours] == [f"{part}-{i:04d}" for i in range(len(want))]
-    excluded = _load("broad").EXCLUDED
-    touching = [p for p in want if any(w in p.lower() for w in excluded)]
+    touching = [p for p in want if any(w in p.lower() for w in broad.EXCLUDED)]
     assert not touching
+
+
+def test_fresh_subjects_stay_off_the_head_selection_prompts():
+    """The head-selection prompts choose between heads on subjects no training prompt names: every one of them holds
+    a word of fresh.SELECTION_EXCLUDED (so the list covers them), and no fresh prompt holds one (negative control:
+    the selection prompts themselves would be refused)."""
+    fresh = _load("fresh")
+    selection = [r["prompt"] for r in _records(PROMPTS / "head-selection.jsonl")]
+    uncovered = [p for p in selection if not any(w in p.lower() for w in fresh.SELECTION_EXCLUDED)]
+    assert not uncovered
+    train = [r["prompt"] for r in _records(PROMPTS / "train.jsonl") if r["id"].startswith(fresh.PREFIX)]
+    assert train and not [p for p in train if fresh._excluded(p)]
+    assert all(fresh._excluded(p) for p in selection)

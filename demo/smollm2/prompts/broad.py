@@ -181,6 +181,18 @@ def _combos() -> list[str]:
     return out
 
 
+# The generated parts of train.jsonl by id prefix, in the order they were written; the templated train-* prompts
+# came first. Each generator avoids repeating the prompts written before its part (`earlier_prompts`), never later ones.
+PARTS = ("broad-", "wide-", "prose-", "fresh-")
+
+
+def earlier_prompts(prefix: str) -> set[str]:
+    """The prompts of train.jsonl written before the part with this id prefix (train-* and the earlier parts)."""
+    later = PARTS[PARTS.index(prefix):]
+    return {r["prompt"] for r in map(json.loads, (HERE / "train.jsonl").read_text(encoding="utf-8").splitlines())
+            if not r["id"].startswith(later)}
+
+
 def held_out_prompts() -> list[str]:
     """The held-out benchmark prompts and tune-tree's calibration prompts (no training prompt may equal one)."""
     return [json.loads(line)["prompt"] for path in (HERE.parents[2] / "perf/prompts/chat.jsonl",

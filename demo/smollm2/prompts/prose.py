@@ -272,7 +272,7 @@ def main() -> None:
     path = HERE / "train.jsonl"
     lines = [line for line in path.read_text(encoding="utf-8").splitlines()
              if line.strip() and not json.loads(line)["id"].startswith(PREFIX)]
-    prompts = prose_prompts({json.loads(line)["prompt"] for line in lines})
+    prompts = prose_prompts(broad.earlier_prompts(PREFIX))
     lines += [json.dumps({"id": f"{PREFIX}{i:04d}", "source": SOURCE, "prompt": p, "chat": True})
               for i, p in enumerate(prompts)]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -874,7 +874,7 @@ def main() -> None:
     path = HERE / "train.jsonl"
     lines = [line for line in path.read_text(encoding="utf-8").splitlines()
              if line.strip() and not json.loads(line)["id"].startswith("wide-")]
-    prompts, code = wide_prompts({json.loads(line)["prompt"] for line in lines})
+    prompts, code = wide_prompts(broad.earlier_prompts("wide-"))
     lines += [json.dumps({"id": f"wide-{i:04d}", "source": SOURCE, "prompt": p, "chat": True})
               for i, p in enumerate(prompts)]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
