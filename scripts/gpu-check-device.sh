@@ -10,7 +10,8 @@
 # puts them back with `git reset`, so prepare refuses to start with changes staged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LARGE=(demo/smollm2/medusa demo/smollm2/eagle-base demo/smollm2/eagle-prose demo/target demo/medusa demo/eagle
+LARGE=(demo/smollm2/medusa demo/smollm2/eagle-base demo/smollm2/eagle-prose demo/smollm2/eagle-base-prose
+       demo/smollm2/eagle-fresh demo/target demo/medusa demo/eagle
        perf/results demo/smollm2/prompts/train.jsonl)  # none of them is read by gpu-check
 CARRIED=(.gguf_a .gguf_b .whl)
 GGUF_WHEEL="gguf==0.19.0"
