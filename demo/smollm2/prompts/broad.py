@@ -193,6 +193,23 @@ def earlier_prompts(prefix: str) -> set[str]:
             if not r["id"].startswith(later)}
 
 
+def write_part(prefix: str, source: str, prompts: list[str]) -> int:
+    """Rewrite the lines of train.jsonl whose id has this prefix as `prompts` (ids PREFIX0000, ...), where that part
+    stands (appended when it is new); returns the file's prompt count."""
+    path = HERE / "train.jsonl"
+    part = [json.dumps({"id": f"{prefix}{i:04d}", "source": source, "prompt": p, "chat": True})
+            for i, p in enumerate(prompts)]
+    lines: list[str] = []
+    for line in filter(str.strip, path.read_text(encoding="utf-8").splitlines()):
+        if not json.loads(line)["id"].startswith(prefix):
+            lines.append(line)
+        elif part:
+            lines += part
+            part = []
+    path.write_text("\n".join(lines + part) + "\n", encoding="utf-8")
+    return len(lines + part)
+
+
 def held_out_prompts() -> list[str]:
     """The held-out benchmark prompts and tune-tree's calibration prompts (no training prompt may equal one)."""
     return [json.loads(line)["prompt"] for path in (HERE.parents[2] / "perf/prompts/chat.jsonl",
@@ -214,13 +231,8 @@ def broad_prompts() -> list[str]:
 
 
 def main() -> None:
-    path = HERE / "train.jsonl"
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines()
-             if line.strip() and not json.loads(line)["id"].startswith("broad-")]
-    lines += [json.dumps({"id": f"broad-{i:04d}", "source": SOURCE, "prompt": p, "chat": True})
-              for i, p in enumerate(broad_prompts())]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"{path}: {len(lines)} prompts")
+    prompts = broad_prompts()
+    print(f"{HERE / 'train.jsonl'}: {write_part('broad-', SOURCE, prompts)} prompts ({len(prompts)} broad)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ head-selection prompts stay a fair test of new subjects. Each category gets a qu
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -239,14 +238,9 @@ def fresh_prompts(existing: set[str]) -> list[str]:
 
 
 def main() -> None:
-    path = HERE / "train.jsonl"
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines()
-             if line.strip() and not json.loads(line)["id"].startswith(PREFIX)]
     prompts = fresh_prompts(broad.earlier_prompts(PREFIX))
-    lines += [json.dumps({"id": f"{PREFIX}{i:04d}", "source": SOURCE, "prompt": p, "chat": True})
-              for i, p in enumerate(prompts)]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"{path}: {len(lines)} prompts ({len(prompts)} fresh)")
+    total = broad.write_part(PREFIX, SOURCE, prompts)
+    print(f"{HERE / 'train.jsonl'}: {total} prompts ({len(prompts)} fresh)")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ already in train.jsonl.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -269,14 +268,9 @@ def prose_prompts(existing: set[str]) -> list[str]:
 
 
 def main() -> None:
-    path = HERE / "train.jsonl"
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines()
-             if line.strip() and not json.loads(line)["id"].startswith(PREFIX)]
     prompts = prose_prompts(broad.earlier_prompts(PREFIX))
-    lines += [json.dumps({"id": f"{PREFIX}{i:04d}", "source": SOURCE, "prompt": p, "chat": True})
-              for i, p in enumerate(prompts)]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"{path}: {len(lines)} prompts ({len(prompts)} prose)")
+    total = broad.write_part(PREFIX, SOURCE, prompts)
+    print(f"{HERE / 'train.jsonl'}: {total} prompts ({len(prompts)} prose)")
 
 
 if __name__ == "__main__":

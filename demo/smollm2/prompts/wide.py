@@ -16,7 +16,6 @@ already in train.jsonl.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from textwrap import dedent
@@ -871,14 +870,9 @@ def wide_prompts(existing: set[str]) -> tuple[list[str], int]:
 
 
 def main() -> None:
-    path = HERE / "train.jsonl"
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines()
-             if line.strip() and not json.loads(line)["id"].startswith("wide-")]
     prompts, code = wide_prompts(broad.earlier_prompts("wide-"))
-    lines += [json.dumps({"id": f"wide-{i:04d}", "source": SOURCE, "prompt": p, "chat": True})
-              for i, p in enumerate(prompts)]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"{path}: {len(lines)} prompts ({len(prompts)} wide, {code} of them code)")
+    total = broad.write_part("wide-", SOURCE, prompts)
+    print(f"{HERE / 'train.jsonl'}: {total} prompts ({len(prompts)} wide, {code} of them code)")
 
 
 if __name__ == "__main__":
