@@ -382,6 +382,12 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32
         raise CheckpointError(f"{path}: {arch}.vocab_size {config['vocab_size']} != token_embd rows {vocab_rows}")
     tokenizer, tok_config = tokenizer_files(reader, meta, path)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    # Chat models end a turn with an end-of-turn token (Llama 3's <|eot_id|>, <|eom_id|>) that llama.cpp records
+    # beside eos: generation stops at any of them, as transformers' list-valued eos_token_id does.
+    ends = [config["eos_token_id"]] + [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    ends = list(dict.fromkeys(int(e) for e in ends if e is not None))
+    if len(ends) > 1:
+        generation["eos_token_id"] = ends
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         generation["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
 

@@ -96,6 +96,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, int_tensor: str | None = None
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0])
+    if not isinstance(cfg["eos_token_id"], int) and len(cfg["eos_token_id"]) > 1:  # Llama 3: eos, then <|eot_id|>
+        w.add_eot_token_id(cfg["eos_token_id"][1])
     w.add_add_bos_token(bool(json.loads((hf_dir / "tokenizer_config.json").read_text()).get("add_bos_token")))
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -163,6 +165,9 @@ def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path):
     import_gguf(gg, out, quiet=True)
     scaling = json.loads((out / "config.json").read_text())["rope_scaling"]
     assert scaling["rope_type"] == "llama3"
+    # the end-of-turn token llama.cpp records beside eos ends generation too, as in the original checkpoint
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == json.loads(
+        (hf / "config.json").read_text())["eos_token_id"]
     ids = torch.arange(3, 3 + 60).remainder(200)[None]
     original, ours = TargetModel.from_pretrained(hf), TargetModel.from_pretrained(out)
     want, _ = original.prefill(ids, original.new_cache(64))
