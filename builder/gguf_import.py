@@ -34,8 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.config import RopeScaling
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import remove_stale_work_dirs, work_dir
+from runtime.rope import inverse_frequencies
 
 # general.architecture -> (HF architecture, model_type)
 ARCHITECTURES = {
@@ -129,17 +131,15 @@ def unpermute_rope_rows(
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def llama3_divisors(
-    inv_freq: np.ndarray,  # [head_dim // 2] float64: theta^(-2i/head_dim)
-    scaling: dict[str, Any],  # HF rope_scaling, rope_type llama3
-) -> np.ndarray:  # [head_dim // 2] float64: what each frequency is divided by
-    """The divisors llama.cpp's converter writes as `rope_freqs` for an HF llama3 `rope_scaling`."""
-    old = scaling["original_max_position_embeddings"]
-    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
-    wavelen = 2 * np.pi / inv_freq
-    smooth = (old / wavelen - low) / (high - low)
-    medium = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, medium))
+def _plain_and_divisors(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[np.ndarray, np.ndarray]:  # [head_dim // 2] float64 each: the unscaled frequencies, what scaling divides by
+    """The runtime's own RoPE frequencies (runtime.rope: transformers' arithmetic), unscaled and as `scaling` divides
+    them: what llama.cpp's converter writes as `rope_freqs` for an HF llama3 `rope_scaling`."""
+    plain = inverse_frequencies(head_dim, theta, None).double()
+    if scaling is None:
+        return plain.numpy(), np.ones(plain.shape[0])
+    return plain.numpy(), (plain / inverse_frequencies(head_dim, theta, RopeScaling(**scaling))).numpy()
 
 
 def llama3_rope_scaling(
@@ -159,7 +159,7 @@ def llama3_rope_scaling(
     Whatever is chosen must give back every divisor as stored (float32: relative 1e-6), or the file is refused.
     """
     divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_freq, _ = _plain_and_divisors(head_dim, theta, None)
     if divisors.shape != inv_freq.shape:
         raise ConfigError(f"{where} has {divisors.size} values; expected head_dim / 2 = {inv_freq.size}")
     if np.allclose(divisors, 1.0, rtol=0, atol=1e-6):
@@ -193,7 +193,7 @@ def llama3_rope_scaling(
     for lf, hf in ((round(old / low_wave, 4), round(old / high_wave, 4)), (old / low_wave, old / high_wave)):
         scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(lf),
                    "high_freq_factor": float(hf), "original_max_position_embeddings": int(old)}
-        if np.allclose(llama3_divisors(inv_freq, scaling), divisors, rtol=1e-6, atol=0):  # float32's rounding
+        if np.allclose(_plain_and_divisors(head_dim, theta, scaling)[1], divisors, rtol=1e-6, atol=0):  # float32
             return scaling
     raise ConfigError(f"{where}: no llama3 rope_scaling reproduces the values {np.round(divisors, 4).tolist()}; "
                       f"expected {expected}")
@@ -400,7 +400,6 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32
     remove_stale_work_dirs(out, IMPORTING)
     stage = work_dir(out, IMPORTING)
     stage.mkdir()
-    placed = False
     try:
         quant_types = set()
         weight_map: dict[str, str] = {}
@@ -430,10 +429,9 @@ def import_gguf(gguf_path: str | Path, output: str | Path, dtype: str = "float32
         tokenizer.save(str(stage / "tokenizer.json"))
         (stage / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
         stage.rename(out)  # POSIX rename replaces an empty directory
-        placed = True
-    finally:
-        if not placed:
-            shutil.rmtree(stage, ignore_errors=True)
+    except BaseException:  # KeyboardInterrupt included: the partial directory must go either way
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     return ImportResult(out, config["architectures"][0], sum(numels.values()), dtype, tuple(sorted(quant_types)))
 
 
@@ -548,5 +546,5 @@ def find_smollm2_gguf() -> Path:
 
 
 __all__ = ["ARCHITECTURES", "MAX_SHARD_BYTES", "ImportResult", "import_gguf", "find_smollm2_gguf", "hf_config",
-           "llama3_divisors", "llama3_rope_scaling", "merges_from_scores", "plan_shards", "tokenizer_files",
+           "llama3_rope_scaling", "merges_from_scores", "plan_shards", "tokenizer_files",
            "unpermute_rope_rows", "PRE_TOKENIZERS"]

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from builder.__main__ import main as builder_main
-from builder.gguf_import import (find_smollm2_gguf, import_gguf, llama3_divisors, llama3_rope_scaling,
-                                 merges_from_scores, plan_shards, unpermute_rope_rows)
+from builder.gguf_import import (find_smollm2_gguf, import_gguf, llama3_rope_scaling, merges_from_scores,
+                                 plan_shards, unpermute_rope_rows)
 from runtime.config import RopeScaling
 from runtime.errors import CheckpointError, ConfigError
 from runtime.rope import inverse_frequencies
@@ -203,8 +203,7 @@ def test_llama3_rope_scaling_reproduces_the_converter_factors(head_dim, factor, 
     if head_dim == 128:
         assert scaling == cfg["rope_scaling"]
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    np.testing.assert_allclose(llama3_divisors(inv_freq, scaling), factors, rtol=1e-4)
-    # the runtime's own llama3 frequencies (transformers' arithmetic) divide by the same factors
+    # the runtime's own llama3 frequencies (transformers' arithmetic) divide by the converter's factors
     got = inverse_frequencies(head_dim, theta, RopeScaling(**scaling))
     np.testing.assert_allclose(got.double().numpy(), inv_freq / factors, rtol=1e-5)
     assert llama3_rope_scaling(np.ones(head_dim // 2, dtype=np.float32), head_dim, theta, "rope_freqs") is None
