@@ -112,8 +112,8 @@ GOALS = [  # how-to advice
     "store fresh bread", "brew tea properly", "make a smoothie without a recipe", "plan meals for a week",
     "teach a child to ride a bike", "keep a toddler busy on a rainy day", "help a teenager with homework",
 ]
-GOAL_TEMPLATES = ["How do I {g}?", "What is the best way to {g}?", "Give me step-by-step advice to {g}.",
-                  "I want to {g}. Where should I start?", "What mistakes should I avoid when I try to {g}?"]
+GOAL_TEMPLATES = ["How do I {x}?", "What is the best way to {x}?", "Give me step-by-step advice to {x}.",
+                  "I want to {x}. Where should I start?", "What mistakes should I avoid when I try to {x}?"]
 
 STORIES = [  # subjects for stories and poems
     "a beekeeper's daughter who talks to the queen bee", "a cartographer who maps a city that keeps changing",
@@ -132,8 +132,8 @@ STORIES = [  # subjects for stories and poems
     "a greenhouse on the Moon", "a stray kitten in a bookstore", "a farmer's market at dawn",
     "a firefly that is afraid of the dark", "a tugboat that pushes a giant ship", "a painter who can only use blue",
 ]
-STORY_TEMPLATES = ["Write a short story about {s}.", "Write a short poem about {s}.", "Write a fable about {s}.",
-                   "Write a children's story about {s}.", "Write a story in the first person about {s}."]
+STORY_TEMPLATES = ["Write a short story about {x}.", "Write a short poem about {x}.", "Write a fable about {x}.",
+                   "Write a children's story about {x}.", "Write a story in the first person about {x}."]
 
 DESCRIBE = [  # places, scenes, objects
     "a busy fish market early in the morning", "a quiet monastery in the mountains", "an old railway station",
@@ -158,8 +158,8 @@ MESSAGES = [  # everyday situations for letters and messages
     "ask a doctor's office to move an appointment", "apologise to a friend for forgetting their call",
     "ask a library to extend a loan", "tell a sports team that practice is moved",
 ]
-MESSAGE_TEMPLATES = ["Write a short message to {m}.", "Write a polite email to {m}.",
-                     "Help me write a friendly note to {m}."]
+MESSAGE_TEMPLATES = ["Write a short message to {x}.", "Write a polite email to {x}.",
+                     "Help me write a friendly note to {x}."]
 
 PAIRS = [  # comparisons
     ("a crocodile", "an alligator"), ("a frog", "a toad"), ("a rabbit", "a hare"), ("a moth", "a butterfly"),
@@ -192,23 +192,21 @@ CODE_TEMPLATES = ["Write a {lang} program to {t}.", "Show me how to {t} in {lang
                   "In {lang}, how would I {t}?"]
 
 
-def _subject_pools() -> dict[str, list[str]]:
-    """Each category's subjects (before the earlier-prompts and exclusion filters)."""
-    return {"explain": EXPLAIN, "goals": GOALS, "stories": STORIES, "describe": DESCRIBE, "messages": MESSAGES,
-            "pairs": [f"{a}|{b}" for a, b in PAIRS], "code": [f"{lang}|{t}" for lang, t in CODE]}
+def _fields(subjects: list, *names: str) -> list[dict[str, str]]:
+    """Each subject as the template fields it fills (a pair or a (language, task) fills two)."""
+    return [dict(zip(names, x if isinstance(x, tuple) else (x,))) for x in subjects]
 
 
-def _render(category: str, subject: str, template: str) -> str:
-    if category in ("pairs", "code"):
-        first, second = subject.split("|")
-        return template.format(a=first, b=second) if category == "pairs" else template.format(lang=first, t=second)
-    return template.format(x=subject, g=subject, s=subject, m=subject)
-
-
-TEMPLATES = {"explain": EXPLAIN_TEMPLATES, "goals": GOAL_TEMPLATES, "stories": STORY_TEMPLATES,
-             "describe": DESCRIBE_TEMPLATES, "messages": MESSAGE_TEMPLATES, "pairs": PAIR_TEMPLATES,
-             "code": CODE_TEMPLATES}
-PROMPTS_PER_SUBJECT = {"explain": 2, "goals": 2, "stories": 3, "describe": 2, "messages": 2, "pairs": 1, "code": 2}
+# category -> (subjects as template fields, templates, prompts drawn per subject); subjects in this order
+CATEGORIES = {
+    "explain": (_fields(EXPLAIN, "x"), EXPLAIN_TEMPLATES, 2),
+    "goals": (_fields(GOALS, "x"), GOAL_TEMPLATES, 2),
+    "stories": (_fields(STORIES, "x"), STORY_TEMPLATES, 3),
+    "describe": (_fields(DESCRIBE, "x"), DESCRIBE_TEMPLATES, 2),
+    "messages": (_fields(MESSAGES, "x"), MESSAGE_TEMPLATES, 2),
+    "pairs": (_fields(PAIRS, "a", "b"), PAIR_TEMPLATES, 1),
+    "code": (_fields(CODE, "lang", "t"), CODE_TEMPLATES, 2),
+}
 
 
 def _excluded(text: str) -> bool:
@@ -223,13 +221,13 @@ def fresh_prompts(existing: set[str]) -> list[str]:
     earlier = " \n ".join(p.lower() for p in existing)
     seen = existing | set(broad.held_out_prompts())
     picked = []
-    for category, subjects in _subject_pools().items():
-        for subject in subjects:
-            words = subject.split("|")[-1]
-            if words.lower() in earlier or _excluded(subject):
+    for fields, templates, per_subject in CATEGORIES.values():
+        for subject in fields:
+            # a subject is its last field (a pair's second thing, a code task's task)
+            if list(subject.values())[-1].lower() in earlier or _excluded("|".join(subject.values())):
                 continue
-            options = [_render(category, subject, t) for t in TEMPLATES[category]]
-            chosen = [p for p in rng.sample(options, min(PROMPTS_PER_SUBJECT[category], len(options)))
+            options = [t.format(**subject) for t in templates]
+            chosen = [p for p in rng.sample(options, min(per_subject, len(options)))
                       if p not in seen and not _excluded(p)]
             seen.update(chosen)
             picked += chosen
