@@ -69,3 +69,26 @@ def test_fresh_subjects_stay_off_the_head_selection_prompts():
     train = [r["prompt"] for r in _records(PROMPTS / "train.jsonl") if r["id"].startswith(fresh.PREFIX)]
     assert train and not [p for p in train if fresh._excluded(p)]
     assert all(fresh._excluded(p) for p in selection)
+
+
+def test_self_written_requests_keep_the_rules_they_were_kept_by():
+    """The magpie-* part was sampled from the target (regenerating it takes the model and minutes, so the test checks
+    the committed lines instead): each line passes magpie.keep against everything before it (length, no repeat of any
+    earlier prompt or held-out prompt, no held-out subject's word), in PARTS' order (negative controls: keep refuses a
+    head-selection prompt, a repeat in other case, and a request too short)."""
+    magpie = _load("magpie")
+    broad = _load("broad")
+    records = _records(PROMPTS / "train.jsonl")
+    ids = [r["id"] for r in records]
+    ours = [r for r in records if r["id"].startswith(magpie.PREFIX)]
+    assert len(ours) >= 1000
+    assert [r["id"] for r in ours] == [f"{magpie.PREFIX}{i:04d}" for i in range(len(ours))]
+    assert broad.earlier_prompts(magpie.PREFIX) == {r["prompt"] for r in records[:ids.index(ours[0]["id"])]}
+    seen = {p.lower() for p in broad.earlier_prompts(magpie.PREFIX)} | {p.lower() for p in broad.held_out_prompts()}
+    for r in ours:
+        assert magpie.keep(r["prompt"], seen), r["id"]
+        seen.add(r["prompt"].lower())
+    selection = _records(PROMPTS / "head-selection.jsonl")[0]["prompt"]
+    assert not magpie.keep(selection, set())
+    assert not magpie.keep(ours[0]["prompt"].upper(), seen)
+    assert not magpie.keep("Tell me a joke.", set())

@@ -14,7 +14,10 @@ runs behind the committed head, in order:
     5. train/broad/wide   second sampled answer  (answers 3)
     6. train/broad/wide   third sampled answer   (answers 4: the datastore only)
     7. prose-*            greedy + first sampled (prose.py's prompts appended; train-prose.yaml, whose datastore
-                                                  the committed averaged head carries)
+                                                  the averaged heads of 2026-12-03 / 12-05 carried)
+    8. fresh-*            greedy + first sampled (fresh.py's prompts; train-fresh.yaml)
+    9. magpie-*           greedy                 (magpie.py's prompts; train-magpie.yaml: the committed datastore
+                                                  since session 33 holds runs 1-9)
 
 The longest prefix of these runs whose answer count is the datastore's is taken; the greedy answers are then
 checked against the target (teacher-forced argmax over a sample of them: a misplaced answer would agree with the
@@ -53,6 +56,8 @@ RUNS = [
     (("train-", "broad-", "wide-"), (2,)),
     (("train-", "broad-", "wide-"), (3,)),
     (("prose-",), (0, 1)),
+    (("fresh-",), (0, 1)),
+    (("magpie-",), (0,)),
 ]
 MIN_AGREEMENT = 0.95
 

@@ -183,7 +183,7 @@ def _combos() -> list[str]:
 
 # The generated parts of train.jsonl by id prefix, in the order they were written; the templated train-* prompts
 # came first. Each generator avoids repeating the prompts written before its part (`earlier_prompts`), never later ones.
-PARTS = ("broad-", "wide-", "prose-", "fresh-")
+PARTS = ("broad-", "wide-", "prose-", "fresh-", "magpie-")
 
 
 def earlier_prompts(prefix: str) -> set[str]:
