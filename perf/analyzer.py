@@ -8,7 +8,8 @@ Where the binary comes from (first found wins):
 The wheel's binary links two libraries a CPU-only Debian 12 machine does not have: libb64.so.0d and
 libcudart.so.12 (/work/shared/notes/serving-on-cpu.md). Both ship inside the nvidia-pytriton wheel
 (`site-packages/nvidia_pytriton.libs/libb64-<hash>.so.0d`, `libcudart-<hash>.so.12.*`), and the CUDA runtime
-also in the `nvidia-cuda-runtime-cu12` wheel. `locate` asks `ldd` which libraries are missing, links each one
+also in the `nvidia-cuda-runtime-cu12` wheel. `locate` asks `ldd` which libraries are missing (then the loader, when
+a wrapper script such as a pyenv shim hides the binary from `ldd`), links each one
 under its soname into a cache directory inside the virtualenv (`<sys.prefix>/var/spectree/perf_analyzer-libs`,
 or `~/.cache/spectree/perf_analyzer-libs` when that is not writable), and sets LD_LIBRARY_PATH for the
 perf_analyzer subprocess only. A system copy (`apt-get install -y libb64-0d`) is used when present.
@@ -146,39 +147,62 @@ def _with_lib_dir(env: dict[str, str], lib_dir: Path) -> dict[str, str]:
     return {**env, "LD_LIBRARY_PATH": os.pathsep.join(dict.fromkeys(parts))}
 
 
+_LOADER_MISSING = re.compile(r"error while loading shared libraries: (\S+): cannot open shared object file")
+
+
+def _unfound(binary: Path, lib_dir: Path | None, sonames: list[str]) -> None:
+    """PerfAnalyzerMissing naming the libraries still not found and where each comes from (nothing when none)."""
+    if sonames:
+        how = "; ".join(f"{s}: {KNOWN_LIBS[s][1]}" if s in KNOWN_LIBS else f"{s}: no known source" for s in sonames)
+        raise PerfAnalyzerMissing(f"{binary} cannot run: shared libraries not found: {', '.join(sonames)} "
+                                  f"(looked in the system, {pytriton_libs() or 'no nvidia-pytriton wheel'} and "
+                                  f"{lib_dir}). Get them: {how}")
+
+
+def _version_run(binary: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env, timeout=60,
+                              check=False)
+    except OSError as exc:
+        raise PerfAnalyzerMissing(f"{binary} cannot be started: {exc}") from exc
+
+
 def locate(explicit: str | Path | None = None, cache_dir: Path | None = None) -> PerfAnalyzer:
-    """A runnable perf_analyzer, its version, and the environment to run it with (PerfAnalyzerMissing if not)."""
+    """A runnable perf_analyzer, its version, and the environment to run it with (PerfAnalyzerMissing if not).
+
+    The libraries it lacks are those `ldd` reports, and then any the dynamic loader reports when it is started: a
+    wrapper script on PATH (a pyenv shim, a module system's) hides the real binary from `ldd`, and LD_LIBRARY_PATH
+    reaches the binary it execs all the same."""
     binary = find_binary(explicit)
     env = dict(os.environ)
     lib_dir = None
     linked: list[str] = []
     missing = missing_libraries(binary, env)
-    if missing:
-        lib_dir = cache_dir or default_cache_dir()
-        lib_dir.mkdir(parents=True, exist_ok=True)
-        for soname in missing:
-            target = provider(soname)
-            if target is not None:
-                _link(target.resolve(), lib_dir / soname)
-                linked.append(f"{soname} -> {target.resolve()}")
-        env = _with_lib_dir(env, lib_dir)
-        still = missing_libraries(binary, env)
-        if still:
-            how = "; ".join(f"{s}: {KNOWN_LIBS[s][1]}" if s in KNOWN_LIBS else f"{s}: no known source"
-                            for s in still)
-            raise PerfAnalyzerMissing(f"{binary} cannot run: shared libraries not found: {', '.join(still)} "
-                                      f"(looked in the system, {pytriton_libs() or 'no nvidia-pytriton wheel'} and "
-                                      f"{lib_dir}). Get them: {how}")
-    try:
-        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env, timeout=60,
-                              check=False)
-    except OSError as exc:
-        raise PerfAnalyzerMissing(f"{binary} cannot be started: {exc}") from exc
-    text = (proc.stdout + proc.stderr).strip()
-    if proc.returncode != 0:
-        hint = (" (tritonclient 2.52.0 and later need glibc 2.38; pin "
-                f"\"{TRITONCLIENT_PIN}\")" if "GLIBC" in text else "")
-        raise PerfAnalyzerMissing(f"{binary} --version failed with status {proc.returncode}{hint}: {text[-500:]}")
+    tried: set[str] = set()
+    while True:
+        if missing:
+            lib_dir = lib_dir or cache_dir or default_cache_dir()
+            lib_dir.mkdir(parents=True, exist_ok=True)
+            for soname in missing:
+                tried.add(soname)
+                target = provider(soname)
+                if target is not None:
+                    _link(target.resolve(), lib_dir / soname)
+                    linked.append(f"{soname} -> {target.resolve()}")
+            env = _with_lib_dir(env, lib_dir)
+            _unfound(binary, lib_dir, missing_libraries(binary, env))
+        proc = _version_run(binary, env)
+        text = (proc.stdout + proc.stderr).strip()
+        if proc.returncode == 0:
+            break
+        # the loader names one missing library per start: provide it and start again (each soname once)
+        reported = _LOADER_MISSING.findall(text)
+        missing = [s for s in reported if s not in tried]
+        if not missing:
+            _unfound(binary, lib_dir, reported)
+            hint = (" (tritonclient 2.52.0 and later need glibc 2.38; pin "
+                    f"\"{TRITONCLIENT_PIN}\")" if "GLIBC" in text else "")
+            raise PerfAnalyzerMissing(f"{binary} --version failed with status {proc.returncode}{hint}: {text[-500:]}")
     version = text.splitlines()[-1] if text else "unknown"
     return PerfAnalyzer(binary=binary, version=version, lib_dir=lib_dir, linked=tuple(linked), env=env)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +142,26 @@ def test_locate_makes_perf_analyzer_runnable(tmp_path):
         soname = link.split(" -> ")[0]
         assert (tmp_path / "libs" / soname).resolve().is_file()
     assert "LD_LIBRARY_PATH" not in os.environ or str(tmp_path) not in os.environ["LD_LIBRARY_PATH"]
+
+
+def test_locate_sees_through_a_wrapper_on_path(tmp_path, monkeypatch):
+    """A wrapper script first on PATH (a pyenv shim execs the interpreter's binary) hides the binary from ldd: the
+    libraries the loader then reports are provided all the same (negative control: the wrapper alone, without the
+    environment locate returns, fails wherever the system lacks one of them)."""
+    real = Path(sys.executable).parent / "perf_analyzer"
+    wrapper = tmp_path / "bin" / "perf_analyzer"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert missing_libraries(wrapper, dict(os.environ)) == []  # ldd cannot look inside a script
+    pa = locate(cache_dir=tmp_path / "libs")
+    assert pa.binary == wrapper and pa.version.startswith("Perf Analyzer Version 2.51")
+    lacking = missing_libraries(real, dict(os.environ))
+    assert sorted(link.split(" -> ")[0] for link in pa.linked) == sorted(lacking)
+    if lacking:
+        bare = subprocess.run([str(wrapper), "--version"], capture_output=True, text=True, check=False)
+        assert bare.returncode != 0 and "error while loading shared libraries" in bare.stderr
 
 
 def test_bundled_libraries_are_found():
