@@ -35,6 +35,11 @@ MIN_CHARS, MAX_CHARS = 24, 600
 SENTINEL = "\x00USER\x00"
 
 
+def taken() -> set[str]:
+    """The lower-cased prompts no request may repeat: the earlier parts of train.jsonl and the held-out prompts."""
+    return {p.lower() for p in [*broad.earlier_prompts(PREFIX), *broad.held_out_prompts()]}
+
+
 def keep(text: str, seen: set[str]) -> bool:
     """Whether a sampled request joins the set (`seen`: the lower-cased prompts taken so far, earlier parts too)."""
     return MIN_CHARS <= len(text) <= MAX_CHARS and text.lower() not in seen and not fresh._excluded(text)
@@ -55,16 +60,17 @@ def sample_requests(count: int, batch: int, max_new_tokens: int) -> list[str]:
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).eval()
     ids = tokenizer(user_turn_prefix(tokenizer), return_tensors="pt", add_special_tokens=False).input_ids  # [1, P]
     end_ids = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id} - {None, tokenizer.unk_token_id}
-    seen = {p.lower() for p in broad.earlier_prompts(PREFIX)} | {p.lower() for p in broad.held_out_prompts()}
+    seen = taken()
     picked: list[str] = []
     drawn = 0
     with tqdm(total=count, desc="requests kept", unit="req") as bar:
         while len(picked) < count:
             torch.manual_seed(SEED + drawn)
             with torch.no_grad():
-                out = model.generate(ids.repeat(batch, 1), attention_mask=torch.ones(batch, ids.shape[1], dtype=torch.long),
-                                     do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                                     eos_token_id=sorted(end_ids), pad_token_id=tokenizer.eos_token_id)
+                out = model.generate(ids.repeat(batch, 1), attention_mask=torch.ones_like(ids).repeat(batch, 1),
+                                     do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                     max_new_tokens=max_new_tokens, eos_token_id=sorted(end_ids),
+                                     pad_token_id=tokenizer.eos_token_id)
             drawn += batch
             for row in out[:, ids.shape[1]:].tolist():
                 ended = next((i for i, t in enumerate(row) if t in end_ids), None)
