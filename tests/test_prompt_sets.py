@@ -67,8 +67,8 @@ def test_fresh_subjects_stay_off_the_head_selection_prompts():
     uncovered = [p for p in selection if not any(w in p.lower() for w in fresh.SELECTION_EXCLUDED)]
     assert not uncovered
     train = [r["prompt"] for r in _records(PROMPTS / "train.jsonl") if r["id"].startswith(fresh.PREFIX)]
-    assert train and not [p for p in train if fresh._excluded(p)]
-    assert all(fresh._excluded(p) for p in selection)
+    assert train and not [p for p in train if fresh.touches_held_out(p)]
+    assert all(fresh.touches_held_out(p) for p in selection)
 
 
 def test_self_written_requests_keep_the_rules_they_were_kept_by():

@@ -209,7 +209,9 @@ CATEGORIES = {
 }
 
 
-def _excluded(text: str) -> bool:
+def touches_held_out(text: str) -> bool:
+    """Whether `text` names a held-out subject (broad.EXCLUDED: the benchmark's and calibration prompts' subjects;
+    SELECTION_EXCLUDED: the head-selection prompts'): the one rule every generated training prompt is kept by."""
     low = text.lower()
     return any(w in low for w in broad.EXCLUDED) or any(w in low for w in SELECTION_EXCLUDED)
 
@@ -224,11 +226,11 @@ def fresh_prompts(existing: set[str]) -> list[str]:
     for fields, templates, per_subject in CATEGORIES.values():
         for subject in fields:
             # a subject is its last field (a pair's second thing, a code task's task)
-            if list(subject.values())[-1].lower() in earlier or _excluded("|".join(subject.values())):
+            if list(subject.values())[-1].lower() in earlier or touches_held_out("|".join(subject.values())):
                 continue
             options = [t.format(**subject) for t in templates]
             chosen = [p for p in rng.sample(options, min(per_subject, len(options)))
-                      if p not in seen and not _excluded(p)]
+                      if p not in seen and not touches_held_out(p)]
             seen.update(chosen)
             picked += chosen
     rng.shuffle(picked)

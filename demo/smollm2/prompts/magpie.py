@@ -7,7 +7,7 @@ out. Sampled at temperature 1, the target asks about anything users ask about (r
 grief, homework), in their phrasing, typos included, and the head then learns its answers to them: all of it text
 the target itself produces, as EAGLE's self-distillation wants. A request is kept when the target ended its turn
 (not cut off), it is 24-600 characters long, it is not a repeat (case-insensitive) of itself or of another training
-prompt, it is not an evaluation prompt, and it touches no held-out subject (`fresh._excluded`: the benchmark's,
+prompt, it is not an evaluation prompt, and it touches no held-out subject (`fresh.touches_held_out`: the benchmark's,
 calibration and head-selection subjects; checked by tests/test_prompt_sets.py), so the head-selection prompts stay a
 fair test of new subjects.
 
@@ -42,7 +42,7 @@ def taken() -> set[str]:
 
 def keep(text: str, seen: set[str]) -> bool:
     """Whether a sampled request joins the set (`seen`: the lower-cased prompts taken so far, earlier parts too)."""
-    return MIN_CHARS <= len(text) <= MAX_CHARS and text.lower() not in seen and not fresh._excluded(text)
+    return MIN_CHARS <= len(text) <= MAX_CHARS and text.lower() not in seen and not fresh.touches_held_out(text)
 
 
 def user_turn_prefix(tokenizer) -> str:
