@@ -149,13 +149,19 @@ class KVCache:
                 f"k/v shapes {tuple(k_new.shape)} / {tuple(v_new.shape)} do not fit the cache; expected {expected}"
             )
         n = k_new.shape[2]
+        self.open(n)
+        end = self._length + n
+        self.k[layer, :, :, self._length : end] = k_new
+        self.v[layer, :, :, self._length : end] = v_new
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def open(self, n: int) -> None:
+        """Make slots [length, length + n) allocated and count them written (what `write` does before it copies): for
+        a kernel that stores the new tokens' K/V into `k` / `v` itself (plugins/draft_layer)."""
         self.check_room(n)
         end = self._length + n
         self.reserve(end)
-        self.k[layer, :, :, self._length : end] = k_new
-        self.v[layer, :, :, self._length : end] = v_new
         self._written = max(self._written, end)
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def commit(self, num_new: int, keep: torch.Tensor | Sequence[int]) -> None:
         """Keep `keep` of the last `num_new` written slots: move them to [length, length + a), advance by a.

@@ -29,4 +29,6 @@ rm -rf spectree.egg-info
 # The row-invariant CPU attention kernel (plugins/tree_attention/native.py) is compiled on first use; build it now so
 # that a missing or failing C compiler shows here, not as a warning when a bf16 model first loads.
 .venv/bin/python -c 'from plugins.tree_attention import native as n; k = n.load(); print(f"attention kernel: {k.path}" if k else f"attention kernel unavailable ({n.unavailable()}): bf16 models on CPU will attend in float64 (slower)")'
+# Likewise the native EAGLE draft layer (plugins/draft_layer/native.py): int8 EAGLE heads draft through it on CPU.
+.venv/bin/python -c 'from plugins.draft_layer import native as n; print("draft layer kernel: built" if n.load() else f"draft layer kernel unavailable ({n.unavailable()}): int8 EAGLE heads draft through torch (slower)")'
 echo "set-up done: $(.venv/bin/python -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')"

@@ -1,5 +1,6 @@
 """Packaging: the distribution name (ours, not the unrelated "spectree" on the package index) and one console
-script per CLI, each resolving to its package's `__main__.main` (which `python -m <package>` also runs)."""
+script per CLI, each resolving to its package's `__main__.main` (which `python -m <package>` also runs), and every
+native kernel's C source in the package data."""
 
 from __future__ import annotations
 
@@ -50,3 +51,13 @@ def test_installed_entry_points_match_pyproject():
         pytest.skip(f"{PROJECT['name']} is not installed here (run scripts/setup.sh)")
     installed = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
     assert installed == PROJECT["scripts"]
+
+
+def test_every_native_kernel_source_ships_in_the_package():
+    """Each plugin's C source is compiled on first use from the installed package: a wheel without it loses the kernel
+    (the runtime falls back to slower torch routes), so every .c under plugins/ must match a package-data pattern."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"][
+        "package-data"]["plugins"]
+    sources = sorted(p.relative_to(ROOT / "plugins") for p in (ROOT / "plugins").rglob("*.c"))
+    assert sources
+    assert [str(s) for s in sources if not any(s.match(pattern) for pattern in patterns)] == []

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugins.draft_layer import native as native_layer
+from plugins.tree_attention.mask import unpack_mask
 from runtime.checkpoint import IGNORED_SUFFIXES, read_head_state
 from runtime.config import ModelConfig
 from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DynamicTreeOptions, PruneOptions
@@ -55,8 +57,8 @@ from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
-from runtime.model import (QUANTIZED_WEIGHTS, AttendingCache, DecoderLayer, PackedWeight, QuantizedWeight,
-                           causal_mask, linear)
+from runtime.model import (QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, AttendingCache, DecoderLayer, Int8Weight, PackedWeight,
+                           QuantizedWeight, causal_mask, linear)
 from runtime.protocol import CandidatePool, Draft, Proposal
 from runtime.tree import Tree, expand_frontier, pruned_pool, select_dynamic_tree
 
@@ -76,6 +78,9 @@ class EagleHead(nn.Module):
 
     fc_quantized: QuantizedWeight | None = None  # set by quantize()
     fc_packed: PackedWeight | None = None  # set by pack()
+    # set by quantize(Int8Weight) where the layer runs as one native call (plugins/draft_layer): forwards of at most
+    # QUANT_MAX_ROWS rows (a step's) take it
+    native: native_layer.EagleLayerWeights | None = None
 
     def __init__(self, config: ModelConfig, fc_bias: bool, own_embedding: bool,
                  vocab: DraftVocab | None = None) -> None:
@@ -90,7 +95,7 @@ class EagleHead(nn.Module):
         self.register_load_state_dict_post_hook(lambda module, _keys: module._drop_copies())
 
     def _drop_copies(self) -> None:
-        self.fc_quantized = self.fc_packed = None
+        self.fc_quantized = self.fc_packed = self.native = None
 
     def quantize(self, kind: type[QuantizedWeight]) -> None:
         """Run every matmul of the head on quantized copies of its weights (`runtime.model.Int8Weight` /
@@ -100,6 +105,29 @@ class EagleHead(nn.Module):
         for layer in self.layers:
             layer.self_attn.quantize(kind)
             layer.mlp.quantize(kind)
+        self.native = self._native_weights() if kind is Int8Weight else None
+
+    def _native_weights(self) -> native_layer.EagleLayerWeights | None:
+        """The int8 copies as the native layer reads them; None where it cannot run this head (not one CPU layer of
+        EAGLE-1's shape, widths it does not take, or no C compiler: the torch route then runs)."""
+        if len(self.layers) != 1 or self.fc.weight.device.type != "cpu" or native_layer.load() is None:
+            return None
+        layer = self.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        if layer.input_layernorm is not None or attn.o_proj.bias is not None or mlp.fused_bias is not None:
+            return None
+        (qkv, o), (gate_up, down) = attn.quantized, mlp.quantized
+        norm = layer.post_attention_layernorm
+        weights = native_layer.EagleLayerWeights(
+            fc=native_layer.Int8Matrix.of(self.fc_quantized.q, self.fc_quantized.scales, self.fc.bias),
+            qkv=native_layer.Int8Matrix.of(qkv.q, qkv.scales, attn.fused_bias),
+            o=native_layer.Int8Matrix.of(o.q, o.scales),
+            norm=norm.weight.detach().to(torch.float32).contiguous(), eps=norm.eps,
+            gate_up=native_layer.Int8Matrix.of(gate_up.q, gate_up.scales),
+            down=native_layer.Int8Matrix.of(down.q, down.scales),
+            inv_freq=layer.rotary.inv_freq.to(torch.float32).contiguous(),
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+        return None if weights.unsupported() else weights
 
     def pack(self) -> None:
         """Run every matmul of the head on oneDNN-packed copies of its weights (`runtime.model.PackedWeight`: the
@@ -134,10 +162,36 @@ class EagleHead(nn.Module):
         cache: KVCache,
         tree_mask: torch.Tensor,  # [1, N, ceil(N / 32)] int32 packed
     ) -> torch.Tensor:  # [1, N, H]: predicted features f'_{t+1}
+        n = embeds.shape[1]
+        native = self.native is not None and n <= QUANT_MAX_ROWS and not torch.compiler.is_compiling()
+        view = _attention_view(cache, tree_mask, n) if native else None
+        if view is not None:
+            kv, base, visible = view
+            kv.open(n)
+            out = native_layer.eagle_layer(self.native, torch.cat([embeds[0], features[0]], dim=-1), positions[0],
+                                           kv.k[0, 0], kv.v[0, 0], kv.length, base, visible)
+            return out.to(self.fc.weight.dtype)[None]
         x = linear(torch.cat([embeds, features], dim=-1), self.fc_weight, self.fc.bias)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, cache, i, tree_mask)
         return x
+
+
+def _attention_view(
+    cache: Any,
+    tree_mask: torch.Tensor | None,  # [1, N, ceil(N / 32)] int32 with a KVCache
+    n: int,
+) -> tuple[KVCache, int, torch.Tensor] | None:
+    """(the KV cache a head forward writes, base, visible [n, length + n - base] bool): each row attends to the cache
+    slots below base and to those of [base, length + n) its row marks. None for a cache the native layer does not
+    read (more than one sequence or layer, another kind of AttendingCache)."""
+    if isinstance(cache, DraftTreeCache):
+        kv, base, visible = cache.cache, cache.base, cache.visible
+    elif isinstance(cache, KVCache) and tree_mask is not None:
+        kv, base, visible = cache, cache.length, unpack_mask(tree_mask[0], n)
+    else:
+        return None
+    return (kv, base, visible) if kv.batch == 1 and kv.num_layers == 1 and visible is not None else None
 
 
 # ---- loading --------------------------------------------------------------------------------------------
@@ -335,6 +389,11 @@ class DraftTreeCache(AttendingCache):
         """Draft nodes stored so far this step."""
         return self.cache.length - self.base
 
+    @property
+    def visible(self) -> torch.Tensor | None:
+        """[n, drafted + n] bool: the forward under way's mask over the drafted nodes and its own (None between)."""
+        return self._visible
+
     def forward(
         self,
         embeds: torch.Tensor,  # [n, H]
@@ -411,6 +470,7 @@ class EagleDrafter:
             raise ConfigError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         self.lm_quantized: QuantizedWeight | None = None
         self.lm_packed: PackedWeight | None = None
+        self.lm_native: native_layer.Int8Matrix | None = None  # lm_quantized as the native layer's matmul reads it
         self.quantization = quantization
         kind = None if quantization is None else QUANTIZED_WEIGHTS[quantization]
         # A build plans on meta tensors: nothing to quantize or pack there, but the shapes are checked.
@@ -432,6 +492,8 @@ class EagleDrafter:
             if shared is None:
                 head.quantize(kind)
             self.lm_quantized = kind.of(self.lm_weight)
+            if head.native is not None and self.lm_weight.shape[1] % native_layer.WIDTH_MULTIPLE == 0:
+                self.lm_native = native_layer.Int8Matrix.of(self.lm_quantized.q, self.lm_quantized.scales)
         elif quantization is None and PackedWeight.supported(weight.dtype, weight.device):
             # bf16 on CPU: oneDNN-packed copies (the same values, so the same drafts; F.linear re-lays a bf16 weight
             # out on every call). int8 still drafts faster in decoding, measured side by side: half the bytes.
@@ -447,6 +509,8 @@ class EagleDrafter:
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""
+        if self.lm_native is not None and features.shape[0] <= QUANT_MAX_ROWS:
+            return native_layer.matmul(self.lm_native, features)
         weight = self.lm_quantized if self.lm_quantized is not None else self.lm_packed
         return linear(features, self.lm_weight if weight is None else weight).float()
 

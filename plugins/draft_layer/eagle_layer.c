@@ -1,0 +1,254 @@
+/* One EAGLE-1 draft layer forward on int8 weights, in one call (plugins/draft_layer/native.py says why).
+
+   x0 = fc([embeds | features])                 (no input norm: EAGLE-1's layer 0)
+   x1 = x0 + o(attention(rope(q(x0)), cache + rope(k(x0)), cache + v(x0)))
+   out = x1 + down(silu(gate(norm(x1))) * up(norm(x1)))
+
+   Weights are int8 with one float scale per output row (runtime.model.Int8Weight: w ~= scale[o] * q[o, i]).
+   Activations stay float32 throughout (the torch route rounds to bf16 between ops); the new keys and values are
+   written to the head's KV cache in its dtype and read back from it, as the torch route does. A row attends to
+   every cache slot below `base` and to the slots [base, length + n) its row of `vis` marks. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's cast */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define ROWS 4  /* rows a weight chunk is multiplied into at once (independent accumulators) */
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 load_i8(const int8_t *p) {  /* 16 int8 weights as float32 */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* sum_i x[i] * w[i] for one row, `in` a multiple of LANES; four accumulators */
+static inline float dot_row(const float *x, const int8_t *w, int64_t in) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 4 * LANES <= in; i += 4 * LANES) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_i8(w + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + LANES), load_i8(w + i + LANES), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 2 * LANES), load_i8(w + i + 2 * LANES), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 3 * LANES), load_i8(w + i + 3 * LANES), a3);
+    }
+    for (; i < in; i += LANES) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_i8(w + i), a0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* out[r] = sum_i x[r * in + i] * w[i] for R rows at once (two accumulators a row), `in` a multiple of 2 * LANES */
+#define DOT_ROWS(R)                                                                                          \
+    static inline void dot_rows_##R(const float *x, const int8_t *w, int64_t in, float *out) {               \
+        __m512 a[R][2];                                                                                      \
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                                 \
+        for (int64_t i = 0; i < in; i += 2 * LANES) {                                                        \
+            __m512 w0 = load_i8(w + i), w1 = load_i8(w + i + LANES);                                         \
+            for (int r = 0; r < R; r++) {                                                                    \
+                a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * in + i), w0, a[r][0]);                     \
+                a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * in + i + LANES), w1, a[r][1]);             \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));          \
+    }
+DOT_ROWS(2)
+DOT_ROWS(3)
+DOT_ROWS(4)
+
+static inline __m512 load_cache(const void *base, int is_bf16, int64_t idx) {  /* 16 cache values as float32 */
+    if (is_bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + idx);
+}
+#else
+static inline float dot_row(const float *x, const int8_t *w, int64_t in) {
+    float acc[LANES] = {0};
+    for (int64_t i = 0; i < in; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[i + l] * (float)w[i + l];
+    float s = 0.f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    return s;
+}
+
+static inline void dot_rows_n(const float *x, const int8_t *w, int64_t in, float *out, int rows) {
+    for (int r = 0; r < rows; r++) out[r] = dot_row(x + r * in, w, in);
+}
+#define dot_rows_2(x, w, in, out) dot_rows_n(x, w, in, out, 2)
+#define dot_rows_3(x, w, in, out) dot_rows_n(x, w, in, out, 3)
+#define dot_rows_4(x, w, in, out) dot_rows_n(x, w, in, out, 4)
+#endif
+
+/* y[r, o] = scale[o] * sum_i x[r, i] * w[o, i] (+ bias[o]); x [rows, in], w [out, in] int8, y [rows, out]; `in` a
+   multiple of 2 * LANES. Each weight row is read once per ROWS rows of x, while it sits in L1. */
+static void qmatmul(const float *x, int64_t rows, int64_t in, const int8_t *w, const float *scale,
+                    const float *bias, int64_t out, float *y) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const int8_t *wr = w + o * in;
+        float b = bias ? bias[o] : 0.f;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+            int64_t m = rows - r0 < ROWS ? rows - r0 : ROWS;
+            const float *xb = x + r0 * in;
+            float s[ROWS];
+            switch (m) {
+            case 1: s[0] = dot_row(xb, wr, in); break;
+            case 2: dot_rows_2(xb, wr, in, s); break;
+            case 3: dot_rows_3(xb, wr, in, s); break;
+            default: dot_rows_4(xb, wr, in, s); break;
+            }
+            for (int64_t r = 0; r < m; r++) y[(r0 + r) * out + o] = s[r] * scale[o] + b;
+        }
+    }
+}
+
+static inline float cache_at(const void *base, int is_bf16, int64_t idx) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[idx]) : ((const float *)base)[idx];
+}
+
+static inline void cache_put(void *base, int is_bf16, int64_t idx, float v) {
+    if (is_bf16) ((uint16_t *)base)[idx] = f32_to_bf16(v);
+    else ((float *)base)[idx] = v;
+}
+
+/* Rotate-half RoPE of one head vector x [d] in place at `pos`; inv_freq [d / 2]. */
+static void rope(float *x, int64_t d, int64_t pos, const float *inv_freq) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float angle = (float)pos * inv_freq[i];
+        float c = cosf(angle), s = sinf(angle);
+        float a = x[i], b = x[i + half];
+        x[i] = a * c - b * s;
+        x[i + half] = b * c + a * s;
+    }
+}
+
+int spectree_eagle_layer(
+    const float *x_in, int64_t n, int64_t hidden,            /* [n, 2 * hidden]: embeddings | features */
+    const int64_t *positions, const float *inv_freq,          /* [n], [head_dim / 2] */
+    const int8_t *fc_w, const float *fc_s, const float *fc_b, /* [hidden, 2 hidden]; fc_b may be NULL */
+    const int8_t *qkv_w, const float *qkv_s, const float *qkv_b, /* [(hq + 2 hkv) d, hidden]; bias may be NULL */
+    const int8_t *o_w, const float *o_s,                      /* [hidden, hq d] */
+    const float *norm_w, float eps,                           /* post-attention RMSNorm [hidden] */
+    const int8_t *gu_w, const float *gu_s, int64_t inter,     /* [2 inter, hidden]: gate | up */
+    const int8_t *down_w, const float *down_s,                /* [hidden, inter] */
+    int64_t hq, int64_t hkv, int64_t d, float scale,
+    void *k_cache, void *v_cache, int64_t stride_h, int64_t stride_s, int is_bf16, /* layer's [Hkv, slots, D] */
+    int64_t length, int64_t base, const uint8_t *vis, int64_t vis_stride, /* vis [n, length + n - base] */
+    float *out)                                               /* [n, hidden] */
+{
+    int64_t qkv_out = (hq + 2 * hkv) * d, keys = length + n, group = hq / hkv;
+    float *x0 = malloc(sizeof(float) * n * hidden);
+    float *qkv = malloc(sizeof(float) * n * qkv_out);
+    float *att = malloc(sizeof(float) * n * hq * d);
+    float *x1 = malloc(sizeof(float) * n * hidden);
+    float *h = malloc(sizeof(float) * n * hidden);
+    float *gu = malloc(sizeof(float) * n * 2 * inter);
+    float *act = malloc(sizeof(float) * n * inter);
+    float *scores = malloc(sizeof(float) * n * hq * keys);
+    if (!x0 || !qkv || !att || !x1 || !h || !gu || !act || !scores) {
+        free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores);
+        return 1;
+    }
+    qmatmul(x_in, n, 2 * hidden, fc_w, fc_s, fc_b, hidden, x0);
+    qmatmul(x0, n, hidden, qkv_w, qkv_s, qkv_b, qkv_out, qkv);
+    for (int64_t r = 0; r < n; r++) {  /* RoPE on q and k heads; k and v into the cache at slot length + r */
+        float *row = qkv + r * qkv_out;
+        for (int64_t hh = 0; hh < hq + hkv; hh++) rope(row + hh * d, d, positions[r], inv_freq);
+        for (int64_t g = 0; g < hkv; g++)
+            for (int64_t i = 0; i < d; i++) {
+                int64_t at = g * stride_h + (length + r) * stride_s + i;
+                cache_put(k_cache, is_bf16, at, row[(hq + g) * d + i]);
+                cache_put(v_cache, is_bf16, at, row[(hq + hkv + g) * d + i]);
+            }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < n * hq; p++) {
+        int64_t r = p / hq, hh = p % hq, g = hh / group;
+        const float *q = qkv + r * qkv_out + hh * d;
+        float *s = scores + p * keys, *o = att + r * hq * d + hh * d;
+        const uint8_t *vrow = vis + r * vis_stride;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < keys; j++) {
+            if (j >= base && !vrow[j - base]) { s[j] = -INFINITY; continue; }
+            int64_t at = g * stride_h + j * stride_s;
+            float acc = 0.f;
+#ifdef __AVX512F__
+            if (d % LANES == 0) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t i = 0; i < d; i += LANES)
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_cache(k_cache, is_bf16, at + i), a);
+                acc = _mm512_reduce_add_ps(a);
+            } else
+#endif
+            for (int64_t i = 0; i < d; i++) acc += q[i] * cache_at(k_cache, is_bf16, at + i);
+            s[j] = acc * scale;
+            if (s[j] > mx) mx = s[j];
+        }
+        float sum = 0.f;
+        for (int64_t i = 0; i < d; i++) o[i] = 0.f;
+        if (mx == -INFINITY) continue;  /* nothing visible: zeros, as the reference */
+        for (int64_t j = 0; j < keys; j++) {
+            if (s[j] == -INFINITY) continue;
+            float w = expf(s[j] - mx);
+            sum += w;
+            int64_t at = g * stride_h + j * stride_s;
+#ifdef __AVX512F__
+            if (d % LANES == 0) {
+                __m512 wv = _mm512_set1_ps(w);
+                for (int64_t i = 0; i < d; i += LANES)
+                    _mm512_storeu_ps(o + i, _mm512_fmadd_ps(wv, load_cache(v_cache, is_bf16, at + i),
+                                                            _mm512_loadu_ps(o + i)));
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < d; i++) o[i] += w * cache_at(v_cache, is_bf16, at + i);
+        }
+        for (int64_t i = 0; i < d; i++) o[i] /= sum;
+    }
+    qmatmul(att, n, hq * d, o_w, o_s, NULL, hidden, x1);
+    for (int64_t r = 0; r < n; r++) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < hidden; i++) {
+            x1[r * hidden + i] += x0[r * hidden + i];
+            ss += x1[r * hidden + i] * x1[r * hidden + i];
+        }
+        float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) h[r * hidden + i] = x1[r * hidden + i] * inv * norm_w[i];
+    }
+    qmatmul(h, n, hidden, gu_w, gu_s, NULL, 2 * inter, gu);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < inter; i++) {
+            float g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
+            act[r * inter + i] = g / (1.f + expf(-g)) * u;
+        }
+    qmatmul(act, n, inter, down_w, down_s, NULL, hidden, out);
+    for (int64_t i = 0; i < n * hidden; i++) out[i] += x1[i];
+    free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores);
+    return 0;
+}
+
+/* y [rows, out] = x [rows, in] times an int8 weight [out, in] (scale per output row, bias optional): the draft
+   output layer's logits. `in` a multiple of 2 * LANES. */
+void spectree_qmatmul(const float *x, int64_t rows, int64_t in, const int8_t *w, const float *scale,
+                      const float *bias, int64_t out, float *y) {
+    qmatmul(x, rows, in, w, scale, bias, out, y);
+}
