@@ -1,9 +1,9 @@
 """The native EAGLE draft layer (plugins/draft_layer): one call per head forward on int8 weights. Checked against the
 torch route over the same int8 copies (the catch-up forward over a KVCache with a causal mask, level forwards over a
-DraftTreeCache with tree masks, with and without q/k/v biases, float32 and bfloat16), the keys and values it writes
-into the head's cache, its int8 matmul against torch's int8 kernel, the heads it cannot run (which keep the torch
-route), the portable build (no AVX-512) against this CPU's, and greedy output through it: plain decoding's, static and
-EAGLE-2 trees."""
+DraftTreeCache with tree masks, with and without q/k/v biases, heads 16 and 24 wide (the vector and the scalar
+attention), float32 and bfloat16), the keys and values it writes into the head's cache, its int8 matmul against
+torch's int8 kernel, the heads it cannot run (which keep the torch route), the portable build (no AVX-512) against
+this CPU's, and greedy output through it: plain decoding's, static and EAGLE-2 trees."""
 
 from __future__ import annotations
 
@@ -71,10 +71,17 @@ def _close(got, want, dtype):
     assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-5), rel
 
 
+@pytest.fixture(scope="module")
+def odd_head_dir(tmp_path_factory):
+    """A target whose EAGLE head has 24-wide heads (96 / 4): attention off the 16-lane route, RoPE over 12 pairs."""
+    return make_checkpoint(tmp_path_factory.mktemp("native24") / "llama2", "llama2", hidden_size=96)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qkv_bias", [False, True])
-def test_catch_up_forward_matches_the_torch_route(target_dir, tmp_path, dtype, qkv_bias):
-    model, native, plain = _drafters(target_dir, tmp_path, dtype, qkv_bias)
+@pytest.mark.parametrize("qkv_bias,head_size", [(False, 16), (True, 16), (False, 24)])
+def test_catch_up_forward_matches_the_torch_route(target_dir, odd_head_dir, tmp_path, dtype, qkv_bias, head_size):
+    model, native, plain = _drafters(target_dir if head_size == 16 else odd_head_dir, tmp_path, dtype, qkv_bias)
+    assert native.head.native.head_dim == head_size
     assert native.head.native is not None and plain.head.native is None
     for n in (1, 2, 3, 5, 9):  # the row blocks of the matmuls: 1, 2, 3, 4 + 1, 4 + 4 + 1
         caches = [_prefilled(d, model, 20) for d in (native, plain)]
