@@ -129,12 +129,20 @@ static inline void cache_put(void *base, int is_bf16, int64_t idx, float v) {
     else ((float *)base)[idx] = v;
 }
 
-/* Rotate-half RoPE of one head vector x [d] in place at `pos`; inv_freq [d / 2]. */
-static void rope(float *x, int64_t d, int64_t pos, const float *inv_freq) {
-    int64_t half = d / 2;
+/* The angles of one position: cs[i] = cos(pos * inv_freq[i]), cs[half + i] = sin(...), i < half = d / 2. */
+static void rope_angles(float *cs, int64_t half, int64_t pos, const float *inv_freq) {
     for (int64_t i = 0; i < half; i++) {
         float angle = (float)pos * inv_freq[i];
-        float c = cosf(angle), s = sinf(angle);
+        cs[i] = cosf(angle);
+        cs[half + i] = sinf(angle);
+    }
+}
+
+/* Rotate-half RoPE of one head vector x [d] in place, by its position's angles cs [d] (rope_angles). */
+static void rope(float *x, int64_t d, const float *cs) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float c = cs[i], s = cs[half + i];
         float a = x[i], b = x[i + half];
         x[i] = a * c - b * s;
         x[i + half] = b * c + a * s;
@@ -164,15 +172,17 @@ int spectree_eagle_layer(
     float *gu = malloc(sizeof(float) * n * 2 * inter);
     float *act = malloc(sizeof(float) * n * inter);
     float *scores = malloc(sizeof(float) * n * hq * keys);
-    if (!x0 || !qkv || !att || !x1 || !h || !gu || !act || !scores) {
-        free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores);
+    float *cs = malloc(sizeof(float) * d);
+    if (!x0 || !qkv || !att || !x1 || !h || !gu || !act || !scores || !cs) {
+        free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores); free(cs);
         return 1;
     }
     qmatmul(x_in, n, 2 * hidden, fc_w, fc_s, fc_b, hidden, x0);
     qmatmul(x0, n, hidden, qkv_w, qkv_s, qkv_b, qkv_out, qkv);
     for (int64_t r = 0; r < n; r++) {  /* RoPE on q and k heads; k and v into the cache at slot length + r */
         float *row = qkv + r * qkv_out;
-        for (int64_t hh = 0; hh < hq + hkv; hh++) rope(row + hh * d, d, positions[r], inv_freq);
+        rope_angles(cs, d / 2, positions[r], inv_freq);  /* once per row, for all its q and k heads */
+        for (int64_t hh = 0; hh < hq + hkv; hh++) rope(row + hh * d, d, cs);
         for (int64_t g = 0; g < hkv; g++)
             for (int64_t i = 0; i < d; i++) {
                 int64_t at = g * stride_h + (length + r) * stride_s + i;
@@ -242,7 +252,7 @@ int spectree_eagle_layer(
         }
     qmatmul(act, n, inter, down_w, down_s, NULL, hidden, out);
     for (int64_t i = 0; i < n * hidden; i++) out[i] += x1[i];
-    free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores);
+    free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores); free(cs);
     return 0;
 }
 
