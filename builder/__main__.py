@@ -255,7 +255,7 @@ def _cmd_validate(args) -> int:
     config = load_config(args.config).with_output(args.output)
     plan = plan_build(config, require_output=False)
     console = _console()
-    console.print(f"[green]ok[/green] {args.config}: {plan.model.architecture} ({plan.dtype}), drafter "
+    console.print(f"[green]ok[/green] {args.config}: {plan.model.architecture} ({plan.dtype}: {plan.dtype_choice.reason}), drafter "
                   f"{plan.draft.describe()}: {plan.draft.draft_nodes} draft nodes per step, "
                   f"max_seq_len {plan.max_seq_len}, tp_size {config.build.tp_size}"
                   + (f", output {config.build.output}" if config.build.output else ", no output set"))

@@ -102,8 +102,8 @@ def build_engine(config: BuildConfig, force: bool = False, progress: Progress | 
     t0 = time.perf_counter()
     with progress.stage("validate config against checkpoints"):
         plan = plan_build(config)
-    record("validate", "done", f"{plan.model.architecture}, {plan.draft.kind}, {plan.dtype}, tp {config.build.tp_size}",
-           t0)
+    record("validate", "done", f"{plan.model.architecture}, {plan.draft.kind}, {plan.dtype} "
+           f"({plan.dtype_choice.reason}), tp {config.build.tp_size}", t0)
     output = plan.output
     _check_output(output, force)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
 
     t0 = time.perf_counter()
     with progress.stage("load target checkpoint"):
-        model_config, tensors = load_checkpoint(src, dtype=plan.dtype)
+        model_config, tensors = load_checkpoint(src, dtype=plan.dtype, runs_here=False)
         from runtime.model import TargetModel
 
         model = TargetModel.from_state(model_config, tensors, source=str(src))
@@ -218,6 +218,9 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
         "format_version": FORMAT_VERSION,
         "model": model_config_dict(plan.model),
         "dtype": plan.dtype,
+        # what the config asked for ("auto": the runtime chooses again for the machine that loads the engine)
+        "dtype_requested": plan.dtype_choice.requested,
+        "dtype_reason": plan.dtype_choice.reason,
         "draft": _draft_section(plan, drafter, draft_path),
         "limits": {
             "max_seq_len": plan.max_seq_len,

@@ -11,7 +11,8 @@
       quantization: int8                         # or int4 (eagle): its head's weights as drafting reads them (CPU)
       pruning: {min_path_prob: 0.02}             # eagle: nodes the head finds less likely are not verified
     build:
-      dtype: float16                             # float32 | bfloat16 | float16 (default: the checkpoint's)
+      dtype: auto                                # auto | float32 | bfloat16 | float16 (default: the checkpoint's;
+                                                 # auto: bfloat16 on a CPU with native bf16, else float32)
       tp_size: 1
       max_seq_len: 2048
       max_draft_len: 63
@@ -41,7 +42,7 @@ import torch
 
 from runtime import schema
 from runtime.api import LoadConfig
-from runtime.config import ModelConfig
+from runtime.config import DTYPE_CHOICES, DtypeChoice, ModelConfig, choose_dtype
 from runtime.draft_spec import DYNAMIC, KINDS, DraftSpec, DynamicTreeOptions, LookupOptions, PruneOptions, field_names
 from runtime.drafters import load_drafter
 from runtime.engine import QKVLayout
@@ -51,7 +52,7 @@ from runtime.tree import Tree
 
 Method = Literal[KINDS]  # type: ignore[valid-type]  (the drafter kinds, as the YAML checks them)
 MAX_EAGLE_DRAFT_LEN = 256  # TensorRT-LLM's EAGLE converter rejects a larger max_draft_len
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal[DTYPE_CHOICES]  # type: ignore[valid-type]
 
 
 class BuildConfigError(ConfigError):
@@ -129,7 +130,9 @@ class DraftSection:
 
 @dataclass(frozen=True)
 class BuildSection:
-    dtype: Dtype | None = None  # None: the checkpoint's own dtype
+    # None: the checkpoint's own dtype; auto: chosen for the building machine (runtime.config.choose_dtype), and
+    # chosen again by the runtime for the machine that loads the engine
+    dtype: Dtype | None = None
     tp_size: int = setting(1, ge=1)
     # prompt + generated tokens; None: the model's context (max_position_embeddings)
     max_seq_len: int | None = setting(None, ge=2)
@@ -209,6 +212,7 @@ class BuildPlan:
 
     config: BuildConfig
     model: ModelConfig  # the target, in the build dtype
+    dtype_choice: DtypeChoice  # how the build dtype was chosen
     # The drafter as loaded: its tree and options resolved (the drafter's defaults filled in), the config's weights
     # path, max_draft_len = build.max_draft_len.
     draft: DraftSpec
@@ -281,7 +285,8 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
     with at_key(source, "model.checkpoint"):
         model = ModelConfig.from_hf(config.model.checkpoint)
         check_tokenizer(Path(config.model.checkpoint), model)
-    model = model.with_dtype(b.dtype)
+    dtype_choice = choose_dtype(b.dtype, model.dtype, runs_here=False)
+    model = model.with_dtype(dtype_choice.dtype)
     if b.max_seq_len is not None and b.max_seq_len > model.max_context:
         raise BuildConfigError(
             f"{source}: build.max_seq_len: got {b.max_seq_len}, expected at most {model.max_context} "
@@ -318,6 +323,7 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
     plan = BuildPlan(
         config=config,
         model=model,
+        dtype_choice=dtype_choice,
         draft=draft,
         num_medusa_heads=None if heads is None else heads.config.num_heads,
         num_medusa_layers=None if heads is None else heads.config.num_layers,

@@ -51,7 +51,7 @@ _HELP = {
     "draft": "override the engine's drafter: medusa | eagle | lookup | none",
     "draft_model": "override the drafter weights directory",
     "tree": "override the static tree: preset name or JSON list of choice paths",
-    "dtype": "override the weights dtype: float32 | bfloat16 | float16",
+    "dtype": "override the weights dtype: auto | float32 | bfloat16 | float16",
     "max_draft_len": "override the most draft nodes per step",
     "force": "replace an existing output directory",
     "trtllm_engine": "tensorrtllm: the trtllm-build output directory (default ENGINE/trtllm_engine)",

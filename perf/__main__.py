@@ -6,7 +6,7 @@
              and speculative decoding on the same prompts in one run: tau, acceptance by depth, target forwards
              per token, tokens/s, time split, speedups against the baselines, greedy identity; writes bench.json,
              bench.md and PNG plots
-    verify-cost  (--config CFG | --checkpoint DIR) [--dtypes float32,bfloat16] [--context 256]
+    verify-cost  (--config CFG | --checkpoint DIR) [--dtypes float32,auto] [--context 256]
              [--sizes 1,2,4,...,64] [--repeats 7] [--threads N] [--out DIR]
              one target forward over N new tokens (chain and random-tree masks) against N = 1, per dtype;
              writes verify_cost.json, verify_cost.md and verify_cost.png
@@ -49,6 +49,7 @@ from perf.bench import BenchConfig, parse_specs
 from perf.genai import ENDPOINT_TYPES, GenaiPerfConfig
 from perf.serve import ServeConfig, parse_concurrency
 from perf.verify_cost import DTYPES, VerifyCostConfig, parse_list
+from runtime.config import DTYPE_CHOICES
 from runtime.errors import SpectreeError
 
 
@@ -108,7 +109,7 @@ def _add_threads(p: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _add_dtype(p: argparse.ArgumentParser, cls: type) -> None:
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(cls, "dtype"))
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=_default(cls, "dtype"))
 
 
 def _add_out(p: argparse.ArgumentParser, cls: type, quiet_help: str) -> None:

@@ -60,7 +60,7 @@ class BatchBenchConfig:
     warmup: int = setting(1, ge=0)  # untimed rounds first
     repeats: int = setting(1, ge=1)  # timed rounds; the median counts
     threads: int | None = setting(None, ge=1)  # torch intra-op threads; None: every usable core
-    dtype: str | None = None  # float32 | bfloat16 | float16; None: the config's / engine's
+    dtype: str | None = None  # auto | float32 | bfloat16 | float16; None: the config's / engine's
     # the scheduler's prompt tokens per request per step
     prefill_chunk: int = setting(SchedulerConfig.prefill_chunk, ge=1)
     tree_budget: int | None = setting(SchedulerConfig.tree_budget, ge=1)  # the scheduler's (batched mode only)

@@ -37,6 +37,7 @@ from perf import stats
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
 from runtime import schema
+from runtime.config import DTYPE_CHOICES
 from runtime.draft_spec import DYNAMIC, GRAMMAR, WEIGHTED_KINDS, DraftSpec
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import shown_path
@@ -174,7 +175,7 @@ class BenchConfig:
     repeats: int = setting(1, ge=1)  # timed generations per (variant, prompt); the median counts
     threads: int | None = setting(None, ge=1)  # torch intra-op threads; None: every usable core
     # None: the config's / engine's
-    dtype: str | None = setting(None, choices=("float32", "bfloat16", "float16"))
+    dtype: str | None = setting(None, choices=DTYPE_CHOICES)
     hf: bool = True  # measure the transformers baseline (greedy generate)
     hf_lookup: int | None = setting(None, ge=1)  # transformers' prompt lookup decoding with this many tokens; None: not
     hf_assistant: Path | None = None  # measure transformers' assisted generation with this draft checkpoint

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from plugins import cpu
+
 
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo ("model name"), else platform.processor(), else "unknown"."""
@@ -81,8 +83,11 @@ def gpu_name() -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """JSON-ready description of this machine and software, with torch's current thread settings."""
+    features = cpu.features()
     return {
         "cpu_model": cpu_model(),
+        "cpu_row": features.row,  # the README's CPU support table row (plugins/cpu.py)
+        "cpu_forced": features.forced,  # a forced instruction-set level (SPECTREE_CPU_ISA), None: the CPU's own
         "cpu_count": os.cpu_count(),
         "usable_cores": usable_cores(),
         "memory_gib": memory_gib(),
@@ -107,7 +112,8 @@ def machine_slug(info: dict[str, Any] | None = None) -> str:
         name, prefix = f"{info['cpu_model']} {info['usable_cores']}c", "cpu"
     name = re.sub(r"\((r|tm)\)|\bprocessor\b|\bcpu\b|@.*?(?=\s\d+c$|$)", " ", name.lower())
     slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
-    return f"{prefix}-{slug[:40].strip('-')}"
+    forced = f"-forced-{info['cpu_forced']}" if info.get("cpu_forced") and not info.get("gpu") else ""
+    return f"{prefix}-{slug[:40].strip('-')}{forced}"
 
 
 def today() -> str:

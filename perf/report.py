@@ -43,7 +43,8 @@ def machine_line(m: dict[str, Any], threads: int | None = None) -> str:
     thr = f" (torch threads {threads})" if threads is not None else ""
     mem = f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
-    return (f"{m['cpu_model']}, {m['usable_cores']} usable cores{thr}{mem}{gpu}; torch {m['torch']}, "
+    row = f" ({m['cpu_row']}{', forced ' + m['cpu_forced'] if m.get('cpu_forced') else ''})" if m.get("cpu_row") else ""
+    return (f"{m['cpu_model']}{row}, {m['usable_cores']} usable cores{thr}{mem}{gpu}; torch {m['torch']}, "
             f"transformers {m.get('transformers') or '—'}, Python {m['python']}, {m['os']}")
 
 

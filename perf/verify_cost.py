@@ -32,11 +32,12 @@ import torch
 from perf import stats
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from runtime import schema
+from runtime.config import DTYPE_CHOICES
 from runtime.errors import ConfigError
 from runtime.files import shown_path
 from runtime.schema import setting
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = DTYPE_CHOICES
 MASKS = ("chain", "tree")
 REPORT_FORMAT = "spectree-verify-cost"
 REPORT_VERSION = 1
@@ -48,7 +49,8 @@ class VerifyCostConfig:
 
     config: Path | None = None  # builder YAML (its model.checkpoint); exactly one of config / checkpoint
     checkpoint: Path | None = None  # HF checkpoint directory
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    # each as runtime.config.choose_dtype resolves it; one that resolves to an earlier one's dtype is measured once
+    dtypes: tuple[str, ...] = ("float32", "auto")
     context: int = setting(256, ge=1)  # tokens prefilled into the cache before the timed forwards
     # N: new tokens per forward; must include 1
     sizes: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64), nonempty=True)
@@ -247,7 +249,10 @@ def run_verify_cost(config: VerifyCostConfig,
     device = torch.device(config.device)
     path = checkpoint_path(config)
     with torch_threads(config.resolved_threads()):
-        models = {d: TargetModel.from_pretrained(path, dtype=d, device=device) for d in config.dtypes}
+        models = {}
+        for d in config.dtypes:
+            model = TargetModel.from_pretrained(path, dtype=d, device=device)
+            models.setdefault(model.config.dtype, model)
         c = next(iter(models.values())).config
         need = config.context + max(config.sizes)
         if need > c.max_context:

@@ -1,10 +1,11 @@
 """Building the plugins' C kernels for this CPU: compiled on first use, cached, loaded through ctypes.
 
-Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (a library runs where it is built) with OpenMP,
+Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (a library runs where it is built; a forced
+lower level's target instead, plugins/cpu.py) with OpenMP,
 which resolves to the libgomp torch has already loaded, so its threads are torch's (torch.set_num_threads applies);
 without OpenMP where the compiler has none. A library is cached under `$SPECTREE_CACHE_DIR` (default
 `$XDG_CACHE_HOME/spectree` or `~/.cache/spectree`), named by a hash of its source, the flags, the compiler's version
-and this CPU's feature flags; written to a temporary name and renamed, so concurrent processes never load a
+and this CPU's feature flags as the process sees them; written to a temporary name and renamed, so concurrent processes never load a
 half-written file. Where the cache folder cannot be written, a private folder of this user's under the system temp
 folder is used. `build` raises with the compiler's message where nothing builds; each kernel's module turns that into
 "unavailable, and why" and keeps its torch route.
@@ -13,6 +14,7 @@ folder is used. `build` raises with the compiler's message where nothing builds;
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -24,8 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+from plugins import cpu
+
+# -Wno-psabi: GCC notes, for every 64-byte vector passed by value, that its ABI changed in GCC 4.6 (nothing here
+# crosses a library boundary by value)
+FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi")
 OPENMP = "-fopenmp"
+COMPILE_TIMEOUT_S = 60  # each kernel builds in seconds (the attention kernel ~12 s with AVX-512, ~3 s for AVX2, 2 cores)
 CACHE_ENV = "SPECTREE_CACHE_DIR"
 # what a failed build raises (callers catch these and report the message)
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
@@ -50,18 +57,6 @@ def _private_temp_dir() -> Path:
     return path
 
 
-def _cpu_flags() -> str:
-    """This CPU's feature flags (what -march=native compiles for); the machine name where /proc/cpuinfo is absent."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _compile(cc: str, flags: tuple[str, ...], source: Path, out: Path) -> None:
     """Compile `source` into `out` (atomically: a temporary name in the same folder, then renamed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +64,7 @@ def _compile(cc: str, flags: tuple[str, ...], source: Path, out: Path) -> None:
     os.close(fd)
     try:
         result = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
-                                timeout=120, check=False)
+                                timeout=COMPILE_TIMEOUT_S, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} exited {result.returncode}: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -100,11 +95,13 @@ def build(source: Path, stem: str, extra_flags: tuple[str, ...] = ()) -> tuple[c
     if cc is None:
         raise RuntimeError(f"no C compiler: {name} is not on PATH (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    features = cpu.features()
     # what the library depends on besides its flags: the source, the compiler, the CPU -march=native targets
-    built_from = [source.read_bytes(), version.encode(), _cpu_flags().encode()]
+    built_from = [source.read_bytes(), version.encode(), " ".join(sorted(features.flags)).encode() or
+                  (platform.processor() or platform.machine()).encode()]
     errors = []
     for threaded in (True, False):
-        flags = FLAGS + extra_flags + ((OPENMP,) if threaded else ())
+        flags = FLAGS + (f"-march={features.march}",) + extra_flags + ((OPENMP,) if threaded else ())
         key = hashlib.sha256(b"\0".join([" ".join(flags).encode(), *built_from])).hexdigest()[:16]
         try:
             lib, path = _load_or_compile(cc, flags, source, f"{stem}_{key}.so")
@@ -113,6 +110,26 @@ def build(source: Path, stem: str, extra_flags: tuple[str, ...] = ()) -> tuple[c
             continue
         return lib, path, threaded
     raise RuntimeError("; ".join(errors))
+
+
+_ISA_MACROS = (("__AVX512BF16__", "AVX-512 + BF16"), ("__AVX512F__", "AVX-512"), ("__AVX2__", "AVX2"),
+               ("__SSE2__", "SSE2"))
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_isa() -> str:
+    """The widest instruction set the kernels are compiled for here (from the compiler's predefined macros at this
+    process's -march), e.g. "AVX-512 + BF16" or "AVX2"; "unknown" where the compiler cannot say."""
+    cc = shutil.which(os.environ.get("CC") or "cc")
+    if cc is None:
+        return "unknown"
+    try:
+        macros = subprocess.run([cc, f"-march={cpu.features().march}", "-dM", "-E", "-x", "c", os.devnull],
+                                capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    defined = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
+    return next((name for macro, name in _ISA_MACROS if macro in defined), "unknown")
 
 
 T = TypeVar("T")
@@ -140,4 +157,4 @@ class Lazy(Generic[T]):
         return self._value
 
 
-__all__ = ["BUILD_ERRORS", "CACHE_ENV", "FLAGS", "Lazy", "OPENMP", "build", "cache_dir"]
+__all__ = ["BUILD_ERRORS", "CACHE_ENV", "FLAGS", "Lazy", "OPENMP", "build", "cache_dir", "compiled_isa"]

@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 from runtime.api import LoadConfig, build
+from runtime.config import DTYPE_CHOICES
 from runtime.draft_spec import KINDS, QUANTIZATIONS, option_value
 from runtime.errors import SpectreeError
 from runtime.sampling import SamplingParams
@@ -61,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model", default=_default(LoadConfig, "draft_model"), help="Medusa/EAGLE head directory")
     g.add_argument("--tree", default=_default(LoadConfig, "tree"),
                    help="tree preset (mc_sim_7b_63, chain-K) or JSON list of choice paths")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_default(LoadConfig, "dtype"))
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default=_default(LoadConfig, "dtype"))
     g.add_argument("--max-draft-len", type=int, default=_default(LoadConfig, "max_draft_len"))
     g.add_argument("--device", default=_default(LoadConfig, "device"), help="torch device: cpu, cuda, cuda:1, ...")
     g.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=_default(LoadConfig, "draft_quantization"),

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from runtime.config import DTYPE_CHOICES
 from runtime.decode import SpecDecoder
 from runtime.draft_spec import DraftSpec, field_names
 from runtime.drafters import load_drafter
@@ -33,7 +34,8 @@ class LoadConfig:
     #                           draft_model, else "none"
     draft_model: str | None = None  # head checkpoint directory (medusa / eagle)
     tree: str | None = None  # preset name ("mc_sim_7b_63", "chain-4") or JSON list of choice paths
-    dtype: str | None = None  # float32 | bfloat16 | float16; None: the checkpoint's own
+    dtype: str | None = None  # auto | float32 | bfloat16 | float16 (runtime.config.choose_dtype); None: the
+    #                           checkpoint's own (an engine's: what its build asked for)
     max_draft_len: int = 63  # most draft nodes per step (root excluded), as TensorRT-LLM's max_draft_len
     device: str = "cpu"  # torch device for the target and drafter weights: "cpu", "cuda", "cuda:1", ...
     draft_options: dict[str, Any] = field(default_factory=dict)  # the drafter's options (DraftSpec.with_options)
@@ -47,8 +49,8 @@ class LoadConfig:
             if self.draft is not None:
                 DraftSpec.create(self.draft, path=self.draft_model, tree=self.tree, options=self.draft_options,
                                  quantization=self.draft_quantization)
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
@@ -139,7 +141,8 @@ def load(
                  draft_model, else none)
     draft_model  Medusa heads (FasterDecoding format) or EAGLE-1 head (EAGLE repo layout) directory
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
-    dtype        float32 | bfloat16 | float16 (default: the checkpoint's)
+    dtype        auto | float32 | bfloat16 | float16 (default: the checkpoint's; auto: bfloat16 on a CPU with
+                 native bf16, else float32; bfloat16 is refused on a CPU without it: runtime.config.choose_dtype)
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
     draft_quantization  "int8" / "int4": the EAGLE head runs on int8 / int4 copies of its weights (CPU; drafts
                  change slightly, the output never)

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from runtime.config import ModelConfig
+from runtime.config import ModelConfig, choose_dtype
 from runtime.errors import CheckpointError
 from runtime.files import read_json_object
 
@@ -174,15 +174,21 @@ def validate_tensors(
 
 
 def load_checkpoint(
-    path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu"
+    path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu",
+    runs_here: bool = True,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, validated tensors) of the HF checkpoint directory `path`, tensors in the run dtype."""
+    """(config, validated tensors) of the HF checkpoint directory `path`, tensors in the run dtype: `dtype` as
+    `runtime.config.choose_dtype` resolves it ("auto", None: the checkpoint's own, or a dtype) for `device`
+    (runs_here=False: for a conversion, see there)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
     if not (root / "config.json").is_file():
         raise CheckpointError(f"missing config.json in checkpoint directory {root}")
-    config = ModelConfig.from_hf(root).with_dtype(dtype)
+    config = ModelConfig.from_hf(root)
+    choice = choose_dtype(dtype, config.dtype, device, runs_here)
+    choice.warn_if_demoted(str(root))
+    config = config.with_dtype(choice.dtype)
     tensors = load_tensors(root, config.torch_dtype, device)
     return config, validate_tensors(config, tensors, source=str(root))
 

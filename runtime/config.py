@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from plugins import cpu
 from runtime import schema
 from runtime.errors import ConfigError
 from runtime.files import read_json_object
@@ -24,6 +26,8 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+AUTO = "auto"  # the dtype this machine runs best without changing what the model says (`choose_dtype`)
+DTYPE_CHOICES = (*DTYPES, AUTO)  # what a user may ask for (configs, CLIs, runtime.load)
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,70 @@ def dtype_name(dtype: str | torch.dtype) -> str:
         if name in DTYPES:
             return name
     raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a model runs in, what was asked for and why (recorded in engine.json, shown by build and setup)."""
+
+    dtype: str  # a key of DTYPES
+    requested: str | None  # a DTYPE_CHOICES name; None: the checkpoint's own
+    reason: str  # one line
+
+    @property
+    def demoted(self) -> bool:
+        """A default (the checkpoint's bfloat16) that this CPU runs as float32 instead."""
+        return self.requested is None and self.reason.startswith(_DEMOTED)
+
+    def warn_if_demoted(self, source: str) -> None:
+        """One line (a RuntimeWarning) where a default dtype was demoted: the user should know why it is float32."""
+        if self.demoted:
+            warnings.warn(f"{source}: {self.reason} (dtype 'auto' chooses so without this warning)", RuntimeWarning,
+                          stacklevel=3)
+
+
+_DEMOTED = "the checkpoint's bfloat16 runs as float32"
+
+
+def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
+                 device: torch.device | str = "cpu", runs_here: bool = True) -> DtypeChoice:
+    """The dtype to run a model stored in `stored` on `device`, as `requested`:
+
+    - "auto": on a CPU, bfloat16 where it multiplies bf16 in hardware (plugins/cpu.py `native_bf16`: AVX512_BF16 or
+      AMX-BF16), float32 elsewhere; on CUDA bfloat16 where the GPU has it, else float16; float32 on other devices.
+      (A bfloat16 CPU model also checks its matmuls' row invariance when it loads and runs in float32 where that
+      fails: runtime/model.py.)
+    - None: `stored`, except a bfloat16 checkpoint on a CPU without native bf16, which runs in float32: its values
+      exactly, at float32's speed instead of emulated bf16 matmuls' (~10-20x slower).
+    - a dtype: as asked; bfloat16 on a CPU without native bf16 is refused (ConfigError naming the missing features).
+    runs_here=False (a conversion, such as a build, whose weights run elsewhere): a dtype and None are taken as they
+    are; "auto" still chooses for this machine.
+    """
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
+    features = cpu.features() if on_cpu else None
+    stored = dtype_name(stored)
+    if requested == AUTO:
+        if on_cpu:
+            if features.native_bf16:
+                return DtypeChoice("bfloat16", AUTO, f"auto: {features.row} multiplies bf16 natively")
+            return DtypeChoice("float32", AUTO, f"auto: {features.missing_bf16()}")
+        if device.type == "cuda":
+            if torch.cuda.is_bf16_supported():
+                return DtypeChoice("bfloat16", AUTO, "auto: the GPU has bf16")
+            return DtypeChoice("float16", AUTO, "auto: the GPU has no bf16")
+        return DtypeChoice("float32", AUTO, f"auto: float32 on {device.type}")
+    if requested is None:
+        if runs_here and on_cpu and stored == "bfloat16" and not features.native_bf16:
+            return DtypeChoice("float32", None, f"{_DEMOTED}: {features.missing_bf16()}")
+        return DtypeChoice(stored, None, "the checkpoint's dtype")
+    name = dtype_name(requested)
+    if runs_here and on_cpu and name == "bfloat16" and not features.native_bf16:
+        raise ConfigError(
+            f"dtype 'bfloat16' needs a CPU that multiplies bf16 natively, and {features.missing_bf16()}: its bf16 "
+            f"matmuls would be emulated, ~10-20x slower than float32; expected dtype {AUTO!r} or 'float32'"
+        )
+    return DtypeChoice(name, name, "as asked")
 
 
 def token_id_list(value: Any, field: str) -> list[int]:
@@ -293,4 +361,5 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any], source: str) -> Mode
     )
 
 
-__all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "DTYPES", "dtype_name"]
+__all__ = ["AUTO", "DTYPES", "DTYPE_CHOICES", "DtypeChoice", "ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES",
+           "SUPPORTED_ROPE_TYPES", "choose_dtype", "dtype_name"]

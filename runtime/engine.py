@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from runtime.config import ModelConfig
+from runtime.config import AUTO, DtypeChoice, ModelConfig, choose_dtype
 from runtime.draft_spec import DraftSpec, field_names
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import read_json_object
@@ -401,12 +401,23 @@ class Engine:
             eagle = QKVLayout(e["num_attention_heads"], e["num_key_value_heads"], e["head_size"])
         return unshard(ranks, TPLayout(config.vocab_size, QKVLayout.of(config), eagle))
 
+    def dtype_choice(self, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu") -> DtypeChoice:
+        """The dtype to run this engine in on `device` (`runtime.config.choose_dtype`): `dtype` as asked; by default
+        "auto" again, for this machine, where the build chose by "auto" (engine.json "dtype_requested"), else the
+        engine's dtype (a bfloat16 one as float32 on a CPU without native bf16)."""
+        if dtype is None and self.manifest.get("dtype_requested") == AUTO:
+            dtype = AUTO
+        return choose_dtype(dtype, self.dtype, device)
+
     def load_target(self, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"):
-        """The target model (a runtime.model.TargetModel): weights from target/ when the engine has it (its
-        TensorRT-LLM checkpoint is in another dtype than the runtime's), else read back from trtllm_checkpoint/."""
+        """The target model (a runtime.model.TargetModel) in `dtype_choice(dtype, device)`'s dtype: weights from
+        target/ when the engine has it (its TensorRT-LLM checkpoint is in another dtype than the runtime's), else read
+        back from trtllm_checkpoint/."""
         from runtime.model import TargetModel
 
-        config = self.model_config(dtype)
+        choice = self.dtype_choice(dtype, device)
+        choice.warn_if_demoted(str(self.root))
+        config = self.model_config(choice.dtype)
         if self.has(TARGET_FILE):
             from safetensors import SafetensorError
             from safetensors.torch import load_file

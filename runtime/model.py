@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plugins.tree_attention.op  # noqa: F401  (registers torch.ops.spectree.tree_attention)
+from plugins import cpu
 from plugins.rowwise import native as rowwise
 from plugins.tree_attention import native as native_attention
 from plugins.tree_attention.mask import mask_words, pack_mask
@@ -427,9 +428,9 @@ class PackedWeight:
 
     @staticmethod
     def supported(dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether this torch build packs weights of `dtype` on `device` (bf16 on CPU, with oneDNN)."""
-        return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        """Whether weights of `dtype` on `device` are packed: bf16 on a CPU whose oneDNN takes bf16 weights
+        (plugins/cpu.py `onednn_bf16`: AVX-512 BW/VL/DQ or AVX-NE-CONVERT), where this torch packs one (tried once)."""
+        return device.type == "cpu" and dtype == torch.bfloat16 and _packs_bf16()
 
     @property
     def shape(self) -> torch.Size:
@@ -439,6 +440,20 @@ class PackedWeight:
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], self.weight.shape[0])
+
+
+@functools.lru_cache(maxsize=1)
+def _packs_bf16() -> bool:
+    """Whether this process packs bf16 weights for oneDNN: the CPU's features say so and packing one works (torch
+    refuses where its own check of the CPU, or ATEN_CPU_CAPABILITY, says no)."""
+    if not (cpu.features().onednn_bf16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), INVARIANT_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 def linear(
@@ -767,7 +782,9 @@ class TargetModel(nn.Module):
         """Weights that run batch-invariant (bfloat16 on CPU; bfloat16 / float16 on CUDA): check that this machine's
         matmul kernels give each row its lone-row result at the model's weight shapes (`row_plan`); where they do
         not, run in float32 (with a warning), whose rounding needs no invariance: a 16-bit tree step would not
-        reproduce plain decoding and greedy output would change. float16 on CPU runs as asked, with a warning that
+        reproduce plain decoding and greedy output would change; likewise bfloat16 on a CPU without native bf16
+        (plugins/cpu.py), whose emulated bf16 matmuls are also ~10-20x slower than float32 (the loaders refuse to
+        run one so when asked: runtime.config.choose_dtype). float16 on CPU runs as asked, with a warning that
         greedy output may change."""
         if not batch_invariant(self.dtype, self.device):
             if self.dtype in (torch.bfloat16, torch.float16):
@@ -778,26 +795,32 @@ class TargetModel(nn.Module):
                     RuntimeWarning, stacklevel=3,
                 )
             return
+        if self.dtype == torch.bfloat16 and not pads_rows(self.device) and not cpu.features().native_bf16:
+            self._run_in_float32(f"bfloat16 on this cpu: {cpu.features().missing_bf16()}")
+            return
         layer = self.model.layers[0]
         weights = (layer.self_attn.fused_weight, layer.self_attn.o_proj.weight, layer.mlp.fused_weight,
                    layer.mlp.down_proj.weight, self.lm_head_weight)
         for shape in sorted({tuple(w.shape) for w in weights}):
             error = row_plan(shape, self.dtype, self.device).error
             if error is not None:
-                warnings.warn(
-                    f"{self.config.dtype} matmuls on this {self.device.type} are not row-invariant ({error}): a tree "
-                    "step would not reproduce plain decoding bit for bit, so the model runs in float32 (pass dtype "
-                    "float32 to choose it)",
-                    RuntimeWarning, stacklevel=3,
-                )
-                self.config = self.config.with_dtype("float32")
-                self.to(torch.float32)
+                self._run_in_float32(
+                    f"{self.config.dtype} matmuls on this {self.device.type} are not row-invariant ({error})")
                 return
         if not pads_rows(self.device) and native_attention.load() is None:
             warnings.warn(
                 f"the row-invariant attention kernel is unavailable ({native_attention.unavailable()}): this bfloat16 "
                 "model attends in float64 instead (slower, 4x the KV cache memory)", RuntimeWarning, stacklevel=3,
             )
+
+    def _run_in_float32(self, why: str) -> None:
+        warnings.warn(
+            f"{why}: a tree step would not reproduce plain decoding "
+            "bit for bit, so the model runs in float32 (dtype 'auto' or 'float32' chooses so without this warning)",
+            RuntimeWarning, stacklevel=4,
+        )
+        self.config = self.config.with_dtype("float32")
+        self.to(torch.float32)
 
     def new_cache(self, max_len: int, batch: int = 1, capacity: int | None = None) -> KVCache:
         """An empty cache for up to max_len positions (at most config.max_context), on the model's device, in the

@@ -26,9 +26,8 @@ rm -rf spectree.egg-info
 .venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
 .venv/bin/python -m pip install -q "tritonclient[http]==2.51.0" "grpcio>=1.64.3" "packaging>=14.1" protobuf
 .venv/bin/spectree-run --help >/dev/null  # the console scripts are installed and import
-# The row-invariant CPU attention kernel (plugins/tree_attention/native.py) is compiled on first use; build it now so
-# that a missing or failing C compiler shows here, not as a warning when a bf16 model first loads.
-.venv/bin/python -c 'from plugins.tree_attention import native as n; k = n.load(); print(f"attention kernel: {k.path}" if k else f"attention kernel unavailable ({n.unavailable()}): bf16 models on CPU will attend in float64 (slower)")'
-# Likewise the native EAGLE draft layer (plugins/draft_layer/native.py): int8 EAGLE heads draft through it on CPU.
-.venv/bin/python -c 'from plugins.draft_layer import native as n; print("draft layer kernel: built" if n.load() else f"draft layer kernel unavailable ({n.unavailable()}): int8 EAGLE heads draft through torch (slower)")'
+# Which row of the README's CPU support table this machine is (plugins/cpu.py: AMX / AVX-512 + BF16 / AVX-512 / AVX2),
+# the dtype `auto` picks here, and the native CPU kernels (attention, RMSNorm / RoPE, the EAGLE draft layer) built
+# now for it, so that a missing or failing C compiler shows here rather than when a model first loads.
+.venv/bin/python -m plugins.cpu --build
 echo "set-up done: $(.venv/bin/python -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')"

@@ -15,6 +15,7 @@ from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.model import TargetModel, causal_mask
 from tests.test_model import tree_paths
 from tests.tiny import make_checkpoint
+from tests.cpu_marks import needs_native_bf16
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,7 @@ def without_native_kernel(monkeypatch):
     monkeypatch.setattr(plugins.tree_attention.native, "unavailable", lambda: "no C compiler (test)")
 
 
+@needs_native_bf16
 @pytest.mark.parametrize(
     "variant,overrides", [("llama3", {}), ("qwen2", {"num_key_value_heads": 4})], ids=["gqa", "mha"]
 )
@@ -78,6 +80,7 @@ def test_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, variant, overr
         assert _mismatches(model, prefix_len, num_nodes, seed) == 0
 
 
+@needs_native_bf16
 def test_without_the_kernel_bf16_attends_in_float64_and_stays_bit_identical(ckpts, without_native_kernel):
     with pytest.warns(RuntimeWarning, match=r"row-invariant attention kernel is unavailable \(no C compiler \(test\)\)"):
         model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
@@ -86,6 +89,7 @@ def test_without_the_kernel_bf16_attends_in_float64_and_stays_bit_identical(ckpt
         assert _mismatches(model, prefix_len, num_nodes, seed) == 0
 
 
+@needs_native_bf16
 def test_negative_control_attention_in_half_precision_is_not_invariant(ckpts, monkeypatch, without_native_kernel):
     """Attending in the weights' bf16 through SDPA (fused kernels reduce in shape-dependent order) breaks bit
     identity: the test above can fail."""
@@ -183,6 +187,7 @@ def test_negative_control_row_plan_routes_a_differing_lone_row_through_the_gemm(
     assert all(torch.equal(linear(x[i:i + 1], w), real(x[:8], w, None)[i:i + 1]) for i in range(8))
 
 
+@needs_native_bf16
 def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatch):
     monkeypatch.setattr(runtime.model, "row_plan", lambda shape, dtype, device: RowPlan(False, "row 3 differs"))
     with pytest.warns(RuntimeWarning, match="not row-invariant .row 3 differs.*runs in float32"):
@@ -244,6 +249,7 @@ def test_a_model_loaded_in_inference_mode_packs_and_runs(ckpts):
     assert torch.equal(logits, reference.prefill(torch.tensor([[5, 6, 7]]), reference.new_cache(16))[0])
 
 
+@needs_native_bf16
 def test_16_bit_weights_without_invariance_warn_that_greedy_output_may_change(ckpts, monkeypatch, recwarn):
     with pytest.warns(RuntimeWarning, match="float16 weights on cpu do not run batch-invariant"):
         TargetModel.from_pretrained(ckpts("llama3"), dtype="float16")
@@ -268,6 +274,7 @@ def padded_route(monkeypatch):
     monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
 
 
+@needs_native_bf16
 def test_padded_route_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, padded_route, recwarn):
     model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
     assert not [w for w in recwarn if "row-invariant" in str(w.message)]  # the load-time check passed

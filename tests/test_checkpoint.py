@@ -270,6 +270,9 @@ def test_tied_with_identical_lm_head_and_old_buffers(ckpt):
 
 
 def test_load_dtype_conversion(ckpt):
-    config, tensors = load_checkpoint(ckpt, dtype="bfloat16")
+    config, tensors = load_checkpoint(ckpt, dtype="float16")
+    assert config.dtype == "float16"
+    assert {t.dtype for t in tensors.values()} == {torch.float16}
+    config, tensors = load_checkpoint(ckpt, dtype="bfloat16", runs_here=False)  # a conversion: any CPU
     assert config.dtype == "bfloat16"
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
 
+from plugins import cpu
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.config import ModelConfig
 from runtime.checkpoint import load_checkpoint
@@ -14,6 +16,7 @@ from runtime.errors import CacheError, RequestError
 from runtime.kv_cache import KVCache
 from runtime.model import DecoderLayer, TargetModel, causal_mask
 from tests.tiny import VARIANTS, make_checkpoint
+from tests.cpu_marks import needs_native_bf16
 
 transformers = pytest.importorskip("transformers")
 
@@ -224,7 +227,7 @@ def test_commit_path_then_continue_equals_full_sequence(ckpts, variant):
 # ---- dtypes ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,rel", [("bfloat16", 0.05), ("float16", 0.01)])
+@pytest.mark.parametrize("dtype,rel", [pytest.param("bfloat16", 0.05, marks=needs_native_bf16), ("float16", 0.01)])
 def test_half_precision(ckpts, dtype, rel):
     path = ckpts("llama3")
     tokens = random_tokens(50, 420, seed=11)
@@ -241,12 +244,19 @@ def test_half_precision(ckpts, dtype, rel):
 
 
 def test_dtype_defaults_to_config(ckpts):
+    """A bfloat16 checkpoint runs in bfloat16 where the CPU multiplies it natively, else in float32 (said once)."""
     path = ckpts("qwen2", dtype="bfloat16")
-    model = TargetModel.from_pretrained(path)
-    assert model.config.dtype == "bfloat16" and model.dtype == torch.bfloat16
+    native = cpu.features().native_bf16
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = TargetModel.from_pretrained(path)
+    dtype = torch.bfloat16 if native else torch.float32
+    assert model.config.dtype == str(dtype).removeprefix("torch.") and model.dtype == dtype
+    demoted = [w for w in caught if "the checkpoint's bfloat16 runs as float32" in str(w.message)]
+    assert len(demoted) == (0 if native else 1)
     tokens = random_tokens(20, model.config.vocab_size, seed=12)
     logits, _ = model.prefill(tokens, model.new_cache(20))
-    ref = hf_model(path, dtype=torch.bfloat16)
+    ref = hf_model(path, dtype=dtype)
     assert_logits_close(logits, hf_logits(ref, tokens.tolist()), rel=0.05)
     assert TargetModel.from_pretrained(path, dtype=torch.float32).dtype == torch.float32
 

@@ -200,7 +200,7 @@ def test_config_and_engine_are_exclusive():
     ({"warmup": -1}, "warmup: got -1, expected an integer >= 0"),
     ({"threads": True}, "threads: got True, expected an integer"),
     ({"hf_lookup": 0}, "hf_lookup: got 0, expected an integer >= 1"),
-    ({"dtype": "float64"}, "dtype: got 'float64', expected one of 'float32', 'bfloat16', 'float16'"),
+    ({"dtype": "float64"}, "dtype: got 'float64', expected one of 'float32', 'bfloat16', 'float16', 'auto'"),
     ({"out": ""}, "out: got '', expected an output directory"),
 ])
 def test_settings_bounds_name_the_setting(kwargs, message):

@@ -36,14 +36,14 @@ def ckpt(tmp_path_factory):
 
 def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
     out = tmp_path / "out"
-    code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "float32,bfloat16", "--sizes", "1,4",
+    code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "float32,float16", "--sizes", "1,4",
                  "--context", "24", "--repeats", "2", "--threads", "1", "--profile", "1,4", "--out", str(out),
                  "--quiet"])
     assert code == 0
     report = json.loads((out / "verify_cost.json").read_text())
     assert report["format"] == "spectree-verify-cost" and report["settings"]["threads"] == 1
     rows = {(r["dtype"], r["mask"], r["size"]): r for r in report["results"]}
-    assert set(rows) == {(d, m, n) for d in ("float32", "bfloat16") for m in ("chain", "tree") for n in (1, 4)}
+    assert set(rows) == {(d, m, n) for d in ("float32", "float16") for m in ("chain", "tree") for n in (1, 4)}
     for (dtype, mask, n), r in rows.items():
         assert len(r["samples_ms"]) == 2 and r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"]
         assert r["ratio"] == pytest.approx(r["median_ms"] / rows[(dtype, mask, 1)]["median_ms"])
@@ -51,10 +51,10 @@ def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
             assert r["ratio"] == 1.0
     assert report["trees"]["1"] == {"depth": 0, "parents": [-1]} and len(report["trees"]["4"]["parents"]) == 4
     md = (out / "verify_cost.md").read_text()
-    assert "| dtype | mask | N=1 | N=4 |" in md and "| bfloat16 | tree | " in md and "(1.00x)" in md
+    assert "| dtype | mask | N=1 | N=4 |" in md and "| float16 | tree | " in md and "(1.00x)" in md
     assert "](verify_cost.png)" in md
     profiles = {(p["dtype"], p["size"]): p for p in report["profile"]}
-    assert set(profiles) == {(d, n) for d in ("float32", "bfloat16") for n in (1, 4)}
+    assert set(profiles) == {(d, n) for d in ("float32", "float16") for n in (1, 4)}
     for p in profiles.values():
         assert p["ms_per_forward"] > 0 and abs(sum(p["share"].values()) - 1.0) < 1e-9 and p["share"]["matmul"] > 0
         assert p["share"]["attention"] > 0  # bf16 attends through the row-invariant kernel, inside the op

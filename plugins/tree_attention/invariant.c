@@ -129,9 +129,18 @@ static inline vf lane_sums16(const vf p[LANES]) {
     return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
-/* Accumulator vectors a tile keeps (its pairs x the head's 16-lane chunks): within the 32 vector registers. */
+/* Accumulator vectors a tile keeps (its pairs x the head's 16-lane chunks): within AVX-512's 32 vector registers.
+ * Without AVX-512 a 16-lane vector is two (AVX2) or four (SSE) registers of 16, so no tile of several pairs fits:
+ * every tile is one pair there (the same arithmetic, see attend_tile). That also bounds the build: GCC's vectoriser
+ * took over a minute on the 24 wide-tile instantiations at -march=znver3 / x86-64-v3, under a second without them. */
+#if defined(__AVX512F__)
 #define TILE_VECTORS 24
-#define MAX_TILE 6 /* TILE_VECTORS / 4: the widest tile (head size 64) */
+#define WIDE_TILES 1
+#else
+#define TILE_VECTORS 4
+#define WIDE_TILES 0
+#endif
+#define MAX_TILE 6 /* 24 / 4: the widest tile (head size 64, AVX-512) */
 
 /* One tile: up to MAX_TILE (query row, head) pairs of one kv head, which share the run of keys [0, shared): each of
  * those keys and values is loaded once for all of them. Pair i's logical keys: slots [0, min(shared, total[i])), then
@@ -228,6 +237,7 @@ static inline __attribute__((always_inline)) void attend_tile(
 }
 
 /* attend_tile with the tile size a constant (1 .. TILE_VECTORS / chunks) */
+#if WIDE_TILES
 #define TILES(D, CHUNKS, BF16)                                                                                      \
     switch (tile) {                                                                                                \
     case 1: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 1, scale,    \
@@ -243,6 +253,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     default: attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 6, scale,   \
                          BF16); break;                                                                             \
     }
+#else
+#define TILES(D, CHUNKS, BF16)                                                                                      \
+    attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, D, CHUNKS, 1, scale, BF16);
+#endif
 
 #define GROUP LANES /* (row, head) pairs per work item on the bf16 route: a vector's lanes */
 #define KEY_BATCH 8 /* keys whose scores the bf16 route accumulates together (independent chains) */
@@ -509,7 +523,7 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
     if (batch == 0 || hq == 0 || n == 0 || d == 0) return 0; /* no output element */
     const int64_t prefix = s - n, group = hq / hkv, chunks = (d + LANES - 1) / LANES;
     /* pairs (row, head) of one kv head, row-major, cut into tiles; the common head sizes get wide tiles */
-    const int64_t widest = (d == 64 || d == 128) ? TILE_VECTORS / chunks : 1;
+    const int64_t widest = WIDE_TILES && (d == 64 || d == 128) ? TILE_VECTORS / chunks : 1;
     const int64_t pairs = n * group, tile_max = widest < pairs ? widest : pairs;
     const int64_t padded = (s + LANES - 1) / LANES * LANES;
     int failed = 0;
