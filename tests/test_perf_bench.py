@@ -405,7 +405,7 @@ def test_shipped_prompt_sets():
 
 
 def test_prompt_ids_default_to_line_numbers(tmp_path):
-    """Plain {"prompt": ...} files (tune-tree's format, demo/prompts/) load; ids come from line numbers."""
+    """Plain {"prompt": ...} files (tune-tree's format) load; ids come from line numbers."""
     path = tmp_path / "held.jsonl"
     path.write_text('{"prompt": "def a():"}\n\n{"prompt": "def b():"}\n{"id": "line-9", "prompt": "x"}\n')
     assert [(p.set, p.id, p.text) for p in load_prompt_file(path)] == [
