@@ -1,4 +1,4 @@
-"""python -m perf {bench,verify-cost,batch,serve,report,readme,kernels,gpu-check}
+"""python -m perf {bench,verify-cost,batch,serve,report,results,kernels,gpu-check}
 
     bench    (--config CFG | --engine DIR) [--drafters SPECS] [--draft-model KIND=DIR] [--prompts FILE]
              [--hf-lookup N] [--hf-assistant DIR] [--max-tokens N] [--out DIR] ...
@@ -22,7 +22,10 @@
              percentiles beside the server's speculation statistics; writes genai_perf.json, genai_perf.md
     report   DIR: regenerate the Markdown and PNGs of a results directory from its bench.json / serve.json /
              verify_cost.json
-    readme   rewrite perf/README.md's latest-results section from the newest perf/results/<date>-<machine>/
+    results  [--table | --update | --check | --record DIR --kind KIND [--label TEXT]]: the latest record per machine
+             kind (perf/results/index.json, perf/results/<kind>/); --table prints README.md's results table made
+             from them, --update rewrites it there, --check exits 1 when it is stale, --record makes a run directory
+             (bench.json or gpu_check.json) KIND's record and updates the table
     kernels  the tree-attention kernel check and microbenchmark on a CUDA GPU (perf/tree_attention_gpu.py)
     gpu-check  [--out perf/results/{date}-{machine}] [--dry-run]: every GPU measurement in one run under 8 minutes
              (kernel vs reference, kernel vs KV-read floor, verify(N)/verify(1) on a Llama-3-8B-shaped bf16 model,
@@ -233,8 +236,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("results_dir", type=Path,
                    help="a directory holding bench.json, serve.json, verify_cost.json and/or batch.json")
 
-    r = sub.add_parser("readme", help="update perf/README.md from the newest results directory")
-    r.add_argument("--readme", type=Path, default=Path(__file__).resolve().parent / "README.md")
+    r = sub.add_parser("results", help="the latest record per machine kind and README.md's table made from them")
+    action = r.add_mutually_exclusive_group()
+    action.add_argument("--table", action="store_true", help="print the results table")
+    action.add_argument("--update", action="store_true", help="rewrite README.md's results table from the records")
+    action.add_argument("--check", action="store_true", help="exit 1 when README.md's table is not the records'")
+    action.add_argument("--record", type=Path, metavar="DIR",
+                        help="make this run directory (bench.json or gpu_check.json) the record of --kind")
+    r.add_argument("--kind", help="machine kind for --record, e.g. cpu-amd-epyc-avx512 (perf/results/index.json)")
+    r.add_argument("--label", help="--record: the kind's name in the table (required for a new kind)")
+    r.add_argument("--readme", type=Path, default=Path(__file__).resolve().parents[1] / "README.md")
     r.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
 
     sub.add_parser("kernels", help="GPU kernel check + microbenchmark (arguments go to perf.tree_attention_gpu)",
@@ -312,6 +323,37 @@ def _report(ns: argparse.Namespace) -> int:
                          "batch.json\n")
         return 2
     sys.stdout.write(f"regenerated {', '.join(f'{n}.md' for n in done)} and plots in {ns.results_dir}\n")
+    return 0
+
+
+def _results(ns: argparse.Namespace) -> int:
+    from perf import records
+
+    if ns.record is not None:
+        if not ns.kind:
+            sys.stderr.write("error: --record needs --kind\n")
+            return 2
+        entry = records.record(ns.record, ns.kind, ns.label, ns.results)
+        changed = records.update_readme(ns.readme, ns.results)
+        sys.stdout.write(f"{ns.results / entry.kind} is now the record of {entry.kind} ({entry.label}), from "
+                         f"{entry.source}; {ns.readme} {'updated' if changed else 'unchanged'}\n")
+        return 0
+    if ns.kind or ns.label:
+        sys.stderr.write("error: --kind and --label go with --record\n")
+        return 2
+    if ns.table:
+        sys.stdout.write(records.table(ns.results, ns.readme.parent))
+    elif ns.update:
+        changed = records.update_readme(ns.readme, ns.results)
+        sys.stdout.write(f"{ns.readme}: results table {'updated' if changed else 'already current'}\n")
+    elif ns.check:
+        if not records.check_readme(ns.readme, ns.results):
+            sys.stderr.write(f"{ns.readme}: the results table is not the records' (python -m perf results "
+                             "--update)\n")
+            return 1
+        sys.stdout.write(f"{ns.readme}: the results table is current\n")
+    else:
+        sys.stdout.write(records.summary(ns.results))
     return 0
 
 
@@ -459,11 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _verify_cost(ns)
         if ns.command == "report":
             return _report(ns)
-        from perf.readme import update_readme
-
-        latest = update_readme(ns.readme, ns.results)
-        sys.stdout.write(f"updated {ns.readme} from {latest}\n")
-        return 0
+        return _results(ns)
     except (PerfAnalyzerMissing, GenaiPerfMissing) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 3

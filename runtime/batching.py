@@ -51,13 +51,11 @@ Host memory: every step allocates and frees tens of MiB of short-lived blocks (l
 sampling work on them, attention scratch) whose sizes change with the batch's make-up, on this one thread,
 among KV caches that live as long as their request. Once a freed mmap has raised glibc's dynamic mmap threshold
 (up to 32 MiB), malloc serves such blocks from its heaps, and a heap gives free pages back only from its top: the
-freed holes stay resident. Measured on the SmolLM2 demo engine, 16 clients back to back: resident memory rose
-1050 -> 1534 MiB in 75 s in-process (1775 at 130 s) and the served spec_decode stub's 1075 -> 1729 MiB in 64 s,
-with no live tensor or request object left behind; `malloc_trim(0)` took it back to 1073 MiB. So the scheduler
-hands free heap pages back itself (`release_free_memory`: glibc's malloc_trim; nothing elsewhere) whenever the
-batch empties, and every `trim_interval_s` seconds while requests run: the same load then stays at 1290-1340 MiB
-in-process (the stub at 1290-1390 MiB with 16 and 64 clients) and returns to 1066 MiB when idle, for one 4 ms call
-(12 ms at most) a second. `SchedulerStats.memory_trims` counts them.
+freed holes stay resident, so resident memory grows under sustained load with no live tensor or request object
+left behind, and `malloc_trim(0)` gives it back. So the scheduler hands free heap pages back itself
+(`release_free_memory`: glibc's malloc_trim; nothing elsewhere) whenever the batch empties, and every
+`trim_interval_s` seconds while requests run, for one call of a few milliseconds a second.
+`SchedulerStats.memory_trims` counts them; tests/test_memory.py and `python -m perf.soak` measure the growth.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ $PY -m builder build --config configs/smollm2.yaml --output "$OUT/engine" --forc
 
 echo "== 2. Triton model repository"
 # --tree-budget 24: a lone request keeps its whole tree (12 + 6 + 6 nodes); as the batch grows each tree is pruned to
-# an even share of 24 nodes per step (perf/README.md: 1.57x the output tokens/s of whole trees at 8 clients here)
+# an even share of 24 nodes per step (whole trees would make a full batch compute-bound on a CPU)
 $PY -m model_repo render --engine "$OUT/engine" --output "$OUT/repo" --force --tree-budget 24
 
 echo "== 3. tritonserver"

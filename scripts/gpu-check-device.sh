@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Readies this checkout for `python -m perf gpu-check` through the device tool, and undoes that afterwards.
 # The device tool sends the checkout (tracked and untracked-not-ignored files) plus carried paths, at most 64 MiB in
-# all, in calls of at most 10 minutes; the tracked tree is ~97 MB and the SmolLM2 GGUF 98 MB (perf/README.md).
+# all, in calls of at most 10 minutes; the tracked tree is ~47 MB (30 MB of it the Medusa head) and the SmolLM2 GGUF
+# 98 MB, so each call carries half the GGUF beside the tree without what gpu-check never reads (perf/README.md).
 #   scripts/gpu-check-device.sh prepare   # trims what travels, splits the GGUF, fetches the gguf wheel; prints the
 #                                         # two run() calls to make, back to back, and the merge to run here
 #                                         # (~1.5 + ~5 minutes on an H200; their limits, 5 + 8, fit a 15-minute lease)
@@ -10,9 +11,7 @@
 # puts them back with `git reset`, so prepare refuses to start with changes staged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LARGE=(demo/smollm2/medusa demo/smollm2/eagle-base demo/smollm2/eagle-prose demo/smollm2/eagle-base-prose
-       demo/smollm2/eagle-fresh demo/target demo/medusa demo/eagle
-       perf/results demo/smollm2/prompts/train.jsonl)  # none of them is read by gpu-check
+LARGE=(demo/smollm2/medusa demo/smollm2/prompts/train.jsonl)  # neither is read by gpu-check
 CARRIED=(.gguf_a .gguf_b .whl)
 GGUF_WHEEL="gguf==0.19.0"
 HALF=50000000  # bytes in the first call's half: it and the trimmed tree must fit 64 MiB together
@@ -51,8 +50,9 @@ $(($(stat -c%s .gguf_b/part) / 1000000)) MB in the second (64 MiB = 67 MB each).
 2. at once (the machine stays warm 30 s), run(carry=[".gguf_b", ".whl"], timeout_s=480, command=
    "export PYTHONUNBUFFERED=1; test -f /tmp/gguf_a || exit 3; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 4; cat /tmp/gguf_a .gguf_b/part > /tmp/s.gguf; echo '$sha  /tmp/s.gguf' | sha256sum -c || exit 5; python3 -m builder import-gguf --gguf /tmp/s.gguf --output models/smollm2-135m-instruct >/dev/null && python3 -m perf gpu-check --sections e2e --out \$OUT/e2e; python3 -m perf gpu-check --sections e2e --e2e-dtype float32 --out \$OUT/e2e-fp32")
    (exit status 3: a fresh machine came, without the first half; make call 1 again)
-3. here: $0 restore; python -m perf gpu-check --merge FILES_AT_1/kv FILES_AT_2/e2e --out perf/results/<date>-gpu-nvidia-h200
-   and copy FILES_AT_2/e2e-fp32 to perf/results/<date>-gpu-nvidia-h200/float32/
+3. here: $0 restore; python -m perf gpu-check --merge FILES_AT_1/kv FILES_AT_2/e2e --out out/gpu-check
+   and copy FILES_AT_2/e2e-fp32 to out/gpu-check/float32/; then, to make it the GPU's record (perf/README.md),
+   python -m perf results --record out/gpu-check --kind gpu-nvidia-h200
 EOF
     ;;
 restore)

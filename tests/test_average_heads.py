@@ -147,20 +147,22 @@ def test_cli(target_dir, tmp_path, capsys):
     assert "--weights: got [0.0, 1.0]; expected positive finite numbers" in capsys.readouterr().err
 
 
-def test_committed_default_head_is_the_mean_its_summary_names(tmp_path):
-    """demo/smollm2/eagle is what its averaging.json says: the named ingredients (by sha256) at the named weights."""
+def test_shipped_heads_are_what_their_provenance_names():
+    """Every file of the heads that ship (demo/smollm2/eagle, medusa) has the sha256 demo/smollm2/provenance.json
+    gives, no file there is unlisted, and eagle/averaging.json names the same weights and the ingredients
+    provenance.json says were averaged (their weights: git show a6bc875:demo/smollm2/)."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    head = root / "demo" / "smollm2" / "eagle"
-    summary = json.loads((head / SUMMARY_FILE).read_text())
-    assert summary["sha256"] == sha256_file(head / summary["weights_file"])
-    ingredients = [root / i["path"] for i in summary["ingredients"]]
-    for path, entry in zip(ingredients, summary["ingredients"]):
-        assert sha256_file(path / entry["file"]) == entry["sha256"], f"{path} is not the head that was averaged"
-    average_heads(ingredients, tmp_path / "again", weights=[i["weight"] for i in summary["ingredients"]],
-                  datastore=head / DATASTORE_FILE)
-    again, committed = _state(tmp_path / "again"), _state(head)
-    assert again.keys() == committed.keys()
-    for k in committed:
-        assert torch.equal(again[k], committed[k]), k
+    smollm2 = Path(__file__).resolve().parents[1] / "demo" / "smollm2"
+    provenance = json.loads((smollm2 / "provenance.json").read_text())
+    assert set(provenance["heads"]) == {"eagle", "medusa"}
+    for name, head in provenance["heads"].items():
+        on_disk = {p.name for p in (smollm2 / name).iterdir()}
+        assert on_disk == set(head["files"]), name
+        for file, digest in head["files"].items():
+            assert sha256_file(smollm2 / name / file) == digest, f"{name}/{file} is not the file provenance.json names"
+    summary = json.loads((smollm2 / "eagle" / SUMMARY_FILE).read_text())
+    assert summary["sha256"] == provenance["heads"]["eagle"]["files"][summary["weights_file"]]
+    made = {step["output"]: step for step in provenance["heads"]["eagle"]["made_by"]}
+    assert [(i["path"], i["sha256"]) for i in summary["ingredients"]] == [
+        (f"demo/smollm2/{i}", made[i]["pytorch_model.bin"]) for i in ("eagle-base-prose", "eagle-fresh")]

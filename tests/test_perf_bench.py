@@ -1,6 +1,6 @@
 """`python -m perf bench`: the real CLI on tiny checkpoints (numbers not asserted; structure, greedy identity and
 the baselines' honesty are), chat prompts through the chat template, transformers' prompt lookup and assisted
-generation as peers, plus the pieces it is made of (spec grammar, prompt files, statistics, README)."""
+generation as peers, plus the pieces it is made of (spec grammar, prompt files, statistics)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
 from perf.machine import expand_out, machine_slug
 from perf.prompt_sets import DEFAULT_SETS, Prompt, load_prompt_file, load_prompts
-from perf.readme import END, START, latest_results, update_readme
 from tests.cli import PNG, exit_status
 from tests.heads import write_eagle_head, write_medusa_head
 from tests.test_chat import CHATML, with_template
@@ -406,7 +405,7 @@ def test_shipped_prompt_sets():
 
 
 def test_prompt_ids_default_to_line_numbers(tmp_path):
-    """Plain {"prompt": ...} files (tune-tree's format, demo/prompts/) load; ids come from line numbers."""
+    """Plain {"prompt": ...} files (tune-tree's format) load; ids come from line numbers."""
     path = tmp_path / "held.jsonl"
     path.write_text('{"prompt": "def a():"}\n\n{"prompt": "def b():"}\n{"id": "line-9", "prompt": "x"}\n')
     assert [(p.set, p.id, p.text) for p in load_prompt_file(path)] == [
@@ -441,7 +440,7 @@ def test_two_prompt_files_with_one_name(tmp_path):
         load_prompts([tmp_path / "a" / "set.jsonl", tmp_path / "b" / "set.jsonl"])
 
 
-# ---- machine info and the README -------------------------------------------------------------------------------
+# ---- machine info ----------------------------------------------------------------------------------------------------
 
 
 def test_machine_slug_and_out_template():
@@ -450,27 +449,6 @@ def test_machine_slug_and_out_template():
     assert machine_slug({"gpu": "NVIDIA H200", "cpu_model": "x", "usable_cores": 1}) == "gpu-nvidia-h200"
     out = expand_out("r/{date}-{machine}", info)
     assert out.name.endswith("-cpu-intel-xeon-platinum-8480-16c") and out.name[:4].isdigit()
-
-
-def test_readme_shows_the_latest_results(bench_run, tmp_path):
-    _, out = bench_run
-    readme = out.parent.parent / "README.md"
-    readme.write_text(f"# perf\n\nintro\n\n{START}\nold table\n{END}\n\nafter\n")
-    assert update_readme(readme, out.parent) == out
-    text = readme.read_text()
-    assert "old table" not in text and text.startswith("# perf\n\nintro") and text.endswith("after\n")
-    assert "| medusa:chain-2 |" in text and "](results/2000-01-01-test/speedup_by_tree_size.png)" in text
-    (tmp_path / "README.md").write_text("no markers\n")
-    with pytest.raises(ConfigError, match="expected the markers"):
-        update_readme(tmp_path / "README.md", out.parent)
-    with pytest.raises(ConfigError, match="no results directory"):
-        update_readme(readme, tmp_path)
-    # Two machines' runs on one date: the one created last is the latest, whatever the names' order.
-    runs = (("2000-01-02-cpu-b", "2000-01-02T01:00:00+00:00"), ("2000-01-02-cpu-a", "2000-01-02T05:00:00+00:00"))
-    for name, created in runs:
-        (tmp_path / "r" / name).mkdir(parents=True)
-        (tmp_path / "r" / name / "bench.json").write_text(json.dumps({"created": created}))
-    assert latest_results(tmp_path / "r").name == "2000-01-02-cpu-a"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel check runs for real")

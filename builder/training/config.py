@@ -8,16 +8,16 @@
       pattern: "**/*.py"
       held_out: 0.05             # fraction of FILES kept apart, chosen by sha256 of the relative path
     target:                      # python -m builder train-target
-      output: ../demo/target     # the Hugging Face checkpoint written at the end
-      work_dir: ../out/demo-train/target   # tokens, resumable training state
+      output: ../models/target   # the Hugging Face checkpoint written at the end
+      work_dir: ../out/train/target   # tokens, resumable training state
       vocab_size: 4096           # byte-level BPE trained on the training split
       hidden_size: 256 ...       # Llama shape
       train: {lr: 3.0e-3, max_steps: 3000, max_minutes: 22, batch_size: 8, seq_len: 512, ...}
     heads:                       # python -m builder train-heads
-      target: ../demo/target     # frozen target checkpoint (HF directory with tokenizer.json)
-      work_dir: ../out/demo-train/heads
-      medusa: {output: ../demo/medusa, num_heads: 4, num_layers: 1, train: {...}}
-      eagle: {output: ../demo/eagle, init: null, train: {...}}   # init: a head to fine-tune
+      target: ../models/target   # frozen target checkpoint (HF directory with tokenizer.json)
+      work_dir: ../out/train/heads
+      medusa: {output: ../heads/medusa, num_heads: 4, num_layers: 1, train: {...}}
+      eagle: {output: ../heads/eagle, init: null, train: {...}}   # init: a head to fine-tune
 
 Relative paths resolve from the config file's directory; errors name the key path, the value and what was
 expected (the parser is runtime.schema's, the bounds are declared on the fields).

@@ -5,9 +5,8 @@ per tree level), right after a target forward has streamed the target's weights 
 forward is ~60 small ops (int8 matmuls, RoPE, the cache write, a masked attention, norm, SiLU, copies), and their
 dispatch, not the 4 MB of int8 weights, was most of its time: on SmolLM2-135M's head on 2 AMD EPYC cores, ~1.3 ms
 for a 2-row forward with cold caches against ~0.2 ms to read the weights; drafting went from 4.2 to 2.9 ms per step
-(perf/results/2026-12-05-cpu-amd-epyc-2c-native-draft-layer/). Here
-the forward is one call: the matmuls multiply a few rows into each int8 weight row as it streams by (AVX-512 where
-the CPU has it), and everything between them runs on float32 rows in place.
+(commit 79251af). Here the forward is one call: the matmuls multiply a few rows into each int8 weight row as it
+streams by (AVX-512 where the CPU has it), and everything between them runs on float32 rows in place.
 
 Arithmetic: the torch route rounds activations to the model's dtype (bf16) between ops; this keeps float32 from the
 layer's input to its output, and writes the new keys and values to the cache in the cache's dtype (as the torch

@@ -163,8 +163,7 @@ class Datastore:
         follow = np.where(idx < self.size, self.tokens[np.minimum(idx, self.size - 1)], SEPARATOR).tolist()
         # Counted in Python: most matches are a handful of occurrences (a median of one), and a draft step runs right
         # after a target forward has pushed numpy's code and data out of cache, where each of np.unique's many small
-        # calls cost more than counting them here (measured on 2 Intel Xeon cores, inside decoding: ~270 -> ~190 us per
-        # step; perf/results/2026-12-04-cpu-intel-xeon-2c-drafting-overhead/).
+        # calls cost more than counting them here (measured inside decoding; commit history of this line).
         chain: list[int] = []
         for d in range(depth):
             counts = Counter(row[d] for row in follow)

@@ -344,8 +344,7 @@ class StaticPlan:
     """A static tree's drafting work that does not depend on the tokens: computed once per session. A step runs
     the head forwards and top-k picks as tensor ops and keeps its tokens and scores, a few per level, in Python
     lists: drafting runs right after a target forward has pushed everything out of cache, where every small tensor
-    op costs several microseconds (indexing tensors per node instead cost ~0.3 ms more per step, measured on 2 Intel
-    Xeon cores)."""
+    op costs several microseconds (indexing tensors per node instead was slower)."""
 
     root: Expansion
     levels: tuple[Level, ...]
