@@ -145,7 +145,8 @@ class Row:
 def _machine(m: dict[str, Any]) -> str:
     if m.get("gpu"):
         return str(m["gpu"])
-    return f"{m.get('cpu_model', '?')}, {m.get('usable_cores', '?')} cores"
+    forced = f" forced to {m['cpu_forced'].upper()} (SPECTREE_CPU_ISA)" if m.get("cpu_forced") else ""
+    return f"{m.get('cpu_model', '?')}{forced}, {m.get('usable_cores', '?')} cores"
 
 
 def bench_row(report: dict[str, Any], where: str) -> Row:
