@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from perf.report import label
+from perf.report import label, measured_dtypes
 
 MARKERS = {"lookup": "s", "medusa": "o", "eagle": "^", "none": "D", "transformers": "x"}
 PEER_COLORS = ("tab:red", "tab:purple", "tab:brown")  # transformers' speculative variants (horizontal lines)
@@ -159,7 +159,7 @@ def verify_cost_plot(report: dict[str, Any], path: Path) -> Path:
     sizes = report["settings"]["sizes"]
     rows = report["results"]
     axes[0].axhline(1.0, color="grey", lw=1, ls="--", label="ideal: weights-bound (1.0)")
-    for i, dtype in enumerate(report["settings"]["dtypes"]):
+    for i, dtype in enumerate(measured_dtypes(report)):
         for mask, style in (("chain", "-o"), ("tree", "--^")):
             line = sorted((r for r in rows if r["dtype"] == dtype and r["mask"] == mask), key=lambda r: r["size"])
             label = f"{dtype}, {mask}"

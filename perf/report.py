@@ -38,6 +38,11 @@ def _document(lines: list[str], images: list[str] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measured_dtypes(report: dict[str, Any]) -> list[str]:
+    """A verify-cost report's dtypes as they ran (`auto` as what it chose), in order."""
+    return list(dict.fromkeys(r["dtype"] for r in report["results"]))
+
+
 def machine_line(m: dict[str, Any], threads: int | None = None) -> str:
     """One line: CPU, cores (and torch threads when given), memory, GPU, library versions, OS."""
     thr = f" (torch threads {threads})" if threads is not None else ""
@@ -237,7 +242,7 @@ def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None
         "| dtype | mask | " + " | ".join(f"N={n}" for n in sizes) + " |",
         "|---|---|" + "---:|" * len(sizes),
     ]
-    for dtype in s["dtypes"]:
+    for dtype in measured_dtypes(report):
         for mask in ("chain", "tree"):
             cells = [f"{_num(cell[(dtype, mask, n)]['median_ms'], '.2f')} "
                      f"({_num(cell[(dtype, mask, n)]['ratio'], '.2f', 'x')})" for n in sizes]

@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print(features().describe())
     if args.build:
         from plugins.draft_layer import native as draft_layer
+        from plugins.matmul import native as matmul
         from plugins.rowwise import native as rowwise
         from plugins.tree_attention import native as attention
 
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, module, fallback in (
             ("attention kernel", attention, "bf16 models on CPU attend in float64 (slower)"),
             ("RMSNorm / RoPE kernel", rowwise, "torch's ops run instead (slower)"),
+            ("float32 matmul kernel", matmul, "float32 linears run through torch (slower, not row-invariant)"),
             ("draft layer kernel", draft_layer, "int8 EAGLE heads draft through torch (slower)"),
         ):
             lib = module.load()

@@ -1,0 +1,1 @@
+"""The weight-streaming CPU matmul (stream.c, native.py)."""
