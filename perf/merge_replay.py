@@ -32,8 +32,8 @@ from runtime.drafters import load_drafter
 from runtime.drafters.merged import MergedDrafter
 from runtime.errors import ConfigError
 from runtime.files import shown_path
-from runtime.protocol import CandidatePool, Draft
-from runtime.tree import pruned_pool
+from runtime.protocol import Draft
+from runtime.tree import CandidatePool, pruned_pool
 from runtime.verify import greedy_walk_computing
 
 

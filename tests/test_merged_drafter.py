@@ -17,8 +17,8 @@ from runtime.drafters.lookup import LookupDrafter
 from runtime.drafters.merged import MergedDrafter, draft_pool, merge_drafts, merge_pools
 from runtime.errors import ConfigError
 from runtime.model import TargetModel
-from runtime.protocol import CandidatePool, Draft, Proposal
-from runtime.tree import Tree
+from runtime.protocol import Draft, Proposal
+from runtime.tree import CandidatePool, Tree
 from tests.heads import draft_paths, write_eagle_config, write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
 

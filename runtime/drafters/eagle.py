@@ -59,8 +59,8 @@ from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
 from runtime.model import (QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, AttendingCache, DecoderLayer, Int8Weight, PackedWeight,
                            QuantizedWeight, causal_mask, linear)
-from runtime.protocol import CandidatePool, Draft, Proposal
-from runtime.tree import Tree, expand_frontier, pruned_pool, select_dynamic_tree
+from runtime.protocol import Draft, Proposal
+from runtime.tree import CandidatePool, Tree, expand_frontier, pruned_pool, select_dynamic_tree
 
 CONFIG_FILE = "config.json"
 TORCH_FILE = "pytorch_model.bin"
