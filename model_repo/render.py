@@ -46,7 +46,7 @@ from model_repo.model_config import (
 from runtime import schema
 from runtime.batching import SchedulerConfig
 from runtime.config import DTYPES
-from runtime.draft_spec import KINDS
+from runtime.draft_spec import drafter_kind, field_names
 from runtime.errors import ConfigError
 from runtime.schema import setting
 from runtime.files import remove_stale_work_dirs, work_dir
@@ -100,7 +100,7 @@ class RepoOptions:
     # 69 output tokens/s with the default vs 110-130 with 1 thread).
     torch_threads: int = setting(1, ge=0)
     # runtime.load overrides (None: the engine's own drafter / tree / dtype)
-    draft: str | None = setting(None, choices=KINDS)
+    draft: str | None = None  # a drafter kind (runtime.draft_spec.kind_names())
     draft_model: str | None = None
     tree: str | None = None
     dtype: str | None = setting(None, choices=tuple(DTYPES))
@@ -110,6 +110,9 @@ class RepoOptions:
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError)
+        if self.draft is not None:
+            with field_names("load"):
+                drafter_kind(self.draft)
 
     @classmethod
     def from_mapping(cls, data: Any, where: str = "options") -> RepoOptions:

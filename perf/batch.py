@@ -204,7 +204,7 @@ def run_batch_bench(config: BatchBenchConfig, progress: Callable[[str], None] | 
         target = load_target(BenchConfig(config=config.config, engine=config.engine, dtype=config.dtype))
         encoded = encode_prompts(prompts, target, config.max_tokens, BenchConfigError)
         spec = VariantSpec.parse(config.drafter) if config.drafter else VariantSpec(DraftSpec(target.drafter.kind))
-        if spec.draft.kind == "none":
+        if spec.draft.plain:
             decoder, info = build_decoder(target, None)
         else:
             resolved = resolve(spec, target, dict(config.draft_models))

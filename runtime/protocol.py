@@ -101,7 +101,7 @@ class DraftSession(Protocol):
 class Drafter(Protocol):
     """Shared, read-only drafting weights; `start` makes the per-request session."""
 
-    name: str  # its kind (runtime.draft_spec.KINDS)
+    name: str  # its kind (runtime.draft_spec.kind_names())
     spec: DraftSpec  # what it drafts, every default resolved (load_drafter's drafters; the weights path is not kept)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> DraftSession:

@@ -3,8 +3,8 @@ one way only, and no module imports itself through others.
 
 Every import statement counts: at module level, under `if TYPE_CHECKING:` and inside functions (a deferred import is a
 dependency all the same). Importing `a.b.c` also runs the package `a.b`, so that is an edge too (except from inside
-`a.b` itself). Not seen here, by design: `importlib.import_module(name)`, with which the drafter-kind registries
-(`runtime.draft_spec`, `builder.drafters`) load their built-in kind modules on first lookup.
+`a.b` itself). Not seen here, by design: `importlib.import_module(name)`, with which a `runtime.registry.Registry`
+(the drafter kinds') loads its built-in kind modules at the first lookup, at run time, not while modules import.
 """
 
 from __future__ import annotations
