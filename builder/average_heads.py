@@ -8,7 +8,8 @@ the same lossless verification behind it.
 
     python -m builder average-heads --heads DIR_A DIR_B [--weights 0.5 0.5] --output DIR [--datastore FILE] [--force]
 
-Every head must be the same kind (one with head weights: EAGLE, Medusa), with equal config.json and the same tensors (names, shapes);
+Every head must be the same kind (one with head weights: EAGLE, Medusa), with equal config.json and the same tensors
+(names, shapes);
 integer tensors (a reduced draft vocabulary's d2t / t2d) must be equal, floating ones are averaged in float32 and
 saved in the first head's dtype. The output holds config.json, the weights under the first head's file name,
 `averaging.json` (each ingredient's path, weight, sha256 and training summary) and a datastore

@@ -84,10 +84,9 @@ def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
     dtype_choice = choose_dtype(b.dtype, model.dtype, runs_here=False)
     model = model.with_dtype(dtype_choice.dtype)
     if b.max_seq_len is not None and b.max_seq_len > model.max_context:
-        raise BuildConfigError(
-            f"{source}: build.max_seq_len: got {b.max_seq_len}, expected at most {model.max_context} "
-            f"(the model's context: max_position_embeddings{', capped by sliding_window' if model.sliding_window else ''})"
-        )
+        capped = ", capped by sliding_window" if model.sliding_window else ""
+        raise BuildConfigError(f"{source}: build.max_seq_len: got {b.max_seq_len}, expected at most "
+                               f"{model.max_context} (the model's context: max_position_embeddings{capped})")
     with at_key(source, "build.tp_size"):
         QKVLayout.of(model).check_tp(b.tp_size, "target attention")
     for name in ("intermediate_size", "hidden_size"):

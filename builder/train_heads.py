@@ -326,9 +326,9 @@ def _init_vocab(config: TrainConfig, inits: dict[str, HeadInit | None]) -> Draft
             continue
         where = shown_path(getattr(h, kind).init)
         if (init[1] is None) != (h.draft_vocab_size is None):
-            raise BuildConfigError(f"heads.{kind}.init: {where} "
-                                   f"{'scores the full vocabulary' if init[1] is None else 'has a reduced draft vocabulary'}"
-                                   f", but heads.draft_vocab_size is {h.draft_vocab_size}")
+            scores = "scores the full vocabulary" if init[1] is None else "has a reduced draft vocabulary"
+            raise BuildConfigError(f"heads.{kind}.init: {where} {scores}, but heads.draft_vocab_size is "
+                                   f"{h.draft_vocab_size}")
         if init[1] is not None and init[1].size != h.draft_vocab_size:
             raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, but the init "
                                    f"head scores a draft vocabulary of {init[1].size} tokens")

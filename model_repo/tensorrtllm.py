@@ -55,13 +55,13 @@ from model_repo.model_config import (
     EnsembleStep,
     InstanceGroup,
     Kind,
-    ModelConfig,
     ModelInput,
     ModelOutput,
     ModelParameter,
     QueuePolicy,
     Reshape,
     TransactionPolicy,
+    TritonModelConfig,
 )
 from builder.drafters import builder_kind, builder_kinds
 from runtime import schema
@@ -300,7 +300,7 @@ def check_engine(facts: EngineFacts) -> None:
 
 
 def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: str,
-                  trtllm_engine_path: str) -> dict[str, ModelConfig]:
+                  trtllm_engine_path: str) -> dict[str, TritonModelConfig]:
     """The six model configs (pure: no filesystem access)."""
     check_engine(facts)
     batch = options.max_batch_size if options.max_batch_size is not None else facts.max_batch_size
@@ -313,13 +313,13 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
                                default_queue_policy=QueuePolicy(max_queue_size=0))
     cpu = (InstanceGroup(kind=Kind.KIND_CPU, count=options.instances),)
     choices = choices_parameter(facts.choices) if tree else None
-    preprocessing = ModelConfig(
+    preprocessing = TritonModelConfig(
         name=PREPROCESSING, backend="python", max_batch_size=batch, input=PREPROCESSING_INPUTS,
         output=PREPROCESSING_OUTPUTS, instance_group=cpu, dynamic_batching=batching,
         parameters=_params(_unset_all(PREPROCESSING_KEYS, {
             "tokenizer_dir": engine_path, "add_special_tokens": "true", "gpt_model_path": trtllm_engine_path})),
     )
-    trt = ModelConfig(
+    trt = TritonModelConfig(
         name=TENSORRT_LLM, backend=BACKEND, max_batch_size=batch,
         input=TENSORRT_LLM_INPUTS if not tree else tuple(i for i in TENSORRT_LLM_INPUTS
                                                          if i not in SAMPLING_TRTLLM_INPUTS),
@@ -343,14 +343,14 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
             **({f"{facts.kind}_choices": choices} if tree else {}),
         })),
     )
-    postprocessing = ModelConfig(
+    postprocessing = TritonModelConfig(
         name=POSTPROCESSING, backend="python", max_batch_size=batch, input=POSTPROCESSING_INPUTS,
         output=POSTPROCESSING_OUTPUTS, instance_group=cpu, dynamic_batching=DynamicBatching(),
         parameters=_params(_unset_all(POSTPROCESSING_KEYS, {"tokenizer_dir": engine_path,
                                                             "skip_special_tokens": "true"})),
     )
     client_inputs = CLIENT_INPUTS + (() if tree else SAMPLING_CLIENT_INPUTS)
-    ensemble = ModelConfig(
+    ensemble = TritonModelConfig(
         name=ENSEMBLE, platform="ensemble", max_batch_size=batch, input=client_inputs,
         output=(TEXT_OUTPUT, *SPEC_OUTPUTS),
         ensemble_scheduling=EnsembleScheduling(step=(
@@ -368,7 +368,7 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
                          output_map={"OUTPUT": "text_output"}),
         )),
     )
-    bls = ModelConfig(
+    bls = TritonModelConfig(
         name=BLS, backend="python", max_batch_size=batch, input=CLIENT_INPUTS + SAMPLING_CLIENT_INPUTS,
         output=(TEXT_OUTPUT, *SPEC_OUTPUTS), instance_group=cpu,
         model_transaction_policy=TransactionPolicy(decoupled=True),
@@ -376,7 +376,7 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
         parameters=_params(_unset_all(BLS_KEYS, {"accumulate_tokens": "false",
                                                  "tensorrt_llm_model_name": TENSORRT_LLM})),
     )
-    verify = ModelConfig(
+    verify = TritonModelConfig(
         name=VERIFY, backend="python", max_batch_size=0, input=VERIFY_INPUTS, output=VERIFY_OUTPUTS,
         instance_group=cpu,
         parameters=_params({"engine_dir": engine_path, "draft_method": facts.kind,
@@ -398,7 +398,7 @@ def adapter_source(model: str) -> str:
 @dataclass(frozen=True)
 class RenderedTrtllmRepo:
     path: Path
-    configs: dict[str, ModelConfig]
+    configs: dict[str, TritonModelConfig]
     trtllm_engine: str
 
 
@@ -528,7 +528,7 @@ def decoding_mode_of(repository: str | Path, model: str = TENSORRT_LLM) -> str:
     """The decoding_mode parameter of the repository's tensorrt_llm model (what the BLS routes by)."""
     path = Path(repository) / model / "config.pbtxt"
     try:
-        config = loads(ModelConfig, path.read_text(encoding="utf-8"))
+        config = loads(TritonModelConfig, path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
     return config.parameter("decoding_mode")

@@ -35,7 +35,15 @@ from runtime.checkpoint import IGNORED_SUFFIXES, read_head_state
 from runtime.config import ModelConfig
 from runtime.draft_spec import DYNAMIC, DraftSpec
 from runtime.drafters.draft_vocab import DraftVocab
-from runtime.drafters.eagle import CONFIG_FILE, NAME, SAFETENSORS_FILE, TORCH_FILE, WEIGHT_FILES, EagleDrafter, EagleKind
+from runtime.drafters.eagle import (
+    CONFIG_FILE,
+    NAME,
+    SAFETENSORS_FILE,
+    TORCH_FILE,
+    WEIGHT_FILES,
+    EagleDrafter,
+    EagleKind,
+)
 from runtime.engine import QKVLayout, model_config_dict
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import shown_path
@@ -311,9 +319,9 @@ class EagleBuild(BuilderKind):
         tree = plan.draft.static_tree
         net = {"architecture": "LlamaForCausalLM", **decoder_fields(head)}
         net.update(tie_word_embeddings=False, mlp_bias=False, head_dim=head.head_dim)
+        non_leaves = plan.draft.dynamic.top_k if tree is None else max_non_leaves_per_layer(tree)
         return {"architecture": "EagleForCausalLM", "num_eagle_layers": plan.draft.model_only.max_tree_depth,
-                "max_draft_len": plan.config.build.max_draft_len,
-                "max_non_leaves_per_layer": plan.draft.dynamic.top_k if tree is None else max_non_leaves_per_layer(tree),
+                "max_draft_len": plan.config.build.max_draft_len, "max_non_leaves_per_layer": non_leaves,
                 "eagle_net_config": net}
 
     def trtllm_tensors(self, plan: BuildPlan, drafter: EagleDrafter, target: dict[str, torch.Tensor],
