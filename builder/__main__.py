@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from builder.config import BuildSection, default_of
-from runtime.draft_spec import WEIGHTED_KINDS
+from builder.drafters import trained_kinds
+from runtime.draft_spec import FIELD_NAMES
 from runtime.errors import SpectreeError
 
 
@@ -56,13 +57,13 @@ def parser() -> argparse.ArgumentParser:
     tt.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
     th = sub.add_parser("train-heads", help="train Medusa-1 and/or EAGLE-1 draft heads for a frozen target")
     th.add_argument("--config", required=True, help="training YAML (corpus + heads sections)")
-    th.add_argument("--only", choices=WEIGHTED_KINDS, help="train only these heads")
+    th.add_argument("--only", choices=trained_kinds(), help="train only these heads")
     th.add_argument("--fresh", action="store_true", help="discard the resumable state in heads.work_dir")
     th.add_argument("--quiet", action="store_true", help="no progress bar (the log file is still written)")
     ds = sub.add_parser("datastore", help="write each head's datastore (the target's answers to the training "
                                           "prompts, searched for draft continuations) from train-heads' answers")
     ds.add_argument("--config", required=True, help="training YAML (corpus + heads sections)")
-    ds.add_argument("--only", choices=WEIGHTED_KINDS, help="only this head's directory")
+    ds.add_argument("--only", choices=trained_kinds(), help="only this head's directory")
     ah = sub.add_parser("average-heads", help="average the weights of draft heads fine-tuned from one head (a model "
                                               "soup): same kind, config and tensors")
     ah.add_argument("--heads", nargs="+", required=True, help="two or more head directories")
@@ -204,8 +205,8 @@ def _overview_table(manifest: dict[str, Any], stages: Sequence[Any] = ()):
     model = m["model"]
     table.add_row("model", f"{model['architecture']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
                            f"vocab {model['vocab_size']}, {m['dtype']}")
-    table.add_row("drafter", f"{m['draft']['method']} {json.dumps(m['draft'].get('config') or {})}"
-                  if m["draft"].get("config") else m["draft"]["method"])
+    kind = m["draft"][FIELD_NAMES["kind"].record]
+    table.add_row("drafter", f"{kind} {json.dumps(m['draft']['config'])}" if m["draft"].get("config") else kind)
     table.add_row("tree", _tree_text(m["draft"]))
     lim = m["limits"]
     table.add_row("limits", f"max_seq_len {lim['max_seq_len']}, max_draft_len {lim['max_draft_len']}, "
@@ -250,7 +251,8 @@ def _cmd_build(args) -> int:
 
 
 def _cmd_validate(args) -> int:
-    from builder.config import load_config, plan_build
+    from builder.config import load_config
+    from builder.plan import plan_build
 
     config = load_config(args.config).with_output(args.output)
     plan = plan_build(config, require_output=False)

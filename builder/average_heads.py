@@ -8,7 +8,8 @@ the same lossless verification behind it.
 
     python -m builder average-heads --heads DIR_A DIR_B [--weights 0.5 0.5] --output DIR [--datastore FILE] [--force]
 
-Every head must be the same kind (EAGLE or Medusa), with equal config.json and the same tensors (names, shapes);
+Every head must be the same kind (one with head weights: EAGLE, Medusa), with equal config.json and the same tensors
+(names, shapes);
 integer tensors (a reduced draft vocabulary's d2t / t2d) must be equal, floating ones are averaged in float32 and
 saved in the first head's dtype. The output holds config.json, the weights under the first head's file name,
 `averaging.json` (each ingredient's path, weight, sha256 and training summary) and a datastore
@@ -31,18 +32,13 @@ from builder.config import BuildConfigError
 from builder.train_heads import fresh_tmp, swap_in
 from builder.train_target import SUMMARY_FILE as TRAINING_SUMMARY
 from runtime.checkpoint import read_head_state
-from runtime.drafters import eagle as eagle_files
-from runtime.drafters import medusa as medusa_files
+from runtime.draft_spec import DrafterKind, drafter_kind, kinds
 from runtime.drafters.datastore import DATASTORE_FILE, Datastore
 from runtime.engine import sha256_file
 from runtime.errors import CheckpointError
 from runtime.files import read_json_object, shown_path
 
 SUMMARY_FILE = "averaging.json"
-_KINDS = {  # kind -> (its name in errors, its weight files, preferred first: the names the runtime's loaders read)
-    "eagle": ("EAGLE", (eagle_files.TORCH_FILE, eagle_files.SAFETENSORS_FILE)),
-    "medusa": ("Medusa", (medusa_files.SAFETENSORS_FILE, medusa_files.TORCH_FILE)),
-}
 
 
 @dataclass(frozen=True)
@@ -54,11 +50,13 @@ class AverageResult:
 
 
 def _kind(path: Path) -> str:
-    found = [k for k, (_, files) in _KINDS.items() if any((path / f).is_file() for f in files)]
+    """The kind of a head directory, by its weight files (`DrafterKind.weight_files`)."""
+    heads: list[DrafterKind] = [k for k in kinds() if k.weighted]
+    found = [k.name for k in heads if any((path / f).is_file() for f in k.weight_files)]
     if len(found) != 1:
-        wanted = " or ".join(f for _, files in _KINDS.values() for f in files)
+        wanted = " or ".join(f for k in heads for f in k.weight_files)
         raise BuildConfigError(f"--heads: {shown_path(path)} is not a draft head directory (expected exactly one of "
-                               f"{wanted}, found {'both kinds' if found else 'none'})")
+                               f"{wanted}, found {'several kinds' if found else 'none'})")
     return found[0]
 
 
@@ -136,7 +134,7 @@ def average_heads(heads: Sequence[str | Path], output: str | Path, weights: Sequ
     files, states = [], []
     for p in paths:
         try:
-            file, state = read_head_state(p, _KINDS[kind][1], _KINDS[kind][0])
+            file, state = read_head_state(p, drafter_kind(kind).weight_files, drafter_kind(kind).title)
         except CheckpointError as exc:
             raise BuildConfigError(f"--heads: {exc}") from exc
         files.append(file)

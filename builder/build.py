@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from builder import trtllm
-from builder.config import BuildConfig, BuildError, BuildPlan, make_drafter, plan_build
+from builder.config import BuildConfig, BuildError, BuildPlan
+from builder.drafters import builder_kind
+from builder.plan import make_drafter, plan_build
 from builder.progress import NullProgress, Progress
 from runtime.checkpoint import load_checkpoint
-from runtime.draft_spec import WEIGHTED_KINDS
+from runtime.draft_spec import FIELD_NAMES
 from runtime.engine import (
     BUILD_SCRIPT,
     DRAFT_DIR,
@@ -52,8 +54,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
     "vocab.json", "merges.txt", "chat_template.jinja",
 )
-MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
-EAGLE_WEIGHTS = "model.safetensors"
 
 
 BUILDING, REPLACED = "building", "replaced"  # the work_dir tags: the engine being built, the one it replaces
@@ -169,10 +169,9 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
 
     t0 = time.perf_counter()
     tp = config.build.tp_size
-    eagle_cfg = drafter.head.config if plan.draft.kind == "eagle" else None
     with progress.stage("TensorRT-LLM checkpoint", total=tp, unit="rank") as advance:
         trt_tensors, layout = trtllm.checkpoint_tensors(plan, tensors, drafter)
-        ckpt_config = trtllm.checkpoint_config(plan, eagle_cfg)
+        ckpt_config = trtllm.checkpoint_config(plan, drafter)
         trtllm.write_checkpoint(tmp, ckpt_config, trt_tensors, layout, tp, on_rank=lambda r: advance(1))
         del trt_tensors
     dtype_note = trtllm.dtype_note(plan.dtype)
@@ -190,7 +189,7 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
         record("target", "done", f"{TARGET_FILE} ({plan.dtype})", t0)
 
     draft_path = None
-    if plan.draft.kind in WEIGHTED_KINDS:
+    if plan.draft.drafter_kind.weighted:
         t0 = time.perf_counter()
         with progress.stage("draft weights"):
             draft_path = _write_draft(tmp / DRAFT_DIR, plan, drafter)
@@ -263,30 +262,13 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
 
 
 def _write_draft(out: Path, plan: BuildPlan, drafter: Any) -> str:
-    """draft/: the drafter's weights in their public format (the runtime's own loaders read it back)."""
-    from safetensors.torch import save_file
-
+    """draft/: the drafter's config.json and weights in their public format (the runtime's own loaders read it back),
+    and the head directory's datastore of the target's answers when it has one."""
     out.mkdir(parents=True)
     src = plan.config.draft.checkpoint
     shutil.copyfile(src / "config.json", out / "config.json")
-    if plan.draft.kind == "medusa":
-        h = drafter.heads
-        state: dict[str, torch.Tensor] = {}
-        num_layers = h.config.num_layers
-        for head in range(h.config.num_heads):  # FasterDecoding names: {h}.{l}.linear.*, {h}.{layers}.weight
-            for layer in range(num_layers):
-                state[f"{head}.{layer}.linear.weight"] = h.res_weight[head, layer].contiguous().clone()
-                state[f"{head}.{layer}.linear.bias"] = h.res_bias[head, layer].contiguous().clone()
-            state[f"{head}.{num_layers}.weight"] = h.lm_weight[head].contiguous().clone()
-        vocab = h.vocab
-    else:  # EAGLE checkpoint names (fc.*, layers.{i}.*, embed_tokens.weight): EagleHead's own state dict
-        state = {k: v.contiguous().clone() for k, v in drafter.head.state_dict().items()}
-        vocab = drafter.head.vocab
-    if vocab is not None:  # a reduced draft vocabulary travels with the weights (EAGLE-3's d2t / t2d)
-        state.update(vocab.state())
-    save_file(state, str(out / (MEDUSA_WEIGHTS if plan.draft.kind == "medusa" else EAGLE_WEIGHTS)),
-              metadata={"format": "pt"})
-    if (src / DATASTORE_FILE).is_file():  # the head directory's datastore of the target's answers travels with it
+    builder_kind(plan.draft.kind).write_weights(out, drafter)
+    if (src / DATASTORE_FILE).is_file():
         shutil.copyfile(src / DATASTORE_FILE, out / DATASTORE_FILE)
     return DRAFT_DIR
 
@@ -294,19 +276,9 @@ def _write_draft(out: Path, plan: BuildPlan, drafter: Any) -> str:
 def _draft_section(plan: BuildPlan, drafter: Any, draft_path: str | None) -> dict[str, Any]:
     """engine.json "draft": the plan's DraftSpec record (its weights at `draft_path` in the engine) plus the heads'
     shapes under "config"."""
-    cfg: dict[str, Any] = {}
-    if plan.draft.kind == "medusa":
-        c = drafter.heads.config
-        cfg = {"num_heads": c.num_heads, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
-               "vocab_size": c.vocab_size,
-               "draft_vocab_size": None if drafter.heads.vocab is None else drafter.heads.vocab.size}
-    elif plan.draft.kind == "eagle":
-        head = drafter.head
-        cfg = {"num_layers": len(head.layers), "fc_bias": head.fc.bias is not None,
-               "own_embedding": head.embed_tokens is not None, "head": model_config_dict(head.config),
-               "draft_vocab_size": None if head.vocab is None else head.vocab.size}
     d = dataclasses.replace(plan.draft, path=draft_path, max_draft_len=None).to_dict()  # "limits" holds the max
-    return {"method": d.pop("method"), "path": d.pop("path"), "config": cfg, **d}
+    kind, path = FIELD_NAMES["kind"].record, FIELD_NAMES["path"].record
+    return {kind: d.pop(kind), path: d.pop(path), "config": builder_kind(plan.draft.kind).draft_config(drafter), **d}
 
 
 def _onnx_stage(tmp: Path, plan: BuildPlan, model: Any, progress: Progress, record) -> dict[str, Any]:

@@ -3,7 +3,7 @@
     model:
       checkpoint: ../checkpoints/llama-7b        # Hugging Face checkpoint directory (required)
     draft:
-      method: medusa                             # medusa | eagle | lookup | none (default none)
+      method: medusa                             # a drafter kind: medusa | eagle | lookup | none (default none)
       checkpoint: ../heads/medusa-llama-7b       # head weights, medusa / eagle only
       tree: {preset: mc_sim_7b_63}               # or {choices: [[0], [0, 0], [1]]}
                                                  # or {dynamic: {total_tokens: 60, depth: 5, top_k: 10}} (eagle)
@@ -22,9 +22,9 @@
       tensorrt: true                             # build model.plan where `tensorrt` is importable
 
 Relative paths are resolved from the config file's directory. Parsing checks keys and types (`load_config`);
-`plan_build` then checks the config against the checkpoints it names (architecture, head shapes, tree depth vs
-heads, tree size vs max_draft_len, tp_size vs head counts) using the runtime's own loaders. Every error names the
-key path, the value and what was expected.
+`builder.plan.plan_build` then checks the config against the checkpoints it names (architecture, head shapes, tree
+depth vs heads, tree size vs max_draft_len, tp_size vs head counts) using the runtime's own loaders, into a
+`BuildPlan`. Every error names the key path, the value and what was expected.
 """
 
 from __future__ import annotations
@@ -32,26 +32,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from runtime import schema
 from runtime.api import LoadConfig
-from runtime.config import DTYPE_CHOICES, DtypeChoice, ModelConfig, choose_dtype
-from runtime.draft_spec import DYNAMIC, KINDS, DraftSpec, DynamicTreeOptions, LookupOptions, PruneOptions, field_names
-from runtime.drafters import load_drafter
-from runtime.engine import QKVLayout
-from runtime.errors import CheckpointError, ConfigError, SpectreeError
+from runtime.config import DTYPE_CHOICES, DtypeChoice, ModelConfig
+from runtime.draft_spec import DYNAMIC, PLAIN, DraftSpec, DynamicTreeOptions, LookupOptions, PruneOptions, field_names
+from runtime.errors import ConfigError, SpectreeError
 from runtime.schema import setting
 from runtime.tree import Tree
 
-Method = Literal[KINDS]  # type: ignore[valid-type]  (the drafter kinds, as the YAML checks them)
-MAX_EAGLE_DRAFT_LEN = 256  # TensorRT-LLM's EAGLE converter rejects a larger max_draft_len
 Dtype = Literal[DTYPE_CHOICES]  # type: ignore[valid-type]
 
 
@@ -98,18 +90,13 @@ class TreeSection:
         return DYNAMIC
 
 
-# DraftSpec's fields as the YAML names them.
-DRAFT_KEYS = {"kind": "draft.method", "path": "draft.checkpoint", "tree": "draft.tree",
-              "dynamic": "draft.tree.dynamic", "lookup": "draft.lookup", "max_draft_len": "build.max_draft_len",
-              "quantization": "draft.quantization", "pruning": "draft.pruning"}
-
-
 @dataclass(frozen=True)
 class DraftSection:
-    """The YAML form of a `runtime.draft_spec.DraftSpec` (`spec()`), whose rules it is checked by."""
+    """The YAML form of a `runtime.draft_spec.DraftSpec` (`spec()`), whose rules it is checked by (the YAML's keys
+    for its fields: `runtime.draft_spec.FIELD_NAMES`)."""
 
-    method: Method = "none"
-    checkpoint: Path | None = None  # head weights: FasterDecoding Medusa or SafeAILab EAGLE-1 directory
+    method: str = PLAIN  # the drafter kind (DraftSpec.kind)
+    checkpoint: Path | None = None  # head weights (DraftSpec.path): e.g. a FasterDecoding Medusa or EAGLE-1 directory
     tree: TreeSection | None = None  # default: the drafter's own (Medusa: mc_sim_7b_63 / chain; EAGLE: dynamic)
     # prompt-lookup bounds: method lookup's own, or (medusa / eagle) continuations merged into each step's tree
     lookup: LookupOptions | None = None
@@ -117,12 +104,12 @@ class DraftSection:
     pruning: PruneOptions | None = None  # eagle: each step verifies only the nodes the head finds likely enough
 
     def __post_init__(self) -> None:
-        with field_names(DRAFT_KEYS, BuildConfigError):
+        with field_names("yaml", BuildConfigError):
             self.spec().require_weights()
 
     def spec(self, max_draft_len: int | None = None) -> DraftSpec:
         """The drafter this section describes (paths as resolved from the config file)."""
-        with field_names(DRAFT_KEYS, BuildConfigError):
+        with field_names("yaml", BuildConfigError):
             return DraftSpec(self.method, path=self.checkpoint, tree=None if self.tree is None else self.tree.draft_tree,
                              dynamic=None if self.tree is None else self.tree.dynamic, lookup=self.lookup,
                              max_draft_len=max_draft_len, quantization=self.quantization, pruning=self.pruning)
@@ -216,135 +203,12 @@ class BuildPlan:
     # The drafter as loaded: its tree and options resolved (the drafter's defaults filled in), the config's weights
     # path, max_draft_len = build.max_draft_len.
     draft: DraftSpec
-    num_medusa_heads: int | None
-    num_medusa_layers: int | None
     output: Path | None  # None only when plan_build(require_output=False)
     max_seq_len: int  # build.max_seq_len, or the model's context
 
     @property
     def dtype(self) -> str:
         return self.model.dtype
-
-
-@contextmanager
-def at_key(source: str, key: str) -> Iterator[None]:
-    """Re-raise any spectree error inside as a BuildConfigError naming the config key it concerns."""
-    try:
-        yield
-    except BuildConfigError:
-        raise
-    except SpectreeError as exc:
-        raise BuildConfigError(f"{source}: {key}: {exc}") from exc
-
-
-def check_tokenizer(checkpoint: Path, model: ModelConfig) -> None:
-    """A checkpoint's tokenizer.json (when it has one: an engine without it serves token ids only) must load the
-    way the runtime loads it, and every id it can produce must be one the model embeds."""
-    if not (checkpoint / "tokenizer.json").is_file():
-        return
-    from runtime.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(checkpoint)  # TokenizerError names the file and what is wrong
-    if tokenizer.vocab_size > model.vocab_size:
-        raise BuildConfigError(
-            f"{checkpoint / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but the model embeds only vocab_size "
-            f"{model.vocab_size}; expected a tokenizer of at most that many"
-        )
-
-
-def meta_target(config: ModelConfig):
-    """A weightless TargetModel (meta device) of `config`: enough for the drafters' loaders to validate heads."""
-    from runtime.model import TargetModel
-
-    with torch.device("meta"):
-        model = TargetModel(config)
-    return model.to(config.torch_dtype)
-
-
-def make_drafter(config: BuildConfig, model: Any, source: str = "config"):
-    """The runtime drafter for this config and `model` (a TargetModel, real or meta), via `load_drafter`.
-
-    The drafters' loaders do all head validation (files, hidden / vocab sizes, tree depth vs Medusa heads).
-    """
-    d = config.draft
-    try:
-        return load_drafter(d.spec(), model)
-    except CheckpointError as exc:  # head files: missing, corrupt, or not matching the target
-        raise BuildConfigError(f"{source}: draft.checkpoint: {exc}") from exc
-    except ConfigError as exc:  # e.g. a tree deeper than the Medusa heads
-        raise BuildConfigError(f"{source}: {'draft.tree' if d.tree is not None else 'draft'}: {exc}") from exc
-
-
-def plan_build(config: BuildConfig, require_output: bool = True) -> BuildPlan:
-    """Check `config` against the checkpoints it names (reads configs and head weights, not the target's weights).
-
-    require_output=False lets `validate` check a config whose output comes from the command line later.
-    """
-    source = config.source
-    b = config.build
-    with at_key(source, "model.checkpoint"):
-        model = ModelConfig.from_hf(config.model.checkpoint)
-        check_tokenizer(Path(config.model.checkpoint), model)
-    dtype_choice = choose_dtype(b.dtype, model.dtype, runs_here=False)
-    model = model.with_dtype(dtype_choice.dtype)
-    if b.max_seq_len is not None and b.max_seq_len > model.max_context:
-        raise BuildConfigError(
-            f"{source}: build.max_seq_len: got {b.max_seq_len}, expected at most {model.max_context} "
-            f"(the model's context: max_position_embeddings{', capped by sliding_window' if model.sliding_window else ''})"
-        )
-    with at_key(source, "build.tp_size"):
-        QKVLayout.of(model).check_tp(b.tp_size, "target attention")
-    for name in ("intermediate_size", "hidden_size"):
-        if getattr(model, name) % b.tp_size:
-            raise BuildConfigError(
-                f"{source}: build.tp_size: got {b.tp_size}, expected a divisor of the model's {name} "
-                f"{getattr(model, name)}"
-            )
-    if config.draft.method == "eagle" and model.architecture == "Qwen2ForCausalLM":
-        raise BuildConfigError(
-            f"{source}: draft.method: got 'eagle' for a Qwen2 target; TensorRT-LLM's EagleForCausalLM is a Llama "
-            "model (its attention bias covers q/k/v and the output projection together; Qwen2 biases q/k/v only). "
-            "Serve Qwen2 + EAGLE with `runtime.load(hf_dir, draft='eagle', ...)` instead"
-        )
-
-    drafter = make_drafter(config, meta_target(model), source)
-    draft = dataclasses.replace(drafter.spec, path=config.draft.spec().path, max_draft_len=b.max_draft_len)
-    heads = drafter.heads if draft.kind == "medusa" else None
-    if draft.kind == "eagle":
-        if b.max_draft_len > MAX_EAGLE_DRAFT_LEN:
-            raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
-                                   f"{MAX_EAGLE_DRAFT_LEN} for EAGLE (TensorRT-LLM's limit)")
-        head_cfg = drafter.head.config
-        with at_key(source, "build.tp_size"):
-            QKVLayout.of(head_cfg).check_tp(b.tp_size, "EAGLE head attention")
-        if head_cfg.intermediate_size % b.tp_size:
-            raise BuildConfigError(f"{source}: build.tp_size: got {b.tp_size}, expected a divisor of the EAGLE "
-                                   f"head's intermediate_size {head_cfg.intermediate_size}")
-    plan = BuildPlan(
-        config=config,
-        model=model,
-        dtype_choice=dtype_choice,
-        draft=draft,
-        num_medusa_heads=None if heads is None else heads.config.num_heads,
-        num_medusa_layers=None if heads is None else heads.config.num_layers,
-        output=b.output,
-        max_seq_len=b.max_seq_len if b.max_seq_len is not None else model.max_context,
-    )
-    if b.max_draft_len + 1 > plan.max_seq_len:
-        raise BuildConfigError(f"{source}: build.max_draft_len: got {b.max_draft_len}, expected at most "
-                               f"{plan.max_seq_len - 1} (max_seq_len - 1)")
-    if draft.draft_nodes > b.max_draft_len:
-        what = {"lookup": "draft.lookup.num_draft_tokens"}.get(
-            draft.kind, "draft.tree + draft.lookup.num_draft_tokens" if draft.merges_lookup else "draft.tree")
-        default = (" (the drafter's default; set draft.tree)" if draft.kind != "lookup" and config.draft.tree is None
-                   else "")
-        raise BuildConfigError(
-            f"{source}: {what}: {draft.draft_nodes} draft nodes per step (root excluded){default}, expected at most "
-            f"build.max_draft_len = {b.max_draft_len}"
-        )
-    if b.output is None and require_output:
-        raise BuildConfigError(f"{source}: build.output: missing; set it in the config or pass --output")
-    return plan
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -355,5 +219,5 @@ def default_of(cls: type, name: str) -> Any:
 
 __all__ = [
     "BuildConfig", "ModelSection", "DraftSection", "TreeSection", "BuildSection", "BuildConfigError", "BuildError",
-    "BuildPlan", "load_config", "parse_config", "plan_build", "make_drafter", "meta_target", "at_key", "default_of",
+    "BuildPlan", "load_config", "parse_config", "default_of",
 ]

@@ -1,4 +1,6 @@
-"""`python -m builder train-heads --config CFG`: Medusa-1 and EAGLE-1 draft heads for a frozen target.
+"""`python -m builder train-heads --config CFG`: draft heads for a frozen target, one per configured kind (a
+heads.<kind> section); what a head is, its loss, metrics and files are its builder kind's (`builder.drafters`:
+Medusa-1 and EAGLE-1 heads, each in its module), the loop around them is here.
 
 The target (a Hugging Face checkpoint, run by `transformers`' reference Llama in float32) supplies, for every
 corpus window, its final-norm hidden states h_t (the lm_head input: exactly what `runtime` hands a drafter) and
@@ -7,33 +9,18 @@ its logits. Labels (heads.labels):
           the target, not with the corpus)
   data    the corpus tokens (Medusa-1's original recipe)
 
-Medusa-1 (FasterDecoding): head i = Linear(H -> V)(ResBlock^n(h_t)) predicts x_{t+i+2}, i.e. the distribution
-the target gives at position t+i+1. Each head starts as the target itself: ResBlock linears at zero (identity)
-and the vocabulary projection copied from the target's lm_head. Loss: sum_i 0.8^i CE_i (Medusa's weighting).
-
-EAGLE-1 (SafeAILab): at position t the head reads fc(cat(embed(x_{t+1}), f_t)) (the target's embedding, frozen
-and shared), runs one Llama decoder layer without input_layernorm (causal over the window, position t) and
-predicts f_{t+1}; the target's frozen lm_head turns it into the distribution of x_{t+2}.
-Loss = SmoothL1(f'_{t+1}, f_{t+1}) + ce_weight * CE(lm_head(f'_{t+1}), labels of x_{t+2}), as in EAGLE.
-
-Training-time test (HASS / EAGLE-3; heads.eagle.unroll > 1): the head also runs on its own predicted features in
-the same window, each run attending what a depth-d tree node attends while drafting (`EagleTrainHead.unrolled`).
-
-Held-out metrics on fixed windows: Medusa top-1 / top-5 agreement with the target's greedy token per head
-(= per tree depth); EAGLE the same per depth, drafted as a tree branch is (exact target features up to the root,
-the head's own predictions below it).
-Outputs: FasterDecoding head directory (config.json + medusa_lm_head.safetensors) and the EAGLE repository's
-layout (config.json + pytorch_model.bin), both loadable by `runtime.drafters` and by those projects' loaders;
-plus training_log.jsonl and training_summary.json.
+Held-out metrics on fixed windows, each kind's (`BuilderKind.train_metrics`). Outputs: each head directory in its
+public format, loadable by `runtime.drafters` and by its project's loader, plus training_log.jsonl and
+training_summary.json.
 
 corpus.source "chat" (self-distillation, `_train_chat_heads`): the target's own greedy answers to chat prompts and
 its hidden states over them are generated and cached once (builder.training.distill); training windows are ranges
 of positions into that cache, so the target is never run while the heads learn. heads.draft_vocab_size restricts
-both heads to the K tokens the answers use most (EAGLE-3 / FR-Spec): their logits cover the target's lm_head rows
-of those tokens (Medusa's projections start from them), the labels are the target's distribution restricted to
-them, and the saved heads carry EAGLE-3's d2t / t2d so the runtime maps drafts back to target ids. Each head
-directory also gets datastore.npz: the training answers themselves (held-out prompts excluded), which the runtime
-searches for draft continuations (runtime/drafters/datastore.py; `write_datastores`, `python -m builder datastore`).
+every head to the K tokens the answers use most (EAGLE-3 / FR-Spec): their logits cover the target's lm_head rows
+of those tokens, the labels are the target's distribution restricted to them, and the saved heads carry EAGLE-3's
+d2t / t2d so the runtime maps drafts back to target ids. Each head directory also gets datastore.npz: the training
+answers themselves (held-out prompts excluded), which the runtime searches for draft continuations
+(runtime/drafters/datastore.py; `write_datastores`, `python -m builder datastore`).
 """
 
 from __future__ import annotations
@@ -52,12 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from builder.config import BuildConfigError
-from builder.training.config import (
-    EagleSection,
-    HeadsSection,
-    MedusaSection,
-    TrainConfig,
-)
+from builder.drafters import EvalBatch, HeadInit, TrainingTarget, builder_kind, trained_kinds
+from builder.training.config import HeadsSection, TrainConfig
 from builder.training.corpus import (
     check_windows,
     fixed_windows,
@@ -66,144 +49,10 @@ from builder.training.corpus import (
 )
 from builder.train_target import SUMMARY_FILE as TRAINING_SUMMARY
 from builder.training.loop import LEGACY_STATE_SUFFIX, STATE_SUFFIX, optimise
-from runtime.checkpoint import IGNORED_SUFFIXES
-from runtime.draft_spec import WEIGHTED_KINDS
 from runtime.drafters.draft_vocab import DraftVocab, top_frequent
-from runtime.errors import CheckpointError
 from runtime.files import shown_path
 
-MEDUSA_WEIGHT_DECAY = 0.8  # Medusa-1 weights head i's loss by 0.8^i
-EVAL_TOPK = 5
-
-
-# ---- modules (public state-dict names) -------------------------------------------------------------------
-
-
-class ResBlock(nn.Module):
-    """FasterDecoding's ResBlock: x + SiLU(Linear(x)); `linear` is the name in their state dicts."""
-
-    def __init__(self, hidden_size: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)  # the block starts as the identity
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
-
-
-def medusa_heads_module(lm_head_weight: torch.Tensor, num_heads: int, num_layers: int) -> nn.ModuleList:
-    """FasterDecoding's `medusa_head`: ModuleList of Sequential(ResBlock * n, Linear(H, V, bias=False)); every
-    projection initialised from the target's lm_head (# [V, H]). State-dict keys {h}.{l}.linear.*, {h}.{n}.weight."""
-    v, h = lm_head_weight.shape
-    heads = nn.ModuleList()
-    for _ in range(num_heads):
-        proj = nn.Linear(h, v, bias=False)
-        with torch.no_grad():
-            proj.weight.copy_(lm_head_weight)
-        heads.append(nn.Sequential(*[ResBlock(h) for _ in range(num_layers)], proj))
-    return heads
-
-
-def eagle_layer_config(target_config: Any):
-    """The EAGLE head's transformers LlamaConfig: the target's shapes, one layer."""
-    from transformers import LlamaConfig
-
-    t = target_config
-    cfg = LlamaConfig(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.hidden_size // t.num_attention_heads, max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=t.rms_norm_eps, rope_theta=_rope_theta(t), attention_bias=False, tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-def _rope_theta(cfg: Any) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-
-
-class EagleTrainHead(nn.Module):
-    """fc + one LlamaDecoderLayer without input_layernorm. The embedding is the target's (passed in, frozen)."""
-
-    def __init__(self, layer_config: Any) -> None:
-        super().__init__()
-        from transformers.models.llama.modeling_llama import (
-            LlamaDecoderLayer,
-            LlamaRotaryEmbedding,
-        )
-
-        h = layer_config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        layer = LlamaDecoderLayer(layer_config, 0)
-        layer.input_layernorm = nn.Identity()  # EAGLE-1: the fused input goes straight to attention
-        self.layers = nn.ModuleList([layer])
-        self.rotary = LlamaRotaryEmbedding(layer_config)
-
-    def forward(
-        self,
-        embeds: torch.Tensor,  # [B, T, H]: embeddings of x_{t+1}
-        features: torch.Tensor,  # [B, T, H]: f_t
-    ) -> torch.Tensor:  # [B, T, H]: predicted f_{t+1}
-        x = self.fc(torch.cat([embeds, features], dim=-1))
-        positions = torch.arange(x.shape[1], device=x.device)[None]  # [1, T]
-        cos_sin = self.rotary(x, positions)
-        for layer in self.layers:
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)  # causal (sdpa)
-        return x
-
-    def unrolled(
-        self,
-        embeds: torch.Tensor,  # [B, N, H]: embeddings of x_{j+1}, j = 0 .. N-1
-        features: torch.Tensor,  # [B, N, H]: the target's f_j
-        runs: int,
-    ) -> list[torch.Tensor]:  # runs x [B, N, H]: run s at time j predicts f_{j+1} (meaningful for j >= s)
-        """The training-time test: run 0 is forward(); run s > 0 reads, at time j, run s-1's prediction at time j-1
-        paired with x_{j+1} (a depth-(s+1) tree node), and attends exactly what that node attends while drafting:
-        run 0's entries at times <= j - s (the head cache: exact target features) and, for r = 1..s, run r's entry at
-        time j - s + r (its ancestors on the branch, then itself). Run s at time j sits at position j, like the node."""
-        if len(self.layers) != 1:
-            raise ValueError(f"the training-time test runs a one-layer head, this one has {len(self.layers)}")
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        layer = self.layers[0]
-        attn = layer.self_attn
-        b, n, _ = embeds.shape
-        device = embeds.device
-        cos, sin = self.rotary(embeds, torch.arange(n, device=device)[None])
-        t = torch.arange(n, device=device)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        outs: list[torch.Tensor] = []
-        feats = features
-        for s in range(runs):
-            if s:
-                feats = torch.cat([features[:, :1], outs[-1][:, :-1]], dim=1)  # time 0 has no parent: filler
-            x = self.fc(torch.cat([embeds, feats], dim=-1))
-            a = layer.input_layernorm(x)  # nn.Identity (EAGLE-1), as in forward()
-            q = attn.q_proj(a).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, heads, N, d]
-            k = attn.k_proj(a).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [B, kv_heads, N, d]
-            v = attn.v_proj(a).view(b, n, -1, attn.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys.append(k)
-            values.append(v)
-            # Query time j of run s reads run 0 at times <= j - s and run r >= 1 at time j - s + r.
-            allowed = [t[None, :] <= t[:, None] - s] + [t[None, :] == t[:, None] - s + r for r in range(1, s + 1)]
-            mask = torch.cat(allowed, dim=1)  # [N, (s+1) N]; the diagonal of run s itself is always allowed
-            o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
-                                               scale=attn.scaling, enable_gqa=True)  # [B, heads, N, d]
-            h = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
-            outs.append(h + layer.mlp(layer.post_attention_layernorm(h)))
-        return outs
-
-    def eagle_state_dict(self) -> dict[str, torch.Tensor]:
-        """The EAGLE checkpoint's keys: fc.*, layers.0.* (no input_layernorm, no rotary buffers)."""
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
-
-
-# ---- target features ---------------------------------------------------------------------------------------
+EVAL_TOPK = 5  # held-out metrics count top-1 and top-EVAL_TOPK agreement
 
 
 @torch.no_grad()
@@ -218,38 +67,12 @@ def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     return -(F.softmax(target_logits, -1) * F.log_softmax(logits, -1)).sum(-1).mean()
 
 
-def _ce(logits: torch.Tensor, target_logits: torch.Tensor, data: torch.Tensor, labels: str) -> torch.Tensor:
-    """logits, target_logits # [N, V]; data # [N] int64 corpus tokens."""
+def cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, data: torch.Tensor, labels: str) -> torch.Tensor:
+    """logits, target_logits # [N, V]; data # [N] int64 corpus tokens. heads.labels "target": against the target's
+    distribution; "data": against the corpus tokens."""
     if labels == "target":
         return _soft_ce(logits, target_logits)
     return F.cross_entropy(logits, data)
-
-
-# ---- per-kind training steps and metrics ---------------------------------------------------------------
-
-
-def medusa_loss(heads: nn.ModuleList, hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
-                labels: str) -> torch.Tensor:
-    """hidden # [B, T, H], logits # [B, T, V] (target), ids # [B, T]. Head i at t vs position t+i+1."""
-    total = hidden.new_zeros(())
-    t = ids.shape[1]
-    for i, head in enumerate(heads):
-        span = t - i - 2  # positions t whose label x_{t+i+2} is inside the window
-        out = head(hidden[:, :span]).flatten(0, 1)  # [B*span, V]
-        loss = _ce(out, logits[:, i + 1:i + 1 + span].flatten(0, 1), ids[:, i + 2:].flatten(), labels)
-        total = total + MEDUSA_WEIGHT_DECAY**i * loss
-    return total
-
-
-@dataclass(frozen=True)
-class EvalBatch:
-    """One held-out window as the metrics see it. Ids the heads output live in the draft vocabulary (the target's
-    when it is not reduced); a target token outside a reduced draft vocabulary is -1 (never matched)."""
-
-    ids: torch.Tensor  # [1, T] int64 target ids (the head's inputs)
-    hidden: torch.Tensor  # [1, T, H] the target's final-norm hidden states
-    greedy: torch.Tensor  # [1, T] int64 the target's greedy next token at each position, as a draft id
-    data: torch.Tensor  # [1, T] int64 ids as draft ids
 
 
 def eval_batches(target: nn.Module, windows) -> Any:
@@ -259,83 +82,9 @@ def eval_batches(target: nn.Module, windows) -> Any:
         yield EvalBatch(ids, hidden, logits.argmax(-1), ids)
 
 
-@torch.no_grad()
-def medusa_metrics(heads: nn.ModuleList, batches) -> dict[str, list[float]]:
-    """Per head: top-1 / top-5 agreement with the target's greedy token, and top-1 accuracy on the corpus."""
-    k = len(heads)
-    hit1, hit5, data1, count = [0] * k, [0] * k, [0] * k, [0] * k
-    for b in batches:
-        ids, hidden, greedy = b.data, b.hidden, b.greedy
-        t = ids.shape[1]
-        for i, head in enumerate(heads):
-            span = t - i - 2
-            top = torch.topk(head(hidden[:, :span]), EVAL_TOPK, dim=-1).indices  # [1, span, 5]
-            want = greedy[:, i + 1:i + 1 + span]
-            hit1[i] += int((top[..., 0] == want).sum())
-            hit5[i] += int((top == want[..., None]).any(-1).sum())
-            data1[i] += int((top[..., 0] == ids[:, i + 2:]).sum())
-            count[i] += span
-    return {"top1": [h / c for h, c in zip(hit1, count)], "top5": [h / c for h, c in zip(hit5, count)],
-            "top1_data": [h / c for h, c in zip(data1, count)]}
-
-
-def eagle_runs(section: EagleSection, step: int) -> int:
-    """How many times the head runs per window at this step (the training-time test starts at unroll_from)."""
-    return section.unroll if step >= section.unroll_from else 1
-
-
-def eagle_loss(head: EagleTrainHead, target: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
-               ids: torch.Tensor, section: EagleSection, labels: str,
-               runs: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
-    """Position t pairs (f_t, x_{t+1}) and predicts f_{t+1}, whose lm_head gives x_{t+2}. With runs > 1 the
-    training-time test adds run s's losses (positions t >= s, where its input is a prediction) at unroll_decay^s."""
-    feats = hidden[:, :-1]  # [B, T-1, H]
-    if section.feature_noise > 0:
-        feats = feats + (torch.rand_like(feats) * 2 - 1) * section.feature_noise
-    embeds = target.model.embed_tokens(ids[:, 1:])  # [B, T-1, H]
-    preds = [head(embeds, feats)] if runs == 1 else head.unrolled(embeds, feats, runs)  # runs x [B, T-1, H]
-    total = hidden.new_zeros(())
-    info: dict[str, float] = {}
-    for s, pred in enumerate(preds):
-        reg = F.smooth_l1_loss(pred[:, s:], hidden[:, s + 1:])
-        out = target.lm_head(pred[:, s:-1])  # [B, T-2-s, V]: x_{t+2} exists for t <= T-3
-        ce = _ce(out.flatten(0, 1), logits[:, s + 1:-1].flatten(0, 1), ids[:, s + 2:].flatten(), labels)
-        total = total + section.unroll_decay**s * (reg + section.ce_weight * ce)
-        suffix = "" if s == 0 else f"_{s + 1}"
-        info[f"regression{suffix}"], info[f"ce{suffix}"] = reg.item(), ce.item()
-    return total, info
-
-
-@torch.no_grad()
-def eagle_metrics(head: EagleTrainHead, target: nn.Module, batches, depths: int = 4) -> dict[str, list[float]]:
-    """Per depth d: top-1 / top-5 agreement of the head's x_{t+d+1} with the target's greedy token along the
-    target's greedy path, drafted as a tree branch is: exact target features up to the branch's root, the head's
-    own predictions below it (`EagleTrainHead.unrolled`). `target` supplies the embedding and the
-    (draft-vocabulary) output layer."""
-    hit1, hit5, count = [0] * depths, [0] * depths, [0] * depths
-    for b in batches:
-        ids, hidden, greedy = b.ids, b.hidden, b.greedy
-        t = ids.shape[1]
-        runs = min(depths, t - 2)
-        if runs <= 0:
-            continue
-        preds = head.unrolled(target.model.embed_tokens(ids[:, 1:]), hidden[:, :-1], runs)  # runs x [1, T-1, H]
-        for d, pred in enumerate(preds):
-            # Run d at time j (j >= d) predicts f_{j+1}, whose lm_head gives x_{j+2}: the greedy token at j + 1.
-            top = torch.topk(target.lm_head(pred[:, d:-1]).float(), EVAL_TOPK, dim=-1).indices  # [1, T-2-d, 5]
-            want = greedy[:, d + 1:t - 1]
-            hit1[d] += int((top[..., 0] == want).sum())
-            hit5[d] += int((top == want[..., None]).any(-1).sum())
-            count[d] += want.shape[1]
-    return {"top1": [h / c for h, c in zip(hit1, count) if c], "top5": [h / c for h, c in zip(hit5, count) if c]}
-
-
-# ---- the loop ---------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class HeadsResult:
-    kind: str  # "medusa" | "eagle"
+    kind: str  # the drafter kind
     output: Path
     steps: int
     elapsed_s: float
@@ -348,10 +97,9 @@ def _fingerprint(kind: str, h: HeadsSection, section: Any, data_fp: str, target_
     target weights (heads trained for one target must not resume against a retrained one)."""
     d = dataclasses.asdict(section)
     d.pop("output")
-    d.pop("init", None)  # where the weights started: a resumed state has moved on from them
     for k in ("max_steps", "max_minutes", "threads"):  # extending a run's budget is allowed
         d["train"].pop(k)
-    for k in ("unroll", "unroll_decay", "unroll_from"):  # so is switching the training-time test on for what follows
+    for k in builder_kind(kind).resume_ignores:
         d.pop(k, None)
     payload = json.dumps([kind, h.labels, d, data_fp, target_fp], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -369,41 +117,10 @@ def _prepare_kind(kind: str, h: HeadsSection, section: Any, train: np.ndarray, h
     return opt, _fingerprint(kind, h, section, data_fp, target_fp)
 
 
-def eagle_init(section: EagleSection, target_vocab: int) -> tuple[dict[str, torch.Tensor], DraftVocab | None] | None:
-    """heads.eagle.init's weights (EagleTrainHead's keys, float32) and its reduced draft vocabulary; None when the
-    section has no init. The head is checked as the runtime loads one (runtime.drafters.eagle)."""
-    from runtime.checkpoint import read_head_state
-    from runtime.drafters.eagle import SAFETENSORS_FILE, TORCH_FILE
-
-    if section.init is None:
-        return None
-    if not section.init.is_dir():
-        raise BuildConfigError(f"heads.eagle.init: {shown_path(section.init)} is not a directory; expected an EAGLE "
-                               f"head directory (config.json + {TORCH_FILE})")
-    try:
-        file, state = read_head_state(section.init, (TORCH_FILE, SAFETENSORS_FILE), "EAGLE")
-        vocab = DraftVocab.from_state(state, target_vocab, file)
-    except CheckpointError as exc:
-        raise BuildConfigError(f"heads.eagle.init: {exc}") from exc
-    return {k: v.float() for k, v in state.items()}, vocab
-
-
 def _init_field(section: Any) -> dict[str, str]:
     """{"init": the head a run started from}, for its log and summary; {} when it started from scratch."""
     init = getattr(section, "init", None)
     return {} if init is None else {"init": shown_path(init)}
-
-
-def _start_from(module: EagleTrainHead, state: dict[str, torch.Tensor], where: Path) -> None:
-    """Load an init head's weights into `module`: every weight of the one-layer head, nothing else."""
-    want = {k: tuple(v.shape) for k, v in module.eagle_state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
-    if want != got:
-        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
-        shapes = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
-        raise BuildConfigError(f"heads.eagle.init: {shown_path(where)} is not a one-layer EAGLE-1 head for this "
-                               f"target (missing {missing[:4]}, unexpected {extra[:4]}, other shapes {shapes[:4]})")
-    module.load_state_dict({k: state[k] for k in want}, strict=False)
 
 
 def target_digest(path: Path) -> str:
@@ -455,47 +172,32 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
     if data.vocab_size != target.config.vocab_size:
         raise BuildConfigError(f"heads.target: tokenizer.json has {data.vocab_size} tokens but the model's vocab_size "
                                f"is {target.config.vocab_size}")
+    tt = TrainingTarget(target, target.config, target.lm_head.weight.detach())
     results = []
     for kind in kinds:
-        section = getattr(h, kind)
+        section, hooks = getattr(h, kind), builder_kind(kind)
         opt, fp = _prepare_kind(kind, h, section, data.train, data.held_out, "split", split.fingerprint(), target_fp)
-        if kind == "medusa":
-            module = medusa_heads_module(target.lm_head.weight.detach(), section.num_heads, section.num_layers)
+        init = hooks.init_head(section, target.config.vocab_size)
+        if init is not None and init[1] is not None:
+            raise BuildConfigError(f"heads.{kind}.init: {shown_path(section.init)} scores a reduced draft vocabulary; "
+                                   "expected a full-vocabulary head unless corpus.source is 'chat'")
+        module = hooks.train_module(section, tt, init)
 
-            def step_loss(ids, step, module=module):
-                hidden, logits = target_outputs(target, ids)
-                return medusa_loss(module, hidden, logits, ids, h.labels), {}
+        def step_loss(ids, step, module=module, section=section, hooks=hooks):
+            hidden, logits = target_outputs(target, ids)
+            return hooks.train_loss(module, section, tt, ids, hidden, logits, h.labels, step)
 
-            def metrics(windows, module=module):
-                return medusa_metrics(module, eval_batches(target, windows))
-        else:
-            module = EagleTrainHead(eagle_layer_config(target.config))
-            init = eagle_init(section, target.config.vocab_size)
-            if init is not None:
-                if init[1] is not None:
-                    raise BuildConfigError(f"heads.eagle.init: {shown_path(section.init)} scores a reduced draft "
-                                           f"vocabulary; expected a full-vocabulary head unless corpus.source is 'chat'")
-                _start_from(module, init[0], section.init)
+        def evaluate(step: int, module=module, opt=opt, hooks=hooks) -> dict[str, list[float]]:
+            windows = fixed_windows(data.held_out, opt.eval_batches, opt.seq_len)
+            return hooks.train_metrics(module, tt, eval_batches(target, windows))
 
-            def step_loss(ids, step, module=module, section=section):
-                hidden, logits = target_outputs(target, ids)
-                return eagle_loss(module, target, hidden, logits, ids, section, h.labels, eagle_runs(section, step))
-
-            def metrics(windows, module=module):
-                return eagle_metrics(module, target, eval_batches(target, windows))
-
-        def evaluate(step: int, metrics=metrics, opt=opt) -> dict[str, list[float]]:
-            return metrics(fixed_windows(data.held_out, opt.eval_batches, opt.seq_len))
-
+        log = work / f"{kind}_log.jsonl"
         steps, elapsed, loss, final = optimise(module, step_loss, evaluate, opt, data.train, opt.seq_len,
-                                               work / f"{kind}-state{STATE_SUFFIX}", fp, work / f"{kind}_log.jsonl", kind, quiet)
-        if kind == "medusa":
-            save_medusa(module, section, h, target.config, work)
-        else:
-            save_eagle(module, section, h, target.config, work)
+                                               work / f"{kind}-state{STATE_SUFFIX}", fp, log, kind, quiet)
+        hooks.save_head(module, section, h, target.config, log, None)
         result = HeadsResult(kind, section.output, steps, elapsed, final, loss)
         summary = {**dataclasses.asdict(result), "output": shown_path(section.output), "target": shown_path(h.target),
-                   "labels": h.labels, "metrics_meaning": _MEANING[kind]}
+                   "labels": h.labels, "metrics_meaning": hooks.metrics_meaning}
         (section.output / TRAINING_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         results.append(result)
     return results
@@ -530,7 +232,7 @@ class ChatData:
 
 def _head_kinds(config: TrainConfig, only: str | None) -> list[str]:
     """The configured head kinds (or `only` that one); BuildConfigError when none is."""
-    kinds = [k for k in WEIGHTED_KINDS if getattr(config.heads, k) is not None and only in (None, k)]
+    kinds = [k for k in trained_kinds() if getattr(config.heads, k, None) is not None and only in (None, k)]
     if not kinds:
         raise BuildConfigError(f"{config.source}: heads.{only}: not configured")
     return kinds
@@ -615,6 +317,28 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
                     np.concatenate(held_pos), vocab, to_draft, coverage, train_answers)
 
 
+def _init_vocab(config: TrainConfig, inits: dict[str, HeadInit | None]) -> DraftVocab | None:
+    """The reduced draft vocabulary the heads' init weights score (None: none do), checked against
+    heads.draft_vocab_size: the heads trained together share one vocabulary."""
+    h, vocab = config.heads, None
+    for kind, init in inits.items():
+        if init is None:
+            continue
+        where = shown_path(getattr(h, kind).init)
+        if (init[1] is None) != (h.draft_vocab_size is None):
+            scores = "scores the full vocabulary" if init[1] is None else "has a reduced draft vocabulary"
+            raise BuildConfigError(f"heads.{kind}.init: {where} {scores}, but heads.draft_vocab_size is "
+                                   f"{h.draft_vocab_size}")
+        if init[1] is not None and init[1].size != h.draft_vocab_size:
+            raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, but the init "
+                                   f"head scores a draft vocabulary of {init[1].size} tokens")
+        if vocab is not None and init[1] is not None and not torch.equal(vocab.target_ids, init[1].target_ids):
+            raise BuildConfigError(f"heads.{kind}.init: {where} scores another draft vocabulary than the other "
+                                   "heads' init")
+        vocab = init[1] if init[1] is not None else vocab
+    return vocab
+
+
 def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> list[HeadsResult]:
     from runtime.checkpoint import load_checkpoint
 
@@ -626,15 +350,8 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
     target_config = AutoConfig.from_pretrained(str(h.target))  # what the transformers-built heads are shaped from
     embed = tensors["model.embed_tokens.weight"]
     lm_full = tensors.get("lm_head.weight", embed)  # [V, H]
-    init = eagle_init(h.eagle, ours.vocab_size) if "eagle" in kinds else None
-    if init is not None and (init[1] is None) != (h.draft_vocab_size is None):
-        raise BuildConfigError(f"heads.eagle.init: {shown_path(h.eagle.init)} "
-                               f"{'scores the full vocabulary' if init[1] is None else 'has a reduced draft vocabulary'}"
-                               f", but heads.draft_vocab_size is {h.draft_vocab_size}")
-    if init is not None and init[1] is not None and init[1].size != h.draft_vocab_size:
-        raise BuildConfigError(f"{config.source}: heads.draft_vocab_size: got {h.draft_vocab_size}, but the init "
-                               f"head scores a draft vocabulary of {init[1].size} tokens")
-    data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet, None if init is None else init[1])
+    inits = {kind: builder_kind(kind).init_head(getattr(h, kind), ours.vocab_size) for kind in kinds}
+    data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet, _init_vocab(config, inits))
     lm_draft = lm_full if data.vocab is None else lm_full[data.vocab.target_ids].contiguous()  # [K, H]
     view = FrozenTargetView(embed, lm_draft)
     target_fp = target_digest(h.target)
@@ -653,46 +370,31 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
             greedy = data.to_draft[F.linear(hidden, lm_full).argmax(-1)]  # the target's greedy token, as a draft id
             yield EvalBatch(ids, hidden, greedy, data.to_draft[ids])
 
+    tt = TrainingTarget(view, target_config, lm_draft)
     results = []
     for kind in kinds:
-        section = getattr(h, kind)
+        section, hooks = getattr(h, kind), builder_kind(kind)
         opt, fp = _prepare_kind(kind, h, section, data.train, data.held_out, "conversations", data_fp, target_fp)
-        if kind == "medusa":
-            module = medusa_heads_module(lm_draft, section.num_heads, section.num_layers)
+        module = hooks.train_module(section, tt, inits[kind])
 
-            def step_loss(pos, step, module=module):
-                ids, hidden = gather(pos)
-                return medusa_loss(module, hidden, view.lm_head(hidden), ids, "target"), {}
+        def step_loss(pos, step, module=module, section=section, hooks=hooks):
+            ids, hidden = gather(pos)
+            return hooks.train_loss(module, section, tt, ids, hidden, view.lm_head(hidden), "target", step)
 
-            def metrics(module=module, opt=opt):
-                return medusa_metrics(module, held_batches(opt))
-        else:
-            module = EagleTrainHead(eagle_layer_config(target_config))
-            if init is not None:
-                _start_from(module, init[0], section.init)
+        def evaluate(step: int, module=module, opt=opt, hooks=hooks) -> dict[str, list[float]]:
+            return hooks.train_metrics(module, tt, held_batches(opt))
 
-            def step_loss(pos, step, module=module, section=section):
-                ids, hidden = gather(pos)
-                return eagle_loss(module, view, hidden, view.lm_head(hidden), ids, section, "target",
-                                  eagle_runs(section, step))
-
-            def metrics(module=module, opt=opt):
-                return eagle_metrics(module, view, held_batches(opt))
-
-        steps, elapsed, loss, final = optimise(module, step_loss, lambda step, metrics=metrics: metrics(), opt,
-                                               data.train, opt.seq_len, work / f"{kind}-state{STATE_SUFFIX}", fp,
-                                               work / f"{kind}_log.jsonl", kind, quiet,
+        log = work / f"{kind}_log.jsonl"
+        steps, elapsed, loss, final = optimise(module, step_loss, evaluate, opt, data.train, opt.seq_len,
+                                               work / f"{kind}-state{STATE_SUFFIX}", fp, log, kind, quiet,
                                                start_fields={"draft_vocab_size": h.draft_vocab_size,
                                                              "draft_vocab_coverage": round(data.coverage, 4),
                                                              "train_positions": int(data.train.shape[0]),
                                                              **_init_field(section)})
-        if kind == "medusa":
-            save_medusa(module, section, h, target_config, work, data.vocab)
-        else:
-            save_eagle(module, section, h, target_config, work, data.vocab)
+        hooks.save_head(module, section, h, target_config, log, data.vocab)
         result = HeadsResult(kind, section.output, steps, elapsed, final, loss)
         summary = {**dataclasses.asdict(result), "output": shown_path(section.output), "target": shown_path(h.target),
-                   "labels": "target (its own greedy chat answers)", "metrics_meaning": _MEANING[kind],
+                   "labels": "target (its own greedy chat answers)", "metrics_meaning": hooks.metrics_meaning,
                    "draft_vocab_size": h.draft_vocab_size, "draft_vocab_coverage": data.coverage,
                    "train_tokens": int(data.train.shape[0]), "held_out_tokens": int(data.held_out.shape[0]),
                    **_init_field(section)}
@@ -700,13 +402,6 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
         results.append(result)
     _save_datastores(config, kinds, data.train_answers)
     return results
-
-
-_MEANING = {
-    "medusa": "held-out agreement with the target's greedy token; entry i = head i (tree depth i + 1)",
-    "eagle": "held-out agreement with the target's greedy token; entry d = depth d + 1 (drafted as a tree branch: exact "
-             "features to the root, the head's own below it)",
-}
 
 
 def swap_in(tmp: Path, out: Path) -> None:
@@ -725,76 +420,11 @@ def fresh_tmp(out: Path) -> Path:
     return tmp
 
 
-def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, target_config: Any, work: Path,
-                vocab: DraftVocab | None = None) -> Path:
-    """FasterDecoding layout: config.json (medusa_num_heads, medusa_num_layers, ...) + medusa_lm_head.safetensors."""
-    from safetensors.torch import save_file
-
-    dtype = getattr(torch, h.save_dtype)
-    tmp = fresh_tmp(section.output)
-    cfg = {
-        "medusa_num_heads": section.num_heads,
-        "medusa_num_layers": section.num_layers,
-        "base_model_name_or_path": h.target.name,
-        "hidden_size": target_config.hidden_size,
-        "vocab_size": target_config.vocab_size,
-        "torch_dtype": h.save_dtype,
-    }
-    if vocab is not None:
-        cfg["draft_vocab_size"] = vocab.size
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
-    if vocab is not None:
-        state.update(vocab.state())
-    save_file(state, str(tmp / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
-    shutil.copy2(work / "medusa_log.jsonl", tmp / "training_log.jsonl")
-    swap_in(tmp, section.output)
-    return section.output
-
-
-def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, target_config: Any, work: Path,
-               vocab: DraftVocab | None = None) -> Path:
-    """EAGLE repository layout: Llama-style config.json (one layer, "bias": true for fc) + pytorch_model.bin."""
-    dtype = getattr(torch, h.save_dtype)
-    tmp = fresh_tmp(section.output)
-    t = target_config
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "bias": True,
-        "hidden_act": "silu",
-        "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads,
-        "max_position_embeddings": t.max_position_embeddings,
-        "rms_norm_eps": t.rms_norm_eps,
-        "rope_theta": _rope_theta(t),
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "vocab_size": t.vocab_size,
-        "bos_token_id": t.bos_token_id,
-        "eos_token_id": t.eos_token_id,
-        "torch_dtype": h.save_dtype,
-        "base_model_name_or_path": h.target.name,
-    }
-    state = {k: v.to(dtype) for k, v in head.eagle_state_dict().items()}
-    if vocab is not None:
-        cfg["draft_vocab_size"] = vocab.size
-        state.update(vocab.state())
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    torch.save(state, tmp / "pytorch_model.bin")
-    shutil.copy2(work / "eagle_log.jsonl", tmp / "training_log.jsonl")
-    swap_in(tmp, section.output)
-    return section.output
-
-
 def report_table(result: HeadsResult):
     """A rich table of a result's held-out agreement per head / depth."""
     from rich.table import Table
 
-    label = "head" if result.kind == "medusa" else "depth"
+    label, first = builder_kind(result.kind).metrics_rows
     table = Table(title=f"{result.kind}: {result.steps} steps in {result.elapsed_s / 60:.1f} min -> {result.output}",
                   title_justify="left")
     table.add_column(label, justify="right")
@@ -802,26 +432,21 @@ def report_table(result: HeadsResult):
         table.add_column(name.replace("_", " "), justify="right")
     n = len(next(iter(result.metrics.values())))
     for i in range(n):
-        table.add_row(str(i if result.kind == "medusa" else i + 1),
+        table.add_row(str(i + first),
                       *(f"{result.metrics[k][i]:.3f}" for k in result.metrics if i < len(result.metrics[k])))
     return table
 
 
 __all__ = [
-    "EagleTrainHead",
+    "EVAL_TOPK",
     "HeadsResult",
-    "ResBlock",
-    "eagle_layer_config",
-    "eagle_loss",
-    "eagle_metrics",
-    "eagle_runs",
+    "cross_entropy",
+    "eval_batches",
+    "fresh_tmp",
     "load_frozen_target",
-    "medusa_heads_module",
-    "medusa_loss",
-    "medusa_metrics",
     "report_table",
-    "save_eagle",
-    "save_medusa",
+    "swap_in",
     "target_outputs",
     "train_heads",
+    "write_datastores",
 ]

@@ -4,7 +4,7 @@ TensorRT-LLM is not a dependency: this writes what its docs and converters produ
 examples/{medusa,eagle,ngram} of TensorRT-LLM) so that `trtllm-build` 1.2.x builds from it. The tensors and their
 shards come from builder/trtllm_layout.py (the layout is runtime/engine.py's, which reads it back). Every config
 key, flag and value written here is traced to its TensorRT-LLM source in ARCHITECTURE.md ("TensorRT-LLM export:
-sources").
+sources"). What a drafter adds to them is its builder kind's (`builder.drafters`: `trtllm_*`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from builder.config import BuildPlan
-from builder.trtllm_layout import eagle_to_trtllm, medusa_to_trtllm, shard_rank, target_to_trtllm
+from builder.drafters import builder_kind
+from builder.trtllm_layout import shard_rank, target_to_trtllm
 from runtime.config import DTYPES, ModelConfig
 from runtime.engine import TARGET_FILE, TRTLLM_CONFIG, TRTLLM_DIR, QKVLayout, TPLayout, rank_file
 from runtime.errors import ConfigError
@@ -107,8 +108,8 @@ def max_non_leaves_per_layer(tree: Tree) -> int:
     return max(counts.values(), default=1)
 
 
-def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) -> dict[str, Any]:
-    """trtllm_checkpoint/config.json."""
+def checkpoint_config(plan: BuildPlan, drafter: Any) -> dict[str, Any]:
+    """trtllm_checkpoint/config.json; `drafter`: the runtime drafter built for this plan."""
     m = plan.model
     tp = plan.config.build.tp_size
     dtype = trtllm_dtype(plan.dtype)
@@ -117,27 +118,7 @@ def checkpoint_config(plan: BuildPlan, eagle_head: ModelConfig | None = None) ->
         # MedusaConfig picks QWenConfig as its base when "qwen" is in model_type (tensorrt_llm/models/medusa/
         # config.py); QWenDecoderLayer branches on qwen_type; seq_length: see QWEN_SEQ_LENGTH.
         cfg.update(qwen_type="qwen2", model_type="qwen2", seq_length=QWEN_SEQ_LENGTH)
-    if plan.draft.kind == "medusa":
-        cfg.update(
-            architecture="MedusaForCausalLM",
-            num_medusa_heads=plan.num_medusa_heads,
-            num_medusa_layers=plan.num_medusa_layers,
-            max_draft_len=plan.config.build.max_draft_len,
-        )
-    elif plan.draft.kind == "eagle":
-        assert eagle_head is not None
-        tree = plan.draft.static_tree
-        net = {"architecture": "LlamaForCausalLM", **_decoder_fields(eagle_head, dtype, tp)}
-        net.update(tie_word_embeddings=False, mlp_bias=False, head_dim=eagle_head.head_dim)
-        cfg.update(
-            architecture="EagleForCausalLM",
-            num_eagle_layers=plan.draft.model_only.max_tree_depth,
-            max_draft_len=plan.config.build.max_draft_len,
-            max_non_leaves_per_layer=(
-                plan.draft.dynamic.top_k if tree is None else max_non_leaves_per_layer(tree)
-            ),
-            eagle_net_config=net,
-        )
+    cfg.update(builder_kind(plan.draft.kind).trtllm_config(plan, drafter, lambda c: _decoder_fields(c, dtype, tp)))
     return cfg
 
 
@@ -151,30 +132,7 @@ def checkpoint_tensors(
     were validated by runtime/drafters/ loaders).
     """
     tensors = target_to_trtllm(plan.model, target)
-    eagle = None
-    if plan.draft.kind == "medusa":
-        h = drafter.heads
-        lm = h.lm_weight  # [heads, K, H]
-        if h.vocab is not None:
-            # TensorRT-LLM's Medusa has no reduced draft vocabulary (only EAGLE-3 does): the heads go out over the
-            # full vocabulary, rows outside the draft vocabulary zero. Drafting there is then over all V tokens
-            # (a zero logit may outrank a draft token: lower acceptance, never a different output).
-            full = lm.new_zeros(lm.shape[0], h.vocab.target_vocab, lm.shape[2])
-            full[:, h.vocab.target_ids.to(lm.device)] = lm
-            lm = full
-        tensors.update(medusa_to_trtllm(h.res_weight, h.res_bias, lm))
-    elif plan.draft.kind == "eagle":
-        head = drafter.head
-        eagle = QKVLayout.of(head.config)
-        tensors.update(
-            eagle_to_trtllm(
-                head.state_dict(),
-                head.config,
-                plan.draft.model_only.max_tree_depth,
-                target["model.embed_tokens.weight"],
-                tensors["lm_head.weight"],
-            )
-        )
+    draft_layout = builder_kind(plan.draft.kind).trtllm_tensors(plan, drafter, dict(target), tensors)
     name = trtllm_dtype(plan.dtype)
     dtype = DTYPES[name]
     limit = torch.finfo(dtype).max
@@ -184,7 +142,7 @@ def checkpoint_tensors(
             raise ConfigError(f"TensorRT-LLM export: {n} has a weight of magnitude {float(t.abs().max()):.4g}, beyond "
                               f"{name}'s range ({limit:.4g}); build with dtype bfloat16")
         out[n] = t.to(dtype)
-    return out, TPLayout(plan.model.vocab_size, QKVLayout.of(plan.model), eagle)
+    return out, TPLayout(plan.model.vocab_size, QKVLayout.of(plan.model), draft_layout)
 
 
 def write_checkpoint(
@@ -233,48 +191,21 @@ def build_args(plan: BuildPlan) -> list[str]:
         "--max_seq_len", str(plan.max_seq_len),
         "--workers", str(b.tp_size),
     ]
-    if plan.draft.kind == "medusa":
-        args += ["--speculative_decoding_mode", "medusa", "--max_draft_len", str(b.max_draft_len)]
-    elif plan.draft.kind == "eagle":
-        args += ["--speculative_decoding_mode", "eagle", "--max_draft_len", str(b.max_draft_len),
-                 "--use_paged_context_fmha", "enable"]
-    elif plan.draft.kind == "lookup":
-        args += ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(b.max_draft_len),
-                 "--use_paged_context_fmha", "enable"]
-    return args
+    return args + builder_kind(plan.draft.kind).trtllm_build_args(plan)
 
 
 def run_args(plan: BuildPlan) -> list[str]:
     """Extra arguments of TensorRT-LLM 1.2's examples/run.py for this drafter (flags of examples/utils.py
-    add_common_args; the checks quoted are run.py's own)."""
-    tree = plan.draft.static_tree
-    # A medusa / eagle drafter with prompt lookup merged in runs here as the model drafter alone: TensorRT-LLM has no
-    # such merge (the merge is spectree's runtime's), nor pruning by path probability (an EAGLE tree runs whole).
-    if plan.draft.kind == "medusa":
-        assert tree is not None
-        # run.py asserts `args.temperature == 1.0, "Medusa should use temperature == 1.0"`; greedy is top-k 1 (its
-        # default). TensorRT-LLM runs Medusa greedily only (its typical acceptance is lossy).
-        return [f"--medusa_choices={choices_string(tree)}", "--temperature=1.0", "--top_k=1", "--use_py_session"]
-    if plan.draft.kind == "eagle":
-        # run.py asserts `not args.use_py_session, "Eagle does not support py session"`.
-        if tree is not None:
-            return [f"--eagle_choices={choices_string(tree)}"]
-        return ["--eagle_use_dynamic_tree", f"--eagle_dynamic_tree_max_top_k={plan.draft.dynamic.top_k}"]
-    if plan.draft.kind == "lookup":
-        # --ngram_config [max_draft_len, max_matching_ngram_size, device_list] (1.x; pre-1.0 --prompt_lookup_config);
-        # the device list has one GPU per rank (examples/ngram/README.md), and run.py asserts
-        # kv_cache_enable_block_reuse and not use_py_session for it.
-        lk = plan.draft.lookup
-        devices = ",".join(str(r) for r in range(plan.config.build.tp_size))
-        return [f"--ngram_config=[{lk.num_draft_tokens},{lk.max_ngram},[{devices}]]", "--kv_cache_enable_block_reuse"]
-    return []
+    add_common_args). A weighted drafter with prompt lookup merged in runs there as the model drafter alone:
+    TensorRT-LLM has no such merge (the merge is spectree's runtime's), nor pruning by path probability."""
+    return builder_kind(plan.draft.kind).trtllm_run_args(plan)
 
 
 def run_launcher(plan: BuildPlan) -> str:
-    """What runs examples/run.py: mpirun with one process per rank, except for NGram, whose run.py path
-    (examples/ngram/run_dtm_ngram.py) is orchestrator mode and spreads ranks over its device list itself."""
+    """What runs examples/run.py: mpirun with one process per rank, unless the drafter's run spreads its ranks
+    itself (`BuilderKind.trtllm_mpirun`)."""
     tp = plan.config.build.tp_size
-    return f"mpirun -n {tp} --allow-run-as-root " if tp > 1 and plan.draft.kind != "lookup" else ""
+    return f"mpirun -n {tp} --allow-run-as-root " if tp > 1 and builder_kind(plan.draft.kind).trtllm_mpirun else ""
 
 
 def build_script(plan: BuildPlan, header: str) -> str:

@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from builder.config import BuildConfig, BuildConfigError, load_config, plan_build
+from builder.config import BuildConfig, BuildConfigError, load_config
+from builder.plan import plan_build
 from builder.tree_search import best_tree, expected_tokens
 from runtime import schema
 from runtime.decode import SpecDecoder
-from runtime.draft_spec import WEIGHTED_KINDS, DraftSpec, PruneOptions
+from runtime.draft_spec import DraftSpec, PruneOptions, drafter_kind, kinds
 from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.model import TargetModel
@@ -166,16 +167,9 @@ class RecordingDrafter:
 
 
 def _drafter_with_tree(drafter, model: TargetModel, tree: Tree, pruning: PruneOptions | None = None):
-    """The same loaded heads with another static tree (no re-reading of weights); pruning: EAGLE's, for timing a
-    tree as the config runs it (the acceptance comb is measured whole)."""
-    from runtime.drafters.eagle import EagleDrafter
-    from runtime.drafters.medusa import MedusaDrafter
-
-    if isinstance(drafter, MedusaDrafter):
-        return MedusaDrafter(drafter.heads, tree)
-    if isinstance(drafter, EagleDrafter):
-        return EagleDrafter(drafter.head, model, tree=tree, quantization=drafter.quantization, pruning=pruning)
-    raise BuildConfigError(f"tune-tree tunes static trees of medusa / eagle drafters, not {drafter.name!r}")
+    """The same loaded heads with another static tree (no re-reading of weights); pruning: for timing a tree as the
+    config runs it (the acceptance comb is measured whole)."""
+    return drafter_kind(drafter.name).with_tree(drafter, model, tree, pruning)
 
 
 # ---- 2. costs ---------------------------------------------------------------------------------------------
@@ -283,8 +277,10 @@ def tune(
     grid, references, objective = settings.grid, settings.references, settings.objective
     say = progress or (lambda msg: None)
     d = config.draft
-    if d.method not in WEIGHTED_KINDS:
-        raise BuildConfigError(f"{config.source}: draft.method: got {d.method!r}, expected 'medusa' or 'eagle' "
+    kind = d.spec().drafter_kind
+    if not kind.weighted:
+        heads = " or ".join(repr(k.name) for k in kinds() if k.weighted)
+        raise BuildConfigError(f"{config.source}: draft.method: got {d.method!r}, expected {heads} "
                                "(tune-tree chooses static trees for draft heads)")
     if not prompts:
         raise BuildConfigError("no calibration prompts")
@@ -292,9 +288,9 @@ def tune(
     tokenizer = Tokenizer.from_dir(config.model.checkpoint)
     # The head as the config runs it (its quantization: drafting costs depend on it), without a merged prompt lookup:
     # the tree is tuned for what the head drafts.
-    base = load_drafter(DraftSpec(d.method, path=d.checkpoint, tree=Tree.chain(1), quantization=d.quantization), model)
-    if d.method == "medusa":
-        depth = min(depth, base.heads.config.num_heads)
+    base = load_drafter(DraftSpec(kind.name, path=d.checkpoint, tree=Tree.chain(1), quantization=d.quantization), model)
+    if (deepest := kind.max_depth(base)) is not None:
+        depth = min(depth, deepest)
     max_nodes = min(max_nodes, config.build.max_draft_len + 1)
 
     # 1. acceptance through the real decode loop

@@ -28,6 +28,7 @@ import yaml
 from deploy.server import project_root, tcp_port
 from runtime import schema
 from runtime.errors import ConfigError
+from runtime.scheduler_config import SchedulerConfig
 from runtime.schema import setting
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # tritonserver 2.51.0, the version the CPU tests run
@@ -61,7 +62,7 @@ class DeployConfig:
     repo_dir: str = _container_path("/tmp/spectree-repo")  # where the container renders its model repository
     # spec_decode instance kind: cuda (KIND_GPU) or cpu
     device: str = setting("cuda", choices=("cpu", "cuda"))
-    max_concurrent_requests: int = setting(8, ge=1)
+    max_concurrent_requests: int = setting(SchedulerConfig.max_concurrent_requests, ge=1)
     http_port: int = tcp_port(8000)
     grpc_port: int = tcp_port(8001)
     metrics_port: int = tcp_port(8002)

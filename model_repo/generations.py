@@ -84,7 +84,8 @@ class Generations:
     draft tree verified in one target forward per step; a bounded FIFO queue; admission by a KV budget).
 
     `submit` hands a parsed request to the scheduler and returns at once: a request that can never fit the budget
-    is refused with RequestError, one beyond max_batch_size + max_queue_size with runtime.errors.OverloadedError
+    is refused with RequestError, one beyond max_concurrent_requests + max_queue_size with
+    runtime.errors.OverloadedError
     (UNAVAILABLE, "overloaded: ..."). Its deltas become responses on the scheduler's thread (`ResponseBuilder`:
     one per delta when streaming, one whole response otherwise); a request leaves the batch before its final
     response goes out, so a client sending its next request at once finds room.
@@ -253,7 +254,7 @@ def run_generation(decoder: Any, request: GenerateRequest, sink: ResponseSink,
     ids = prompt_ids(decoder, request) if prompt is None else list(prompt)
     budget = decoder.model.cache_bytes(decoder.max_context + decoder.max_tree_nodes)
     ended: list[tuple[BaseException | None, Any]] = []
-    config = SchedulerConfig(max_batch_size=1, max_queue_size=0, kv_budget_bytes=budget)
+    config = SchedulerConfig(max_concurrent_requests=1, max_queue_size=0, kv_budget_bytes=budget)
     with Generations(decoder, config, on_done=lambda _r, error, final: ended.append((error, final)),
                      name="run_generation") as gens:
         gens.submit(request, ids, sink).wait()

@@ -70,7 +70,7 @@ TAU = MetricSpec("spectree_tau", "histogram", "Tokens emitted per verification s
 ACTIVE = MetricSpec("spectree_active_requests", "gauge", "Requests in the batch now, per model instance",
                     ("model", "instance"))
 CAPACITY = MetricSpec("spectree_generation_slots", "gauge",
-                      "Requests decoded together (the scheduler's max_batch_size), per model instance",
+                      "Requests decoded together (the scheduler's max_concurrent_requests), per model instance",
                       ("model", "instance"))
 QUEUED = MetricSpec("spectree_queued_requests", "gauge", "Requests waiting to join the batch",
                     ("model", "instance"))
@@ -124,7 +124,7 @@ class SpecMetrics:
 
     def limits(self, config: SchedulerConfig) -> None:
         labels = {"model": self.model, "instance": self.instance}
-        self.backend.set(CAPACITY, labels, config.max_batch_size)
+        self.backend.set(CAPACITY, labels, config.max_concurrent_requests)
         self.backend.set(QUEUE_CAPACITY, labels, config.max_queue_size)
         self.backend.set(KV_BUDGET, labels, config.kv_budget_bytes)
         self._kv_budget = config.kv_budget_bytes

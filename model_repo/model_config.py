@@ -100,7 +100,9 @@ class EnsembleScheduling:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class TritonModelConfig:
+    """Triton's ModelConfig message (a config.pbtxt), named apart from the runtime's `runtime.config.ModelConfig`."""
+
     name: str
     backend: str | None = None  # "python" for python models
     platform: str | None = None  # "ensemble" for ensembles
@@ -144,7 +146,7 @@ __all__ = [
     "EnsembleStep",
     "InstanceGroup",
     "Kind",
-    "ModelConfig",
+    "TritonModelConfig",
     "ModelInput",
     "ModelOutput",
     "ModelParameter",

@@ -39,15 +39,15 @@ from model_repo.pbtxt import dumps, loads
 from model_repo.model_config import (
     InstanceGroup,
     Kind,
-    ModelConfig,
     ModelParameter,
     TransactionPolicy,
+    TritonModelConfig,
 )
 from runtime import schema
-from runtime.batching import SchedulerConfig
 from runtime.config import DTYPES
-from runtime.draft_spec import KINDS
+from runtime.draft_spec import drafter_kind, field_names
 from runtime.errors import ConfigError
+from runtime.scheduler_config import SchedulerConfig
 from runtime.schema import setting
 from runtime.files import remove_stale_work_dirs, work_dir
 
@@ -71,14 +71,14 @@ class RepoOptions:
     # None: the engine's absolute local path
     device: str = setting("cpu", choices=("cpu", "cuda"))  # instance kind of spec_decode (KIND_CPU / KIND_GPU)
     instances: int = setting(1, ge=1)  # spec_decode instances (each loads its own copy of the model)
-    # requests decoded together per spec_decode instance (its batching scheduler's max_batch_size: one target
+    # requests decoded together per spec_decode instance (its batching scheduler's: one target
     # forward per step verifies all their draft trees); more wait in the queue
-    max_concurrent_requests: int = setting(8, ge=1)
+    max_concurrent_requests: int = setting(SchedulerConfig.max_concurrent_requests, ge=1)
     # rows per request the entry model takes: it batches like tensorrtllm_backend's ensemble (max_batch_size > 0,
     # [batch, 1] tensors); each row is one spec_decode request, the rows of a request run one after another
     max_batch_size: int = setting(8, ge=1)
     # requests waiting (FIFO) per instance; beyond it: UNAVAILABLE ("overloaded: ...")
-    max_queue_size: int = setting(32, ge=0)
+    max_queue_size: int = setting(SchedulerConfig.max_queue_size, ge=0)
     # prompt tokens per request per step (a long prompt joins the batch over several steps instead of stalling it)
     prefill_chunk: int = setting(SchedulerConfig.prefill_chunk, ge=1)
     # tree nodes one step verifies across an instance's batch: each request's tree is pruned to an even share, so
@@ -100,7 +100,7 @@ class RepoOptions:
     # 69 output tokens/s with the default vs 110-130 with 1 thread).
     torch_threads: int = setting(1, ge=0)
     # runtime.load overrides (None: the engine's own drafter / tree / dtype)
-    draft: str | None = setting(None, choices=KINDS)
+    draft: str | None = None  # a drafter kind (runtime.draft_spec.kind_names())
     draft_model: str | None = None
     tree: str | None = None
     dtype: str | None = setting(None, choices=tuple(DTYPES))
@@ -110,6 +110,9 @@ class RepoOptions:
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError)
+        if self.draft is not None:
+            with field_names("load"):
+                drafter_kind(self.draft)
 
     @classmethod
     def from_mapping(cls, data: Any, where: str = "options") -> RepoOptions:
@@ -133,7 +136,7 @@ PROMPT_BYTES_PER_TOKEN = 16  # max_prompt_bytes's default, per token of context
 @dataclass(frozen=True)
 class RenderedRepo:
     path: Path
-    configs: dict[str, ModelConfig]  # model name -> config written
+    configs: dict[str, TritonModelConfig]  # model name -> config written
     max_context: int
     max_tokens_limit: int
 
@@ -144,11 +147,11 @@ def _params(values: dict[str, Any]) -> dict[str, ModelParameter]:
 
 def model_configs(
     options: RepoOptions, engine_path: str, max_context: int, max_tokens_limit: int
-) -> dict[str, ModelConfig]:
+) -> dict[str, TritonModelConfig]:
     """The three model configs (pure: no filesystem access)."""
     cpu = InstanceGroup(kind=Kind.KIND_CPU, count=1)
     prompt_bytes = str(options.prompt_bytes_limit(max_context))
-    preprocessing = ModelConfig(
+    preprocessing = TritonModelConfig(
         name=PREPROCESSING,
         backend="python",
         max_batch_size=0,
@@ -158,7 +161,7 @@ def model_configs(
         parameters=_params({"engine_dir": engine_path, "max_context": str(max_context),
                             "max_prompt_bytes": prompt_bytes}),
     )
-    spec_decode = ModelConfig(
+    spec_decode = TritonModelConfig(
         name=SPEC_DECODE,
         backend="python",
         max_batch_size=0,
@@ -189,7 +192,7 @@ def model_configs(
     )
     # The entry point holds every request spec_decode's instances can run or queue; more are refused at once.
     in_flight = options.instances * (options.max_concurrent_requests + options.max_queue_size)
-    ensemble = ModelConfig(
+    ensemble = TritonModelConfig(
         name=ENSEMBLE,
         backend="python",
         max_batch_size=options.max_batch_size,
@@ -220,8 +223,8 @@ def adapter_source(model: str) -> str:
     return adapter_module(model, ADAPTERS[model], "python -m model_repo render")
 
 
-def write_repo(out: Path, configs: Mapping[str, ModelConfig], adapters: Mapping[str, str], manifest: dict[str, Any],
-               force: bool) -> None:
+def write_repo(out: Path, configs: Mapping[str, TritonModelConfig], adapters: Mapping[str, str],
+               manifest: dict[str, Any], force: bool) -> None:
     """Write a repository into out, atomically (into a work_dir sibling, then renamed into place): every
     config.pbtxt, parsed back before it is written; model.py of the python models (adapters: model name -> source);
     the manifest. An existing out is replaced only with force."""
@@ -234,7 +237,7 @@ def write_repo(out: Path, configs: Mapping[str, ModelConfig], adapters: Mapping[
     try:
         for name, config in configs.items():
             text = dumps(config)
-            if loads(ModelConfig, text) != config:  # the writer and the parser must agree
+            if loads(TritonModelConfig, text) != config:  # the writer and the parser must agree
                 raise ConfigError(f"{name}/config.pbtxt does not parse back to the config it was rendered from")
             (tmp / name / "1").mkdir(parents=True)
             (tmp / name / "config.pbtxt").write_text(text, encoding="utf-8")
@@ -275,12 +278,12 @@ def render(options: RepoOptions) -> RenderedRepo:
     return RenderedRepo(path=out, configs=configs, max_context=max_context, max_tokens_limit=limit)
 
 
-def read_repo(path: str | Path) -> dict[str, ModelConfig]:
+def read_repo(path: str | Path) -> dict[str, TritonModelConfig]:
     """Parse every config.pbtxt of a repository (strict)."""
     root = Path(path)
     out = {}
     for cfg in sorted(root.glob("*/config.pbtxt")):
-        out[cfg.parent.name] = loads(ModelConfig, cfg.read_text(encoding="utf-8"))
+        out[cfg.parent.name] = loads(TritonModelConfig, cfg.read_text(encoding="utf-8"))
     if not out:
         raise ConfigError(f"{root}: no */config.pbtxt found; not a model repository")
     return out

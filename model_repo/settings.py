@@ -49,7 +49,7 @@ class SpecDecodeSettings(_ModelParameters):
 
     engine_dir: str
     load_options: dict[str, Any]  # keyword arguments of runtime.load (JSON in the config)
-    max_concurrent_requests: int = setting(ge=1)  # the scheduler's max_batch_size
+    max_concurrent_requests: int = setting(ge=1)  # the scheduler's max_concurrent_requests
     max_queue_size: int = setting(ge=0)
     prefill_chunk: int = setting(ge=1)  # prompt tokens per request per step
     tree_budget: int = setting(ge=0)  # tree nodes per step across the batch; 0: none
@@ -88,7 +88,7 @@ class SpecDecodeSettings(_ModelParameters):
 
     def scheduler_config(self, free_bytes: Callable[[], int]) -> SchedulerConfig:
         """The instance's `runtime.batching.Scheduler` settings."""
-        return SchedulerConfig(max_batch_size=self.max_concurrent_requests, max_queue_size=self.max_queue_size,
+        return SchedulerConfig(max_concurrent_requests=self.max_concurrent_requests, max_queue_size=self.max_queue_size,
                                kv_budget_bytes=self.kv_budget_bytes(free_bytes), prefill_chunk=self.prefill_chunk,
                                tree_budget=self.tree_budget or None)
 

@@ -55,16 +55,17 @@ from model_repo.model_config import (
     EnsembleStep,
     InstanceGroup,
     Kind,
-    ModelConfig,
     ModelInput,
     ModelOutput,
     ModelParameter,
     QueuePolicy,
     Reshape,
     TransactionPolicy,
+    TritonModelConfig,
 )
+from builder.drafters import builder_kind, builder_kinds
 from runtime import schema
-from runtime.draft_spec import DYNAMIC, WEIGHTED_KINDS
+from runtime.draft_spec import DraftSpec
 from runtime.errors import ConfigError, RequestError
 from runtime.schema import setting
 
@@ -80,8 +81,11 @@ BACKEND = "tensorrtllm"
 BACKENDS = ("python", BACKEND)  # `python -m model_repo render --backend`; the first is the default
 # The templates' literal for the executor worker inside NVIDIA's Triton TensorRT-LLM container.
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
-TREE_METHODS = WEIGHTED_KINDS  # the drafters TensorRT-LLM decodes trees for
-DECODING_MODES = {"medusa": "medusa", "eagle": "eagle", "lookup": "top_k_top_p", "none": "top_k_top_p"}
+
+
+def tree_decoding_modes() -> frozenset[str]:
+    """The backend's decoding modes that decode a drafter's tree (the drafter kinds' `backend_decoding_mode`)."""
+    return frozenset(k.backend_decoding_mode for k in builder_kinds() if k.trtllm_tree)
 
 
 def unset(key: str) -> str:
@@ -118,9 +122,9 @@ class TrtllmRepoOptions:
 class EngineFacts:
     """The parts of engine.json the repository is filled from."""
 
-    method: str  # the drafter kind (runtime.draft_spec.KINDS)
+    kind: str  # the drafter kind
     choices: tuple[tuple[int, ...], ...] | None  # static tree, canonical order
-    dynamic_tree: bool
+    draft: DraftSpec  # the drafter the engine was built for
     max_batch_size: int
     max_seq_len: int
     trtllm_dtype: str
@@ -132,8 +136,8 @@ class EngineFacts:
         engine = open_engine(engine_dir)
         trt = engine.manifest.get("trtllm") or {}
         tree = engine.draft.static_tree
-        return cls(method=engine.draft.kind, choices=None if tree is None else tree.choices,
-                   dynamic_tree=engine.draft.tree == DYNAMIC, max_batch_size=engine.limits.max_batch_size,
+        return cls(kind=engine.draft.kind, choices=None if tree is None else tree.choices, draft=engine.draft,
+                   max_batch_size=engine.limits.max_batch_size,
                    max_seq_len=engine.limits.max_seq_len, trtllm_dtype=str(trt.get("dtype", engine.dtype)))
 
 
@@ -289,35 +293,33 @@ TENSORRT_LLM_KEYS = (
 
 def check_engine(facts: EngineFacts) -> None:
     """ConfigError when the tensorrtllm backend cannot serve this engine as built."""
-    if facts.method == "eagle" and facts.dynamic_tree:
-        raise ConfigError("engine: an EAGLE-2 dynamic-tree engine; the tensorrtllm backend's parameters take a static "
-                          "eagle_choices tree only (its default would be mc_sim_7b_63, which does not fit this "
-                          "engine's num_eagle_layers). Build with draft.tree.choices or a preset, or serve it with "
-                          "--backend python")
-    if facts.method in TREE_METHODS and facts.choices is None:
-        raise ConfigError(f"engine: a {facts.method} engine without a static tree in engine.json")
+    kind = builder_kind(facts.kind)
+    kind.check_trtllm_backend(facts.draft)
+    if kind.trtllm_tree and facts.choices is None:
+        raise ConfigError(f"engine: a {facts.kind} engine without a static tree in engine.json")
 
 
 def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: str,
-                  trtllm_engine_path: str) -> dict[str, ModelConfig]:
+                  trtllm_engine_path: str) -> dict[str, TritonModelConfig]:
     """The six model configs (pure: no filesystem access)."""
     check_engine(facts)
     batch = options.max_batch_size if options.max_batch_size is not None else facts.max_batch_size
     if batch > facts.max_batch_size:
         raise ConfigError(f"max_batch_size: {batch} is above the engine's build.max_batch_size {facts.max_batch_size}")
-    tree = facts.method in TREE_METHODS
+    kind = builder_kind(facts.kind)
+    tree = kind.trtllm_tree
     batching = DynamicBatching(preferred_batch_size=(batch,),
                                max_queue_delay_microseconds=options.max_queue_delay_microseconds,
                                default_queue_policy=QueuePolicy(max_queue_size=0))
     cpu = (InstanceGroup(kind=Kind.KIND_CPU, count=options.instances),)
     choices = choices_parameter(facts.choices) if tree else None
-    preprocessing = ModelConfig(
+    preprocessing = TritonModelConfig(
         name=PREPROCESSING, backend="python", max_batch_size=batch, input=PREPROCESSING_INPUTS,
         output=PREPROCESSING_OUTPUTS, instance_group=cpu, dynamic_batching=batching,
         parameters=_params(_unset_all(PREPROCESSING_KEYS, {
             "tokenizer_dir": engine_path, "add_special_tokens": "true", "gpt_model_path": trtllm_engine_path})),
     )
-    trt = ModelConfig(
+    trt = TritonModelConfig(
         name=TENSORRT_LLM, backend=BACKEND, max_batch_size=batch,
         input=TENSORRT_LLM_INPUTS if not tree else tuple(i for i in TENSORRT_LLM_INPUTS
                                                          if i not in SAMPLING_TRTLLM_INPUTS),
@@ -336,19 +338,19 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
             "enable_kv_cache_reuse": "false",
             "normalize_log_probs": "true",
             "enable_chunked_context": "false",
-            "decoding_mode": DECODING_MODES[facts.method],
+            "decoding_mode": kind.backend_decoding_mode,
             "executor_worker_path": EXECUTOR_WORKER,
-            **({f"{facts.method}_choices": choices} if tree else {}),
+            **({f"{facts.kind}_choices": choices} if tree else {}),
         })),
     )
-    postprocessing = ModelConfig(
+    postprocessing = TritonModelConfig(
         name=POSTPROCESSING, backend="python", max_batch_size=batch, input=POSTPROCESSING_INPUTS,
         output=POSTPROCESSING_OUTPUTS, instance_group=cpu, dynamic_batching=DynamicBatching(),
         parameters=_params(_unset_all(POSTPROCESSING_KEYS, {"tokenizer_dir": engine_path,
                                                             "skip_special_tokens": "true"})),
     )
     client_inputs = CLIENT_INPUTS + (() if tree else SAMPLING_CLIENT_INPUTS)
-    ensemble = ModelConfig(
+    ensemble = TritonModelConfig(
         name=ENSEMBLE, platform="ensemble", max_batch_size=batch, input=client_inputs,
         output=(TEXT_OUTPUT, *SPEC_OUTPUTS),
         ensemble_scheduling=EnsembleScheduling(step=(
@@ -366,7 +368,7 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
                          output_map={"OUTPUT": "text_output"}),
         )),
     )
-    bls = ModelConfig(
+    bls = TritonModelConfig(
         name=BLS, backend="python", max_batch_size=batch, input=CLIENT_INPUTS + SAMPLING_CLIENT_INPUTS,
         output=(TEXT_OUTPUT, *SPEC_OUTPUTS), instance_group=cpu,
         model_transaction_policy=TransactionPolicy(decoupled=True),
@@ -374,10 +376,10 @@ def model_configs(options: TrtllmRepoOptions, facts: EngineFacts, engine_path: s
         parameters=_params(_unset_all(BLS_KEYS, {"accumulate_tokens": "false",
                                                  "tensorrt_llm_model_name": TENSORRT_LLM})),
     )
-    verify = ModelConfig(
+    verify = TritonModelConfig(
         name=VERIFY, backend="python", max_batch_size=0, input=VERIFY_INPUTS, output=VERIFY_OUTPUTS,
         instance_group=cpu,
-        parameters=_params({"engine_dir": engine_path, "draft_method": facts.method,
+        parameters=_params({"engine_dir": engine_path, "draft_method": facts.kind,
                             "tree_choices": json.dumps([list(c) for c in facts.choices or ()])}),
     )
     return {PREPROCESSING: preprocessing, TENSORRT_LLM: trt, POSTPROCESSING: postprocessing, ENSEMBLE: ensemble,
@@ -396,7 +398,7 @@ def adapter_source(model: str) -> str:
 @dataclass(frozen=True)
 class RenderedTrtllmRepo:
     path: Path
-    configs: dict[str, ModelConfig]
+    configs: dict[str, TritonModelConfig]
     trtllm_engine: str
 
 
@@ -526,7 +528,7 @@ def decoding_mode_of(repository: str | Path, model: str = TENSORRT_LLM) -> str:
     """The decoding_mode parameter of the repository's tensorrt_llm model (what the BLS routes by)."""
     path = Path(repository) / model / "config.pbtxt"
     try:
-        config = loads(ModelConfig, path.read_text(encoding="utf-8"))
+        config = loads(TritonModelConfig, path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
     return config.parameter("decoding_mode")
@@ -545,7 +547,7 @@ def check_sampling(inputs: Mapping[str, np.ndarray], decoding_mode: str) -> None
     drafts by typical acceptance when sampling, so neither samples from the target's distribution."""
     temperature = float(_scalar(inputs, "temperature", 0.0))
     top_k = int(_scalar(inputs, "top_k", 0))
-    if decoding_mode in TREE_METHODS and temperature > 0 and top_k != 1:
+    if decoding_mode in tree_decoding_modes() and temperature > 0 and top_k != 1:
         raise RequestError(
             f"temperature {temperature:g}: this {decoding_mode} engine decodes losslessly only greedily under "
             "TensorRT-LLM (Medusa is greedy-only there, EAGLE sampling uses lossy typical acceptance); send "
@@ -569,7 +571,7 @@ def bls_generate(inputs: Mapping[str, np.ndarray], decoding_mode: str, infer: In
                      False))
     trt_inputs = {PREPROCESSED[k]: v for k, v in pre.items() if k in PREPROCESSED}
     for name, target in TO_TENSORRT_LLM.items():
-        if name in batched and (decoding_mode not in TREE_METHODS or name == "stream"):
+        if name in batched and (decoding_mode not in tree_decoding_modes() or name == "stream"):
             trt_inputs[target] = batched[name]
     stream = bool(_scalar(inputs, "stream", False))
     for response in infer(TENSORRT_LLM, trt_inputs, True):

@@ -263,7 +263,7 @@ class SpecDecodeModel:
         self.limits = self.settings.request_limits(self.decoder.model.config.vocab_size)
         config = self.settings.scheduler_config(lambda: available_memory_bytes(self.settings.device))
         pb_utils.Logger.log_info(
-            f"{self.name}: in-flight batching of up to {config.max_batch_size} requests, queue of "
+            f"{self.name}: in-flight batching of up to {config.max_concurrent_requests} requests, queue of "
             f"{config.max_queue_size}, KV budget {config.kv_budget_bytes / 2**20:.0f} MiB"
             + ("" if self.settings.kv_memory_mb else " (half the memory free after loading; kv_memory_mb: 0)")
             + (f", tree budget {config.tree_budget} nodes per step" if config.tree_budget else ""))

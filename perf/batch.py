@@ -5,8 +5,8 @@ One run loads the target ONCE and builds one decoder (a drafter spec in bench's 
 engine's own drafter; `plain` for plain decoding). For each concurrency N in `concurrency`, N requests take the
 prompts in order (cycling when N exceeds them), each generating exactly max_tokens tokens (greedy, EOS ignored):
     sequential  `SpecDecoder.generate` on each request in turn
-    batched     all N submitted at once to a `Scheduler(max_batch_size=N)`; wall time from the first submit to the
-                last final delta
+    batched     all N submitted at once to a `Scheduler` (max_concurrent_requests N); wall time from the first submit
+                to the last final delta
 tokens/s = N x max_tokens / wall time. Per batched request: TTFT (submit -> first delta) and inter-token latency
 ((last delta - first delta) / (tokens - 1)), the deltas' arrival times taken on the scheduler's thread (the delta
 callback). The scheduler's mean batch (request segments per target forward) is recorded.
@@ -115,7 +115,7 @@ def run_sequential(decoder: Any, requests: Sequence[list[int]], max_tokens: int)
 
 def run_batched(decoder: Any, requests: Sequence[list[int]], max_tokens: int, prefill_chunk: int,
                 tree_budget: int | None = None) -> Sample:
-    """All requests submitted at once to a fresh Scheduler (max_batch_size = their number)."""
+    """All requests submitted at once to a fresh Scheduler (max_concurrent_requests = their number)."""
     from runtime.batching import Scheduler
     from runtime.sampling import SamplingParams
 
@@ -137,7 +137,8 @@ def run_batched(decoder: Any, requests: Sequence[list[int]], max_tokens: int, pr
                 ids[i].extend(item.token_ids)
         return record
 
-    config = SchedulerConfig(max_batch_size=n, max_queue_size=0, prefill_chunk=prefill_chunk, tree_budget=tree_budget)
+    config = SchedulerConfig(max_concurrent_requests=n, max_queue_size=0, prefill_chunk=prefill_chunk,
+                             tree_budget=tree_budget)
     with Scheduler(decoder, config) as sched:
         t0 = time.perf_counter()
         handles = [sched.submit(r, params, on_delta=on_delta(i)) for i, r in enumerate(requests)]
@@ -204,7 +205,7 @@ def run_batch_bench(config: BatchBenchConfig, progress: Callable[[str], None] | 
         target = load_target(BenchConfig(config=config.config, engine=config.engine, dtype=config.dtype))
         encoded = encode_prompts(prompts, target, config.max_tokens, BenchConfigError)
         spec = VariantSpec.parse(config.drafter) if config.drafter else VariantSpec(DraftSpec(target.drafter.kind))
-        if spec.draft.kind == "none":
+        if spec.draft.plain:
             decoder, info = build_decoder(target, None)
         else:
             resolved = resolve(spec, target, dict(config.draft_models))

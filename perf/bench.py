@@ -2,7 +2,7 @@
 
 One run loads the target ONCE and measures, on the same prompt ids with the same max_tokens (EOS ignored, so
 every run generates exactly max_tokens tokens):
-    plain        our runtime with the "none" drafter (root-only trees: autoregressive decoding through the same loop)
+    plain        our runtime with the plain drafter (root-only trees: autoregressive decoding through the same loop)
     hf           transformers' `generate` (greedy) on the same weights             (perf/hf_baseline.py)
     hf-lookup    transformers' prompt lookup decoding (`--hf-lookup N`)          (same class, other options)
     hf-assisted  transformers' assisted generation with a draft model (`--hf-assistant DIR`)
@@ -38,12 +38,12 @@ from perf.machine import machine_info, report_header, settings_dict, torch_threa
 from perf.prompt_sets import Prompt, load_prompts
 from runtime import schema
 from runtime.config import DTYPE_CHOICES
-from runtime.draft_spec import DYNAMIC, GRAMMAR, WEIGHTED_KINDS, DraftSpec
+from runtime.draft_spec import DYNAMIC, GRAMMAR, PLAIN, DraftSpec, drafter_kind, kinds
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import shown_path
 from runtime.schema import setting
 
-KIND_ALIASES = {"plain": "none"}  # spec kinds that name a DraftSpec kind another way
+KIND_ALIASES = {"plain": PLAIN}  # spec kinds that name a DraftSpec kind another way
 TRANSFORMERS = "transformers"  # the drafter of every transformers variant (identity recorded, not enforced)
 # the transformers variants' names (perf.hf_baseline.HFBaseline.name) and the flags that ask for them
 HF_FLAGS = {"hf": "measured in every run unless --no-hf", "hf-lookup": "measured with --hf-lookup N",
@@ -68,7 +68,7 @@ class VariantSpec:
 
         NAME   optional label for reports (default: DRAFT as written), e.g. "medusa-tuned=medusa:[[0],...]"
         DRAFT  a drafter in DraftSpec's grammar, KIND[:TREE][+KEY=VALUE...] (runtime.draft_spec.DraftSpec.parse);
-               "plain" is kind none (plain decoding, already a baseline). What it leaves unset comes from the
+               "plain" is kind PLAIN (plain decoding, already a baseline). What it leaves unset comes from the
                configured drafter (`resolve`): the tree (its options, quantization and pruning) when KIND is the
                configured drafter's and neither a tree nor options are given, the weights from --draft-model or the
                configured drafter's, max_draft_len (most draft nodes per step, which cuts a static tree to a prefix
@@ -144,8 +144,8 @@ def parse_specs(text: str) -> tuple[VariantSpec, ...]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise BenchConfigError(f"--drafters: {dupes} listed more than once")
-    if any(s.draft.kind == "none" for s in specs):
-        raise BenchConfigError("--drafters: plain (none) is a baseline, measured in every run; list only "
+    if any(s.draft.plain for s in specs):
+        raise BenchConfigError(f"--drafters: plain ({PLAIN}) is a baseline, measured in every run; list only "
                                "speculative drafters")
     return specs
 
@@ -166,8 +166,8 @@ class BenchConfig:
 
     config: Path | None = None  # builder YAML (python -m builder); exactly one of config / engine
     engine: Path | None = None  # engine directory (python -m builder build)
-    drafters: tuple[VariantSpec, ...] = ()  # empty: the configured drafter (if it is not "none")
-    draft_models: tuple[tuple[str, Path], ...] = ()  # (medusa | eagle, head directory) beyond the configured one
+    drafters: tuple[VariantSpec, ...] = ()  # empty: the configured drafter (unless it is plain decoding)
+    draft_models: tuple[tuple[str, Path], ...] = ()  # (a weighted kind, head directory) beyond the configured one
     prompts: tuple[Path, ...] = ()  # prompt files (JSON Lines); empty: perf/prompts/{code,prose}.jsonl
     prompts_per_set: int | None = setting(None, ge=1)  # at most this many prompts from each file
     max_tokens: int = setting(64, ge=1)  # tokens generated per prompt, exactly (EOS ignored)
@@ -185,12 +185,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         check_one_target(self.config, self.engine)
         schema.check(self, BenchConfigError)
-        kinds = [k for k, _ in self.draft_models]
-        for kind in kinds:
-            if kind not in WEIGHTED_KINDS:
-                raise BenchConfigError(f"draft_models: got kind {kind!r}, expected medusa or eagle (KIND=DIR)")
-        if len(set(kinds)) != len(kinds):
-            raise BenchConfigError(f"draft_models: a kind is given twice ({kinds})")
+        given = [k for k, _ in self.draft_models]
+        heads = [k.name for k in kinds() if k.weighted]
+        for kind in given:
+            if kind not in heads:
+                raise BenchConfigError(f"draft_models: got kind {kind!r}, expected {' or '.join(heads)} (KIND=DIR)")
+        if len(set(given)) != len(given):
+            raise BenchConfigError(f"draft_models: a kind is given twice ({given})")
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads is not None else usable_cores()
@@ -271,7 +272,7 @@ def resolve(spec: VariantSpec, target: Target, draft_models: Mapping[str, Path])
         raise BenchConfigError(f"drafter spec {spec.name!r}: max_draft_len {max_draft_len} is above the "
                                f"{target.kind}'s limit of {limit} draft nodes per step")
     path = None
-    if draft.kind in WEIGHTED_KINDS:
+    if drafter_kind(draft.kind).weighted:
         path = draft_models.get(draft.kind) or (conf.path if same else None)
         if path is None:
             raise BenchConfigError(
@@ -305,13 +306,13 @@ def describe_drafter(drafter: Any) -> dict[str, Any]:
 
 
 def build_decoder(target: Target, spec: DraftSpec | None, name: str | None = None) -> tuple[Any, dict[str, Any]]:
-    """A SpecDecoder on the shared target for a resolved spec (None: the plain "none" drafter) and a description of
+    """A SpecDecoder on the shared target for a resolved spec (None: plain decoding) and a description of
     its tree; `name` (the variant's) is in its errors."""
     from runtime.decode import SpecDecoder
     from runtime.drafters import load_drafter
 
     if spec is None:
-        drafter = load_drafter(DraftSpec("none"), target.model)
+        drafter = load_drafter(DraftSpec(), target.model)
         return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=1), describe_drafter(drafter)
     try:
         drafter = load_drafter(spec, target.model)
@@ -427,8 +428,8 @@ def make_variants(config: BenchConfig, target: Target) -> list[Variant]:
     variants += hf_variants(config, target)
     specs = config.drafters
     if not specs:
-        if target.drafter.kind == "none":
-            raise BenchConfigError(f"the {target.kind}'s drafter is 'none', so there is nothing speculative to "
+        if target.drafter.plain:
+            raise BenchConfigError(f"the {target.kind}'s drafter is {PLAIN!r}, so there is nothing speculative to "
                                    "measure; pass --drafters (e.g. lookup,medusa:chain-3)")
         specs = (VariantSpec(DraftSpec(target.drafter.kind)),)
     models = dict(config.draft_models)

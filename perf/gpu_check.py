@@ -42,7 +42,7 @@ import torch
 from perf.machine import expand_out, machine_info, now_iso, settings_dict
 from runtime import schema
 from runtime.config import DTYPES
-from runtime.draft_spec import KINDS, DraftSpec
+from runtime.draft_spec import DraftSpec, DraftSpecError, drafter_kind
 from runtime.errors import ConfigError
 from runtime.files import read_json_object
 from runtime.schema import setting
@@ -103,7 +103,7 @@ class GpuCheckConfig:
     dry_run: bool = False  # CPU, tiny shapes: checks the shapes and the files, measures nothing meaningful
     smollm2: Path = REPO_ROOT / "models" / "smollm2-135m-instruct"  # imported from the GGUF when missing
     smollm2_config: Path = REPO_ROOT / "configs" / "smollm2.yaml"  # the drafter, its weights and tree
-    e2e_draft: str | None = setting(None, choices=KINDS)  # override the drafter (e.g. lookup: no head weights needed)
+    e2e_draft: str | None = None  # a drafter kind overriding the config's (e.g. lookup: no head weights needed)
     # None: the config's build dtype (bf16 and fp16 run batch-invariant on CUDA: runtime/model.py `pads_rows`)
     e2e_dtype: str | None = setting(None, choices=tuple(DTYPES))
     prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
@@ -113,6 +113,11 @@ class GpuCheckConfig:
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError)
+        if self.e2e_draft is not None:
+            try:
+                drafter_kind(self.e2e_draft)
+            except DraftSpecError as exc:
+                raise ConfigError(f"e2e_draft: {exc.detail}") from exc
         known = ("kernel", "bandwidth", "verify", "e2e")
         if not self.sections or any(x not in known for x in self.sections):
             raise ConfigError(f"sections: got {list(self.sections)}, expected a non-empty subset of "

@@ -86,7 +86,7 @@ def machine_info() -> dict[str, Any]:
     features = cpu.features()
     return {
         "cpu_model": cpu_model(),
-        "cpu_row": features.row,  # the README's CPU support table row (plugins/cpu.py)
+        "cpu_row": features.row,  # the README's CPU support table row (plugins/cpu/)
         "cpu_forced": features.forced,  # a forced instruction-set level (SPECTREE_CPU_ISA), None: the CPU's own
         "cpu_count": os.cpu_count(),
         "usable_cores": usable_cores(),

@@ -32,8 +32,8 @@ from runtime.drafters import load_drafter
 from runtime.drafters.merged import MergedDrafter
 from runtime.errors import ConfigError
 from runtime.files import shown_path
-from runtime.protocol import CandidatePool, Draft
-from runtime.tree import pruned_pool
+from runtime.protocol import Draft
+from runtime.tree import CandidatePool, pruned_pool
 from runtime.verify import greedy_walk_computing
 
 
@@ -52,8 +52,8 @@ def pool_key(spec: DraftSpec) -> tuple[Any, ...]:
 
 
 def _check(spec: DraftSpec) -> None:
-    if spec.kind != "eagle" or spec.tree != DYNAMIC:
-        raise ConfigError(f"merge replay takes EAGLE-2 drafters (eagle:dynamic...), got {spec.describe()!r}")
+    if spec.tree != DYNAMIC:  # the dynamic tree's drafters offer their whole candidate pool
+        raise ConfigError(f"merge replay takes EAGLE-2 drafters (a dynamic tree), got {spec.describe()!r}")
 
 
 def record(model: Any, spec: DraftSpec, prompts: Sequence[list[int]], max_tokens: int, max_nodes: int,
@@ -63,7 +63,7 @@ def record(model: Any, spec: DraftSpec, prompts: Sequence[list[int]], max_tokens
     called after each position (progress)."""
     _check(spec)
     head = load_drafter(dataclasses.replace(spec, lookup=None, pruning=None), model)
-    plain = SpecDecoder(model, None, load_drafter(DraftSpec("none"), model), max_tree_nodes=1)
+    plain = SpecDecoder(model, None, load_drafter(DraftSpec(), model), max_tree_nodes=1)
     out = []
     with torch.no_grad():
         for prompt in prompts:

@@ -18,8 +18,19 @@ from typing import Any
 
 from perf.report import label, measured_dtypes
 
-MARKERS = {"lookup": "s", "medusa": "o", "eagle": "^", "none": "D", "transformers": "x"}
+KIND_MARKERS = ("o", "^", "s", "D", "v", "P", "*")  # our drafter kinds', in registry order
+TRANSFORMERS_MARKER = "x"
 PEER_COLORS = ("tab:red", "tab:purple", "tab:brown")  # transformers' speculative variants (horizontal lines)
+
+
+def marker(drafter: str) -> str:
+    """A report's drafter ("transformers", or one of our kinds) -> its plot marker."""
+    from runtime.draft_spec import kind_names
+
+    names = kind_names()
+    if drafter in names:
+        return KIND_MARKERS[names.index(drafter) % len(KIND_MARKERS)]
+    return TRANSFORMERS_MARKER if drafter == "transformers" else KIND_MARKERS[0]
 
 
 def _pyplot():
@@ -65,7 +76,7 @@ def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
             pts = [v for v in spec if v["drafter"] == kind and v.get(key) is not None and v.get("mean_tree_nodes")]
             if not pts:
                 continue
-            ax.scatter([v["mean_tree_nodes"] for v in pts], [v[key] for v in pts], marker=MARKERS.get(kind, "o"),
+            ax.scatter([v["mean_tree_nodes"] for v in pts], [v[key] for v in pts], marker=marker(kind),
                        s=48, label=kind)
             for v in pts:
                 ax.annotate(label(v),
@@ -89,7 +100,7 @@ def acceptance_by_depth(report: dict[str, Any], path: Path) -> Path:
         reach = v.get("acceptance_by_depth")
         if v["kind"] != "speculative" or not reach:
             continue
-        ax.plot(range(1, len(reach) + 1), reach, marker=MARKERS.get(v["drafter"], "o"),
+        ax.plot(range(1, len(reach) + 1), reach, marker=marker(v["drafter"]),
                 label=f"{v['name']} (tau {v['tau']:.2f})")
     ax.set_xlabel("depth d (draft tokens into the tree)")
     ax.set_ylabel("P(accepted length >= d)")

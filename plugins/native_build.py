@@ -1,7 +1,7 @@
 """Building the plugins' C kernels for this CPU: compiled on first use, cached, loaded through ctypes.
 
 Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (a library runs where it is built; a forced
-lower level's target instead, plugins/cpu.py) with OpenMP,
+lower level's target instead, plugins/cpu/) with OpenMP,
 which resolves to the libgomp torch has already loaded, so its threads are torch's (torch.set_num_threads applies);
 without OpenMP where the compiler has none. A library is cached under `$SPECTREE_CACHE_DIR` (default
 `$XDG_CACHE_HOME/spectree` or `~/.cache/spectree`), named by a hash of its source, the flags, the compiler's version

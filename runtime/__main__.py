@@ -12,7 +12,7 @@ from typing import Sequence
 
 from runtime.api import LoadConfig, build
 from runtime.config import DTYPE_CHOICES
-from runtime.draft_spec import KINDS, QUANTIZATIONS, option_value
+from runtime.draft_spec import QUANTIZATIONS, kind_names, option_value
 from runtime.errors import SpectreeError
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import single_turn
@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=_default(SamplingParams, "seed"))
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", default=_default(SamplingParams, "ignore_eos"))
-    g.add_argument("--draft", choices=KINDS, default=_default(LoadConfig, "draft"),
+    g.add_argument("--draft", choices=kind_names(), default=_default(LoadConfig, "draft"),
                    help="drafter (default: an engine's own, else inferred from --draft-model, else none)")
     g.add_argument("--draft-model", default=_default(LoadConfig, "draft_model"), help="Medusa/EAGLE head directory")
     g.add_argument("--tree", default=_default(LoadConfig, "tree"),

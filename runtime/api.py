@@ -11,18 +11,12 @@ import torch
 
 from runtime.config import DTYPE_CHOICES
 from runtime.decode import SpecDecoder
-from runtime.draft_spec import DraftSpec, field_names
+from runtime.draft_spec import PLAIN, DraftSpec, field_names, kinds
 from runtime.drafters import load_drafter
 from runtime.errors import CheckpointError, ConfigError
-from runtime.files import read_json_object
 from runtime.model import TargetModel
 from runtime.tokenizer import Tokenizer
 
-
-# DraftSpec's fields as LoadConfig (runtime.load's keywords, python -m runtime's flags) names them.
-DRAFT_KEYS = {"kind": "draft", "path": "draft_model", "tree": "tree", "dynamic": "draft_options",
-              "lookup": "draft_options", "options": "draft_options", "max_draft_len": "max_draft_len",
-              "pruning": "draft_options", "quantization": "draft_quantization"}
 
 
 @dataclass(frozen=True)
@@ -30,9 +24,9 @@ class LoadConfig:
     """How to assemble a SpecDecoder. The CLI reads its defaults from here."""
 
     model: str  # HF checkpoint directory, or an engine directory
-    draft: str | None = None  # a drafter kind (runtime.draft_spec.KINDS); None: the engine's, else inferred from
-    #                           draft_model, else "none"
-    draft_model: str | None = None  # head checkpoint directory (medusa / eagle)
+    draft: str | None = None  # a drafter kind (runtime.draft_spec.kind_names()); None: the engine's, else inferred
+    #                           from draft_model, else plain decoding (PLAIN)
+    draft_model: str | None = None  # head checkpoint directory (a weighted kind's)
     tree: str | None = None  # preset name ("mc_sim_7b_63", "chain-4") or JSON list of choice paths
     dtype: str | None = None  # auto | float32 | bfloat16 | float16 (runtime.config.choose_dtype); None: the
     #                           checkpoint's own (an engine's: what its build asked for)
@@ -44,7 +38,7 @@ class LoadConfig:
     draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
-        with field_names(DRAFT_KEYS):  # DraftSpec's rules, errors naming these fields
+        with field_names("load"):  # DraftSpec's rules, errors naming these fields
             DraftSpec(max_draft_len=self.max_draft_len)
             if self.draft is not None:
                 DraftSpec.create(self.draft, path=self.draft_model, tree=self.tree, options=self.draft_options,
@@ -65,7 +59,7 @@ class LoadConfig:
         max_draft_len caps this one."""
         kind = self.draft or (infer_draft_kind(self.draft_model) if self.draft_model else None)
         max_draft_len = self.max_draft_len
-        with field_names(DRAFT_KEYS):
+        with field_names("load"):
             if engine is not None:
                 max_draft_len = min(max_draft_len, engine.limits.max_draft_len)
                 if kind is None or (kind == engine.draft.kind and self.draft_model is None):
@@ -76,29 +70,23 @@ class LoadConfig:
                                                    quantization=quantization)
                     return DraftSpec.create(own.kind, path=own.path, tree=self.tree, options=self.draft_options,
                                             max_draft_len=max_draft_len, quantization=quantization)
-            return DraftSpec.create(kind or "none", path=self.draft_model, tree=self.tree, options=self.draft_options,
+            return DraftSpec.create(kind or PLAIN, path=self.draft_model, tree=self.tree, options=self.draft_options,
                                     quantization=self.draft_quantization,
                                     max_draft_len=max_draft_len)
 
 
 def infer_draft_kind(draft_model: str | Path) -> str:
-    """Tell a Medusa head directory from an EAGLE one by their public formats."""
+    """The kind of a head directory, told by its public format (`DrafterKind.recognizes`; the first kind, in
+    registry order, that recognizes it)."""
     d = Path(draft_model)
     if not d.is_dir():
         raise CheckpointError(f"draft model directory {str(d)!r} does not exist")
-    if any((d / n).exists() for n in ("medusa_lm_head.safetensors", "medusa_lm_head.pt")):
-        return "medusa"
-    cfg = d / "config.json"
-    if cfg.exists():
-        raw = read_json_object(cfg, CheckpointError)
-        if "medusa_num_heads" in raw:
-            return "medusa"
-        if raw.get("num_hidden_layers") == 1 or any((d / n).exists() for n in ("pytorch_model.bin", "model.safetensors")):
-            return "eagle"
-    raise CheckpointError(
-        f"cannot tell what kind of draft model {str(d)!r} is: expected medusa_lm_head.safetensors/.pt (Medusa) or "
-        "config.json + pytorch_model.bin/model.safetensors (EAGLE); pass draft= explicitly"
-    )
+    for kind in kinds():
+        if kind.recognizes(d):
+            return kind.name
+    formats = "; ".join(f"{k.title}: {' or '.join(k.weight_files)}" for k in kinds() if k.weighted)
+    raise CheckpointError(f"cannot tell what kind of draft model {str(d)!r} is: expected the files of a draft head "
+                          f"({formats}); pass draft= explicitly")
 
 
 def build(config: LoadConfig) -> SpecDecoder:
@@ -117,7 +105,7 @@ def build(config: LoadConfig) -> SpecDecoder:
         model = TargetModel.from_pretrained(path, dtype=config.dtype, device=config.device)
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
         spec = config.draft_spec()
-    with field_names(DRAFT_KEYS):
+    with field_names("load"):
         drafter = load_drafter(spec, model)
     return SpecDecoder(model, tokenizer, drafter, max_tree_nodes=spec.max_draft_len + 1)
 

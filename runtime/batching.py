@@ -2,7 +2,8 @@
 
 Requests join and leave at step boundaries. One step:
   1. boundary: cancelled requests leave (their memory is freed at once); waiting requests are admitted, first come
-     first served, while the batch has room (`max_batch_size`) and their KV reservation fits the budget (Memory);
+     first served, while the batch has room (`max_concurrent_requests`) and their KV reservation fits the budget
+     (Memory);
   2. every active request's `RequestState.next_segment()`: the next chunk of its prompt (a joining request), or the
      tree its own drafter session drafts, with its own generator (pruned to its share of `tree_budget`, if set);
   3. ONE target forward over all those segments (`TargetModel.forward_segments`): the token-wise layers run over the
@@ -70,36 +71,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from runtime import schema
 from runtime.decode import GenerationDelta, GenerationResult, PromptLike, RequestState, SpecDecoder, collect
-from runtime.errors import ConfigError, OverloadedError, RequestError, SchedulerStopped
+from runtime.errors import OverloadedError, RequestError, SchedulerStopped
+from runtime.scheduler_config import SchedulerConfig
 from runtime.sampling import SamplingParams
-from runtime.schema import setting
 
 log = logging.getLogger(__name__)
 
 # on_delta(handle, item): each delta of the request, then its final delta or its exception
 DeltaCallback = Callable[["RequestHandle", GenerationDelta | BaseException], None]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How one Scheduler batches (the serving layer renders these; its defaults are the ones here)."""
-
-    max_batch_size: int = setting(8, ge=1)  # requests decoded together (one target forward per step for all of them)
-    max_queue_size: int = setting(64, ge=0)  # requests waiting beyond the batch; a submit beyond that: OverloadedError
-    kv_budget_bytes: int = setting(2 * 2**30, ge=1)  # the KV-cache reservations of all active requests together
-    prefill_chunk: int = setting(512, ge=1)  # prompt tokens per request per step (longer prompts join over steps)
-    # tree nodes (roots included) one step verifies across the batch: each decoding request's tree is pruned to an
-    # equal share (`Tree.best_nodes`; a share of 1 is a plain step, its drafter not run), except a seeded sampled
-    # request's (see "Tree budget" above). None: every tree whole.
-    tree_budget: int | None = setting(None, ge=1)
-    # free C-heap pages go back to the OS whenever the batch empties and at most this often (seconds) while
-    # requests run; None: never (see "Host memory" above)
-    trim_interval_s: float | None = setting(1.0, ge=0)
-
-    def __post_init__(self) -> None:
-        schema.check(self, ConfigError, "scheduler")
 
 
 @dataclass(frozen=True)
@@ -229,7 +209,7 @@ class _Request:
 class Scheduler:
     """In-flight batching over one SpecDecoder (its model, tokenizer and drafter); see the module docstring.
 
-        with Scheduler(decoder, SchedulerConfig(max_batch_size=8)) as sched:
+        with Scheduler(decoder, SchedulerConfig(max_concurrent_requests=8)) as sched:
             handle = sched.submit("prompt", SamplingParams(max_tokens=64))
             for delta in handle: ...
 
@@ -286,12 +266,13 @@ class Scheduler:
         state = RequestState(self.decoder, prompt_ids, params, self.config.prefill_chunk)  # no cache until admitted
         with self._cond:
             self._raise_if_stopped()
-            capacity = self.config.max_batch_size + self.config.max_queue_size
+            capacity = self.config.max_concurrent_requests + self.config.max_queue_size
             if len(self._active) + len(self._waiting) >= capacity:
                 self._counts["rejected"] += 1
                 raise OverloadedError(
                     f"server busy: {len(self._active)} requests running and {len(self._waiting)} queued "
-                    f"(max_batch_size {self.config.max_batch_size} + max_queue_size {self.config.max_queue_size}); "
+                    f"(max_concurrent_requests {self.config.max_concurrent_requests} + max_queue_size "
+                    f"{self.config.max_queue_size}); "
                     "retry later"
                 )
             handle = RequestHandle(self, self._next_id, len(prompt_ids), need, on_delta)
@@ -390,7 +371,7 @@ class Scheduler:
             for r in cancelled:
                 self._remove(r)
                 self._counts["cancelled"] += 1
-            while self._waiting and len(self._active) < self.config.max_batch_size:
+            while self._waiting and len(self._active) < self.config.max_concurrent_requests:
                 head = self._waiting[0]
                 if self._reserved + head.reserved > self.config.kv_budget_bytes:
                     break  # first come, first served: later requests wait behind the head

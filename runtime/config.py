@@ -177,7 +177,7 @@ def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
                  device: torch.device | str = "cpu", runs_here: bool = True) -> DtypeChoice:
     """The dtype to run a model stored in `stored` on `device`, as `requested`:
 
-    - "auto": on a CPU, bfloat16 where it multiplies bf16 in hardware (plugins/cpu.py `native_bf16`: AVX512_BF16 or
+    - "auto": on a CPU, bfloat16 where it multiplies bf16 in hardware (plugins/cpu/ `native_bf16`: AVX512_BF16 or
       AMX-BF16), float32 elsewhere; on CUDA bfloat16 where the GPU has it, else float16; float32 on other devices.
       (A bfloat16 CPU model also checks its matmuls' row invariance when it loads and runs in float32 where that
       fails: runtime/model.py.)

@@ -1,5 +1,6 @@
-"""Which drafter: `DraftSpec`, the one description of a drafter (kind, head weights, tree, options, max draft length),
-and the rules of what goes with which kind. Every front end says "which drafter" with it:
+"""Which drafter: `DraftSpec`, the one description of a drafter (kind, head weights, tree, options, max draft length);
+the generic rules of what goes with which kind; and the registry of drafter kinds, each of which owns its own rules.
+Every front end says "which drafter" with it:
 
     runtime.load / python -m runtime     LoadConfig.draft_spec()      (draft, draft_model, tree, draft options)
     the builder's YAML `draft:` section  DraftSection.spec()          (method, checkpoint, tree, lookup)
@@ -7,32 +8,40 @@ and the rules of what goes with which kind. Every front end says "which drafter"
     python -m perf bench / batch         DraftSpec.parse("KIND[:TREE][+KEY=VALUE...]")
     the drafters                         runtime.drafters.load_drafter(spec, model); a loaded drafter's `spec`
 
+Each front end keeps its own spelling of a field (user-facing: YAML keys, keywords and flags, engine.json keys);
+`FIELD_NAMES` is the one table of them, and errors name a field as the front end spells it (`field_names`).
+
 Fields:
-    kind           one of KINDS
-    path           head weights directory (WEIGHTED_KINDS only); None: not known yet (an engine's or a config's)
-    tree           a static `Tree`, DYNAMIC (EAGLE-2's dynamic tree), or None: the drafter's default (Medusa:
-                   mc_sim_7b_63, or a chain as deep as its heads when it has fewer; EAGLE: the dynamic tree)
+    kind           a registered drafter kind (`kind_names()`)
+    path           head weights directory (weighted kinds only); None: not known yet (an engine's or a config's)
+    tree           a static `Tree`, DYNAMIC (EAGLE-2's dynamic tree), or None: the drafter's default
     dynamic        DynamicTreeOptions of the dynamic tree (None: the defaults); setting them makes tree DYNAMIC
-    lookup         LookupOptions: drafter lookup's own (None: the defaults); on medusa / eagle, prompt-lookup
+    lookup         LookupOptions: drafter lookup's own (None: the defaults); on a weighted kind, prompt-lookup
                    continuations merged into each step's model-drafted tree (None: no merge)
-    pruning        PruneOptions (eagle only): each step's draft nodes whose path is less likely than min_path_prob
-                   under the head are not verified (None: every node is)
+    pruning        PruneOptions: each step's draft nodes whose path is less likely than min_path_prob under the
+                   head are not verified (None: every node is)
     max_draft_len  most draft nodes per step, root excluded (TensorRT-LLM's meaning); None: the caller's limit
     quantization   the draft head's weights as drafting reads them: None (their own dtype), "int8" (weight-only,
-                   per-row scales, CPU; eagle only) or "int4" (weight-only, a scale and zero per 32 inputs, CPU;
-                   eagle only): drafting reads a few rows per call, so their bytes are its cost; only what is
-                   drafted changes, never the output
+                   per-row scales, CPU) or "int4" (weight-only, a scale and zero per 32 inputs, CPU): drafting
+                   reads a few rows per call, so their bytes are its cost; only what is drafted changes, never the
+                   output
 
 A front end may leave path, tree, options and max_draft_len unset and fill them from a configured drafter (its
-own policy, e.g. `LoadConfig.draft_spec`); `load_drafter` needs only the weights of medusa / eagle
+own policy, e.g. `LoadConfig.draft_spec`); `load_drafter` needs only the weights of weighted kinds
 (`require_weights`), and the spec of a loaded drafter has every default resolved.
 
-The rules, written here only (`DraftSpec.__post_init__`, `with_options`, `require_weights`): the kind is one of
-KINDS; only medusa / eagle have weights, and need them to load; lookup takes no tree (it builds its trees from
-matches) and none only a root-only one; the dynamic tree and its options are EAGLE's only and never go with a
-static tree; lookup options go with lookup (its own) or with medusa / eagle (continuations merged into their trees),
-never with none; pruning is EAGLE's only; quantization is one of QUANTIZATIONS, for QUANTIZED_KINDS only. Errors are
-`DraftSpecError`s naming the field, so each front end names its own key for it (`field_names`).
+The generic rules (`DraftSpec.__post_init__`, `with_options`, `require_weights`), each read off the kind
+(`DrafterKind`): the kind is registered; only weighted kinds have weights, and need them to load; a kind takes the
+option sets it lists (`DrafterKind.options`); the dynamic tree goes with the "dynamic" option set, never with a
+static tree; lookup options on a weighted kind merge prompt lookup into its trees, and a datastore needs a head
+directory; quantization is one of QUANTIZATIONS its kind runs. Then the kind's own rules (`DrafterKind.check`, e.g.
+lookup takes no tree). Errors are `DraftSpecError`s naming the field, so each front end names its own key for it.
+
+Drafter kinds: one module each (`runtime/drafters/<kind>.py`) defines a `DrafterKind` subclass and its instance
+`KIND`: name, weights, option sets, its rules, the tree it drafts, its loader. The registry (`drafter_kind`,
+`kinds`) imports the built-in kind modules (`BUILTIN_KINDS`) by name on the first lookup; `register` adds another
+kind (from its own module, which the caller imports). The builder's share of a kind (engine files, TensorRT-LLM
+export, training) is registered the same way in `builder/drafters/`.
 """
 
 from __future__ import annotations
@@ -44,18 +53,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from runtime import schema
 from runtime.errors import ConfigError
+from runtime.registry import Registry
 from runtime.schema import setting
 from runtime.tree import Tree
 
-KINDS = ("medusa", "eagle", "lookup", "none")
 QUANTIZATIONS = ("int8", "int4")  # DraftSpec.quantization values (None: the weights' own dtype); runtime.model's
 # QUANTIZED_WEIGHTS maps each to its weight class
-QUANTIZED_KINDS = ("eagle",)  # the kinds whose head runs quantized
-WEIGHTED_KINDS = ("medusa", "eagle")  # the kinds with head weights
 DYNAMIC: Literal["dynamic"] = "dynamic"  # the tree of EAGLE-2: chosen every step from the head's scores
 GRAMMAR = "KIND[:TREE][+KEY=VALUE...]"
 
@@ -73,14 +80,40 @@ class DraftSpecError(ConfigError):
         return f"{self.field}: {self.detail}"
 
 
+@dataclass(frozen=True)
+class FieldNames:
+    """One DraftSpec field as each front end spells it."""
+
+    yaml: str  # the builder YAML's key path
+    load: str  # runtime.load's keyword (python -m runtime's flag: --draft-model for draft_model)
+    record: str  # engine.json's "draft" record key
+
+
+FRONT_ENDS = ("yaml", "load", "record")
+FIELD_NAMES: dict[str, FieldNames] = {
+    "kind": FieldNames("draft.method", "draft", "method"),
+    "path": FieldNames("draft.checkpoint", "draft_model", "path"),
+    "tree": FieldNames("draft.tree", "tree", "tree"),
+    "dynamic": FieldNames("draft.tree.dynamic", "draft_options", "tree"),
+    "lookup": FieldNames("draft.lookup", "draft_options", "options"),
+    "pruning": FieldNames("draft.pruning", "draft_options", "options"),
+    "options": FieldNames("draft", "draft_options", "options"),  # KEY=VALUE options not yet typed
+    "max_draft_len": FieldNames("build.max_draft_len", "max_draft_len", "max_draft_len"),
+    "quantization": FieldNames("draft.quantization", "draft_quantization", "quantization"),
+}
+
+
 @contextmanager
-def field_names(names: Mapping[str, str], error: type[ConfigError] = ConfigError, prefix: str = "") -> Iterator[None]:
-    """Re-raise a DraftSpecError raised inside as `error`, its field named by the front end's key for it (e.g.
-    {"path": "draft.checkpoint"}; fields not in `names` keep their own name), after `prefix`."""
+def field_names(front_end: str, error: type[ConfigError] = ConfigError, prefix: str = "") -> Iterator[None]:
+    """Re-raise a DraftSpecError raised inside as `error`, its field named as `front_end` (one of FRONT_ENDS) spells
+    it, after `prefix`."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
     try:
         yield
     except DraftSpecError as exc:
-        raise error(f"{prefix}{names.get(exc.field, exc.field)}: {exc.detail}") from exc
+        names = FIELD_NAMES.get(exc.field)
+        raise error(f"{prefix}{exc.field if names is None else getattr(names, front_end)}: {exc.detail}") from exc
 
 
 # ---- the drafters' options --------------------------------------------------------------------------------------
@@ -189,15 +222,96 @@ class PruneOptions:
 
 OPTIONS: dict[str, type] = {"dynamic": DynamicTreeOptions, "lookup": LookupOptions,
                             "pruning": PruneOptions}  # DraftSpec field -> its type
-# The option sets each kind takes (DraftSpec fields); their field names never overlap, so KEY=VALUE options are
-# routed to their set by name.
-KIND_OPTIONS: dict[str, tuple[str, ...]] = {"eagle": ("dynamic", "lookup", "pruning"), "medusa": ("lookup",),
-                                            "lookup": ("lookup",)}
+# Their field names never overlap, so KEY=VALUE options are routed to their set by name.
 
 
 def option_names(kind: str) -> tuple[str, ...]:
     """The KEY=VALUE options drafter `kind` takes (the fields of its option sets)."""
-    return tuple(f.name for name in KIND_OPTIONS.get(kind, ()) for f in dataclasses.fields(OPTIONS[name]))
+    return tuple(f.name for name in drafter_kind(kind).options for f in dataclasses.fields(OPTIONS[name]))
+
+
+# ---- drafter kinds ------------------------------------------------------------------------------------------------
+
+PLAIN = "none"  # the kind of plain decoding (runtime/drafters/none.py), DraftSpec's default
+BUILTIN_KINDS = ("runtime.drafters.medusa", "runtime.drafters.eagle", "runtime.drafters.lookup",
+                 "runtime.drafters.none")  # the kind modules the registry loads, in the order kinds are listed
+
+
+class DrafterKind:
+    """A drafter kind: what the runtime knows of it. Its module subclasses this and names the instance `KIND`."""
+
+    name: ClassVar[str]
+    title: ClassVar[str]  # for people: "Medusa", "prompt lookup"
+    weighted: ClassVar[bool] = False  # drafts from head weights (DraftSpec.path), needed to load
+    weight_files: ClassVar[tuple[str, ...]] = ()  # its head's weight files, preferred first
+    # the option sets it takes (keys of OPTIONS); "lookup" on a weighted kind: prompt lookup merged into its trees
+    options: ClassVar[tuple[str, ...]] = ()
+    quantizations: ClassVar[tuple[str, ...]] = ()  # the DraftSpec.quantization values its head runs in
+    sized_by: ClassVar[str] = "tree"  # the DraftSpec field (dotted into an option set) that sets its tree's size
+
+    def check(self, spec: DraftSpec) -> None:
+        """Its own rules on `spec`, after the generic ones: DraftSpecError naming the field."""
+
+    def shape(self, spec: DraftSpec) -> tuple[int, int]:
+        """(most tree nodes, root included; deepest node) of what `spec` drafts when its tree is not static and no
+        prompt lookup is merged in."""
+        return 1, 0
+
+    def merged_shape(self, spec: DraftSpec, nodes: int, depth: int) -> tuple[int, int]:
+        """The same with prompt lookup merged into a tree of `nodes` nodes (`depth`: the deeper of the two):
+        lookup's nodes come on top of the tree's."""
+        return nodes + spec.lookup.num_draft_tokens + spec.lookup.datastore_tokens, depth
+
+    def load(self, spec: DraftSpec, model: Any) -> Any:
+        """The drafter (a `runtime.protocol.Drafter`) `spec` describes for the target `model`, its defaults
+        resolved; prompt lookup merged in is `runtime.drafters.load_drafter`'s."""
+        raise NotImplementedError(f"drafter kind {self.name!r} has no loader")
+
+    def recognizes(self, directory: Path) -> bool:
+        """Whether `directory` holds this kind's head in its public format (`runtime.api.infer_draft_kind`)."""
+        return False
+
+    def with_tree(self, drafter: Any, model: Any, tree: Tree, pruning: PruneOptions | None = None) -> Any:
+        """A loaded drafter's weights drafting another static tree, no weights read again (tune-tree)."""
+        raise ConfigError(f"drafter {self.name!r} drafts no static tree from head weights")
+
+    def max_depth(self, drafter: Any) -> int | None:
+        """The deepest static tree a loaded drafter drafts (None: no bound)."""
+        return None
+
+
+_KINDS: Registry[DrafterKind] = Registry("drafter kind", DrafterKind, BUILTIN_KINDS)
+
+
+def kinds() -> tuple[DrafterKind, ...]:
+    """Every registered kind: the built-in ones, then those `register`ed."""
+    return _KINDS.all()
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(kind.name for kind in kinds())
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    """The kind named `name`; DraftSpecError("kind") when none is."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise DraftSpecError("kind", f"unknown drafter kind {name!r}; expected one of {', '.join(kind_names())}")
+    return kind
+
+
+def register(kind: DrafterKind) -> DrafterKind:
+    """Add a kind from outside BUILTIN_KINDS (its module calls this); the same object again is a no-op."""
+    return _KINDS.register(kind)
+
+
+def unregister(name: str) -> None:
+    """Remove a kind `register` added."""
+    _KINDS.unregister(name)
+
+
+def _their(names: Sequence[str]) -> str:
+    return " / ".join(names) if names else "no drafter's"
 
 
 # ---- trees ------------------------------------------------------------------------------------------------------
@@ -223,10 +337,18 @@ def _tree(value: Any) -> Tree | Literal["dynamic"] | None:
         raise DraftSpecError("tree", str(exc)) from exc
 
 
-def _no_dynamic_tree(kind: str) -> str:
-    if kind == "medusa":
-        return "the dynamic tree is EAGLE-2's; Medusa needs a static tree (a preset or choice paths)"
-    return f"the dynamic tree is EAGLE-2's, not drafter {kind!r}'s"
+def _no_dynamic_tree(kind: DrafterKind) -> str:
+    if kind.weighted:
+        return f"the dynamic tree is EAGLE-2's; {kind.title} needs a static tree (a preset or choice paths)"
+    return f"the dynamic tree is EAGLE-2's, not drafter {kind.name!r}'s"
+
+
+def _titles(option_set: str) -> list[str]:
+    return [k.title for k in kinds() if option_set in k.options]
+
+
+def _weighted() -> list[str]:
+    return [k.name for k in kinds() if k.weighted]
 
 
 def _pairs(options: Any) -> str:
@@ -240,7 +362,7 @@ def _pairs(options: Any) -> str:
 class DraftSpec:
     """Which drafter (see the module docstring): kind, head weights, tree, options, max draft length."""
 
-    kind: str = "none"
+    kind: str = PLAIN
     path: str | None = None
     tree: Tree | Literal["dynamic"] | None = None
     dynamic: DynamicTreeOptions | None = None
@@ -250,16 +372,14 @@ class DraftSpec:
     pruning: PruneOptions | None = None  # PruneOptions() (nothing pruned) is kept as None: one form per meaning
 
     def __post_init__(self) -> None:
-        kind, tree = self.kind, self.tree
-        if kind not in KINDS:
-            raise DraftSpecError("kind", f"unknown drafter kind {kind!r}; expected one of {', '.join(KINDS)}")
+        kind, tree = drafter_kind(self.kind), self.tree
         if isinstance(self.path, Path):
             object.__setattr__(self, "path", str(self.path))
         if self.path is not None:
             if not isinstance(self.path, str) or not self.path:
                 raise DraftSpecError("path", f"expected a directory path, got {self.path!r}")
-            if kind not in WEIGHTED_KINDS:
-                raise DraftSpecError("path", f"drafter {kind!r} has no weights; got {self.path!r}")
+            if not kind.weighted:
+                raise DraftSpecError("path", f"drafter {self.kind!r} has no weights; got {self.path!r}")
         if tree is not None and tree != DYNAMIC and not isinstance(tree, Tree):
             raise DraftSpecError("tree", f"expected a Tree, {DYNAMIC!r} or None, got {tree!r} "
                                          "(DraftSpec.create parses preset names, JSON and choice paths)")
@@ -268,34 +388,32 @@ class DraftSpec:
             if value is not None and not isinstance(value, cls):
                 raise DraftSpecError(name, f"expected {cls.__name__}, got {value!r}")
         if self.pruning is not None:
-            if kind != "eagle":
-                raise DraftSpecError("pruning", f"pruning by path probability is EAGLE's (its head scores its "
-                                                f"paths), not drafter {kind!r}'s")
+            if "pruning" not in kind.options:
+                raise DraftSpecError("pruning", f"pruning by path probability is {_their(_titles('pruning'))}'s "
+                                                f"(its head scores its paths), not drafter {self.kind!r}'s")
             if self.pruning == PruneOptions():
                 object.__setattr__(self, "pruning", None)
         if self.dynamic is not None:
-            if kind != "eagle":
+            if "dynamic" not in kind.options:
                 raise DraftSpecError("dynamic", _no_dynamic_tree(kind))
             if isinstance(tree, Tree):
                 raise DraftSpecError("dynamic", "options apply to the dynamic EAGLE-2 tree only; got a static tree "
                                                 "too")
             if tree is None:
                 object.__setattr__(self, "tree", tree := DYNAMIC)
-        if tree == DYNAMIC and kind != "eagle":
+        if tree == DYNAMIC and "dynamic" not in kind.options:
             raise DraftSpecError("tree", _no_dynamic_tree(kind))
-        if kind == "lookup" and tree is not None:
-            raise DraftSpecError("tree", "drafter 'lookup' builds its own trees from matches; give it options "
-                                         "(max_ngram, num_draft_tokens, ...) instead of a tree")
-        if kind == "none" and isinstance(tree, Tree) and tree.num_nodes != 1:
-            raise DraftSpecError("tree", f"drafter 'none' drafts root-only trees; got a tree with {tree.num_nodes} "
-                                         "nodes")
-        if self.lookup is not None and "lookup" not in KIND_OPTIONS.get(kind, ()):
-            raise DraftSpecError("lookup", f"lookup options apply to drafter 'lookup', or to medusa / eagle (prompt-"
-                                           f"lookup continuations merged into their trees), not {kind!r}")
-        if self.lookup is not None and self.lookup.datastore_tokens and kind not in WEIGHTED_KINDS:
-            raise DraftSpecError("lookup", f"datastore_tokens {self.lookup.datastore_tokens}: a datastore is read from "
-                                           f"a draft head's directory (medusa / eagle + lookup), and drafter "
-                                           f"{kind!r} has none; set datastore_tokens to 0")
+        if self.lookup is not None:
+            if "lookup" not in kind.options:
+                own = [k.name for k in kinds() if "lookup" in k.options and not k.weighted]
+                merged = [k.name for k in kinds() if "lookup" in k.options and k.weighted]
+                raise DraftSpecError("lookup", f"lookup options apply to drafter {_their([repr(n) for n in own])}, "
+                                               f"or to {_their(merged)} (prompt-lookup continuations merged into "
+                                               f"their trees), not {self.kind!r}")
+            if self.lookup.datastore_tokens and not kind.weighted:
+                raise DraftSpecError("lookup", f"datastore_tokens {self.lookup.datastore_tokens}: a datastore is read "
+                                               f"from a draft head's directory ({_their(_weighted())} + lookup), and "
+                                               f"drafter {self.kind!r} has none; set datastore_tokens to 0")
         m = self.max_draft_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise DraftSpecError("max_draft_len", f"got {m!r}, expected an integer >= 0")
@@ -303,9 +421,11 @@ class DraftSpec:
             if self.quantization not in QUANTIZATIONS:
                 raise DraftSpecError("quantization", f"got {self.quantization!r}, expected one of "
                                                      f"{', '.join(QUANTIZATIONS)} (or none: the weights' own dtype)")
-            if kind not in QUANTIZED_KINDS:
-                raise DraftSpecError("quantization", f"drafter {kind!r} runs its weights as they are; quantized draft "
-                                                     f"weights are {', '.join(QUANTIZED_KINDS)}'s")
+            if self.quantization not in kind.quantizations:
+                quantized = [k.name for k in kinds() if self.quantization in k.quantizations]
+                raise DraftSpecError("quantization", f"drafter {self.kind!r} runs its weights as they are; "
+                                                     f"{self.quantization} draft weights are {_their(quantized)}'s")
+        kind.check(self)
 
     # ---- making one ---------------------------------------------------------------------------------------------
 
@@ -338,7 +458,7 @@ class DraftSpec:
             raise DraftSpecError("options", f"unknown option(s) {unknown} for drafter {self.kind!r}; accepted: "
                                             f"{sorted(allowed) if allowed else 'none'}")
         changes: dict[str, Any] = {}
-        for name in KIND_OPTIONS[self.kind]:
+        for name in drafter_kind(self.kind).options:
             cls = OPTIONS[name]
             fields = {f.name for f in dataclasses.fields(cls)}
             mine = {k: v for k, v in options.items() if k in fields}
@@ -356,7 +476,7 @@ class DraftSpec:
 
     @classmethod
     def parse(cls, text: str) -> DraftSpec:
-        """KIND[:TREE][+KEY=VALUE...], as `python -m perf` takes drafters: KIND one of KINDS; TREE a preset
+        """KIND[:TREE][+KEY=VALUE...], as `python -m perf` takes drafters: KIND a registered kind; TREE a preset
         (mc_sim_7b_63, chain-K), JSON choice paths ([[0],[0,0],[1]]) or "dynamic" (EAGLE-2); KEY=VALUE the kind's
         options (`option_names`), max_draft_len or quantization, a value JSON, else text. E.g. "medusa:mc_sim_7b_63",
         "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4", "medusa:chain-1+max_draft_len=1",
@@ -386,12 +506,14 @@ class DraftSpec:
     def from_mapping(cls, data: Any) -> DraftSpec:
         """engine.json's "draft" record (the inverse of `to_dict`): method, path, tree ({"kind": "static", "choices":
         [...]}, {"kind": "dynamic", ...} or null), options (the kind's, by name), and max_draft_len / quantization
-        when recorded."""
+        when recorded (the keys: FIELD_NAMES' `record`)."""
+        key = {name: names.record for name, names in FIELD_NAMES.items()}
         if not isinstance(data, Mapping):
-            raise DraftSpecError("kind", f"expected a mapping with keys method, path, tree, options, got {data!r}")
-        if "method" not in data:
-            raise DraftSpecError("kind", "missing key 'method'")
-        record, options = data.get("tree") or None, data.get("options") or {}
+            raise DraftSpecError("kind", f"expected a mapping with keys {key['kind']}, {key['path']}, {key['tree']}, "
+                                         f"{key['options']}, got {data!r}")
+        if key["kind"] not in data:
+            raise DraftSpecError("kind", f"missing key {key['kind']!r}")
+        record, options = data.get(key["tree"]) or None, data.get(key["options"]) or {}
         tree: Any = None
         if isinstance(record, Mapping) and record.get("kind") == "static" and isinstance(record.get("choices"), list):
             tree = record["choices"]
@@ -402,13 +524,14 @@ class DraftSpec:
                                          f"'dynamic', ...}}, got {record!r}")
         if not isinstance(options, Mapping):
             raise DraftSpecError("options", f"expected a mapping of option names to values, got {options!r}")
-        return cls.create(data["method"], path=data.get("path"), tree=tree, options=options,
-                          max_draft_len=data.get("max_draft_len"), quantization=data.get("quantization"))
+        return cls.create(data[key["kind"]], path=data.get(key["path"]), tree=tree, options=options,
+                          max_draft_len=data.get(key["max_draft_len"]), quantization=data.get(key["quantization"]))
 
     # ---- reading one ------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, in engine.json's "draft" record form: method, path, tree, options (+ max_draft_len when set)."""
+        """JSON-ready, in engine.json's "draft" record form: method, path, tree, options (+ max_draft_len /
+        quantization when set)."""
         tree: dict[str, Any] | None = None
         if isinstance(self.tree, Tree):
             tree = {"kind": "static", "choices": [list(p) for p in self.tree.choices],
@@ -417,11 +540,13 @@ class DraftSpec:
             tree = {"kind": DYNAMIC, **({} if self.dynamic is None else dataclasses.asdict(self.dynamic))}
         options = {k: v for name in OPTIONS if (o := getattr(self, name)) is not None
                    for k, v in dataclasses.asdict(o).items()}
-        d: dict[str, Any] = {"method": self.kind, "path": self.path, "tree": tree, "options": options}
+        key = {name: names.record for name, names in FIELD_NAMES.items()}
+        d: dict[str, Any] = {key["kind"]: self.kind, key["path"]: self.path, key["tree"]: tree,
+                             key["options"]: options}
         if self.max_draft_len is not None:
-            d["max_draft_len"] = self.max_draft_len
+            d[key["max_draft_len"]] = self.max_draft_len
         if self.quantization is not None:
-            d["quantization"] = self.quantization
+            d[key["quantization"]] = self.quantization
         return d
 
     def describe(self) -> str:
@@ -433,10 +558,10 @@ class DraftSpec:
             parts.append(f"static tree: {self.tree.num_nodes} nodes, depth {self.tree.max_depth}")
         elif self.tree == DYNAMIC:
             parts.append("dynamic tree" + ("" if self.dynamic is None else f": {_pairs(self.dynamic)}"))
-        elif self.kind in WEIGHTED_KINDS:
+        elif self.drafter_kind.weighted:
             parts.append("the drafter's default tree")
         if self.lookup is not None:
-            parts.append(_pairs(self.lookup) if self.kind == "lookup" else f"merged prompt lookup: {_pairs(self.lookup)}")
+            parts.append(f"merged prompt lookup: {_pairs(self.lookup)}" if self.merges_lookup else _pairs(self.lookup))
         if self.pruning is not None:
             parts.append(f"paths below probability {self.pruning.min_path_prob:g} pruned")
         if self.max_draft_len is not None:
@@ -446,14 +571,23 @@ class DraftSpec:
         return self.kind + (f" ({', '.join(parts)})" if parts else "")
 
     @property
+    def drafter_kind(self) -> DrafterKind:
+        return drafter_kind(self.kind)
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is plain decoding (root-only trees)."""
+        return self.kind == PLAIN
+
+    @property
     def static_tree(self) -> Tree | None:
         """The static tree, or None (dynamic, lookup, root-only or the drafter's default)."""
         return self.tree if isinstance(self.tree, Tree) else None
 
     @property
     def merges_lookup(self) -> bool:
-        """Whether prompt-lookup continuations are merged into a model drafter's trees (medusa / eagle + lookup)."""
-        return self.kind in WEIGHTED_KINDS and self.lookup is not None
+        """Whether prompt-lookup continuations are merged into a model drafter's trees (a weighted kind + lookup)."""
+        return self.lookup is not None and self.drafter_kind.weighted
 
     @property
     def model_only(self) -> DraftSpec:
@@ -462,7 +596,7 @@ class DraftSpec:
 
     def require_weights(self) -> None:
         """DraftSpecError unless the weights a drafter of this kind loads are given."""
-        if self.kind in WEIGHTED_KINDS and self.path is None:
+        if self.drafter_kind.weighted and self.path is None:
             raise DraftSpecError("path", f"required for drafter {self.kind!r} (its head weights directory)")
 
     @property
@@ -480,24 +614,10 @@ class DraftSpec:
         if self.merges_lookup:
             nodes, depth = self.model_only._shape()
             lk = self.lookup
-            depth = max(depth, lk.depth_limit, lk.datastore_tokens)
-            if self.kind == "eagle" and not isinstance(self.tree, Tree):
-                # EAGLE-2: total_tokens bounds the merged tree too (the merge keeps the best nodes of the union; the
-                # session drafts within this bound: `MergedDrafter.node_budget`)
-                return nodes, min(depth, nodes - 1)
-            return nodes + lk.num_draft_tokens + lk.datastore_tokens, depth
+            return self.drafter_kind.merged_shape(self, nodes, max(depth, lk.depth_limit, lk.datastore_tokens))
         if isinstance(self.tree, Tree):
             return self.tree.num_nodes, self.tree.max_depth
-        if self.kind == "eagle":
-            d = self.dynamic if self.dynamic is not None else DynamicTreeOptions()
-            return d.total_tokens, min(d.depth + 1, d.total_tokens - 1)
-        if self.kind == "lookup":
-            lk = self.lookup if self.lookup is not None else LookupOptions()
-            return lk.num_draft_tokens + 1, lk.depth_limit
-        if self.kind == "medusa":
-            raise ConfigError("a Medusa spec without a tree drafts its heads' default tree: ask the loaded drafter's "
-                              "spec (load_drafter(spec, model).spec)")
-        return 1, 0
+        return self.drafter_kind.shape(self)
 
 
 def option_value(text: str) -> Any:
@@ -509,6 +629,8 @@ def option_value(text: str) -> Any:
 
 
 __all__ = [
-    "KINDS", "QUANTIZATIONS", "QUANTIZED_KINDS", "WEIGHTED_KINDS", "DYNAMIC", "GRAMMAR", "KIND_OPTIONS", "OPTIONS", "DraftSpec", "DraftSpecError", "DynamicTreeOptions",
-    "LookupOptions", "PruneOptions", "as_tree", "field_names", "option_names", "option_value",
+    "BUILTIN_KINDS", "DYNAMIC", "FIELD_NAMES", "FRONT_ENDS", "GRAMMAR", "OPTIONS", "PLAIN", "QUANTIZATIONS",
+    "DraftSpec", "DraftSpecError", "DrafterKind", "DynamicTreeOptions", "FieldNames", "LookupOptions", "PruneOptions",
+    "as_tree", "drafter_kind", "field_names", "kind_names", "kinds", "option_names", "option_value", "register",
+    "unregister",
 ]

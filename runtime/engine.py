@@ -499,7 +499,7 @@ def open_engine(root: str | Path) -> Engine:
                         int(lim["tp_size"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineError(f"{where}: malformed limits section ({exc!r})") from exc
-    with field_names({}, EngineError, f"{where}: draft: "):
+    with field_names("record", EngineError, f"{where}: draft: "):
         draft = dataclasses.replace(DraftSpec.from_mapping(manifest["draft"]), max_draft_len=limits.max_draft_len)
     return Engine(root=root, manifest=manifest, dtype=str(manifest["dtype"]), draft=draft, limits=limits)
 

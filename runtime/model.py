@@ -430,7 +430,7 @@ class PackedWeight:
     @staticmethod
     def supported(dtype: torch.dtype, device: torch.device) -> bool:
         """Whether weights of `dtype` on `device` are packed: bf16 on a CPU whose oneDNN takes bf16 weights
-        (plugins/cpu.py `onednn_bf16`: AVX-512 BW/VL/DQ or AVX-NE-CONVERT), where this torch packs one (tried once)."""
+        (plugins/cpu/ `onednn_bf16`: AVX-512 BW/VL/DQ or AVX-NE-CONVERT), where this torch packs one (tried once)."""
         return device.type == "cpu" and dtype == torch.bfloat16 and _packs_bf16()
 
     @property
@@ -788,7 +788,7 @@ class TargetModel(nn.Module):
         matmul kernels give each row its lone-row result at the model's weight shapes (`row_plan`); where they do
         not, run in float32 (with a warning), whose rounding needs no invariance: a 16-bit tree step would not
         reproduce plain decoding and greedy output would change; likewise bfloat16 on a CPU without native bf16
-        (plugins/cpu.py), whose emulated bf16 matmuls are also ~10-20x slower than float32 (the loaders refuse to
+        (plugins/cpu/), whose emulated bf16 matmuls are also ~10-20x slower than float32 (the loaders refuse to
         run one so when asked: runtime.config.choose_dtype). float16 on CPU runs as asked, with a warning that
         greedy output may change."""
         if not batch_invariant(self.dtype, self.device):

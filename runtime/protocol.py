@@ -66,18 +66,6 @@ class Draft:
 
 
 @dataclass(frozen=True)
-class CandidatePool:
-    """Scored candidates not yet cut to a node budget (EAGLE-2's pool, its pruned entries left out). A session that
-    has one offers it as `candidates(root, params, generator, max_nodes)` (None when it drafts a fixed tree), so a
-    merge (`runtime.drafters.merged`) can fill its budget from the best candidates of every source rather than from
-    each source's own best few."""
-
-    parents: torch.Tensor  # [P] int64: an earlier entry's index, -1 for the root's children
-    tokens: torch.Tensor  # [P] int64
-    scores: torch.Tensor  # [P] float32: the log-probability the drafter gives each entry's whole path
-
-
-@dataclass(frozen=True)
 class Verdict:
     """What the verifier kept from one draft."""
 
@@ -113,7 +101,7 @@ class DraftSession(Protocol):
 class Drafter(Protocol):
     """Shared, read-only drafting weights; `start` makes the per-request session."""
 
-    name: str  # its kind (runtime.draft_spec.KINDS)
+    name: str  # its kind (runtime.draft_spec.kind_names())
     spec: DraftSpec  # what it drafts, every default resolved (load_drafter's drafters; the weights path is not kept)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> DraftSession:

@@ -24,7 +24,6 @@ from typing import NamedTuple
 import torch
 
 from plugins.tree_attention.mask import ancestor_mask, pack_mask
-from runtime.protocol import CandidatePool
 from runtime.errors import ConfigError
 from runtime.tree_presets import STATIC_PRESETS
 
@@ -343,6 +342,18 @@ def _built(choices: tuple[Path, ...]) -> Tree:
 
 
 # ---- dynamic trees (EAGLE-2) ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CandidatePool:
+    """Scored candidates not yet cut to a node budget (EAGLE-2's pool, its pruned entries left out). A session that
+    has one offers it as `candidates(root, params, generator, max_nodes)` (None when it drafts a fixed tree), so a
+    merge (`runtime.drafters.merged`) can fill its budget from the best candidates of every source rather than from
+    each source's own best few."""
+
+    parents: torch.Tensor  # [P] int64: an earlier entry's index, -1 for the root's children
+    tokens: torch.Tensor  # [P] int64
+    scores: torch.Tensor  # [P] float32: the log-probability the drafter gives each entry's whole path
 
 
 def _check_pool(parents: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor | None = None) -> None:

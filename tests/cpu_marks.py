@@ -1,4 +1,4 @@
-"""Skip marks for tests that need a CPU feature (plugins/cpu.py, as this process sees it: a forced level masks
+"""Skip marks for tests that need a CPU feature (plugins/cpu/, as this process sees it: a forced level masks
 features). Each reason names the feature, so a run on an AVX2-only CPU, or in the forced mode `.ci/run` also runs,
 says what it did not check."""
 

@@ -185,13 +185,13 @@ def test_greedy_batch_equals_plain_decoding(ckpt, heads, references, kind, tree,
     leave, and every output equals its plain greedy decoding."""
     path = heads.get(kind)
     dec = runtime.load(ckpt, draft=kind, draft_model=path, tree=tree, **opts)
-    with Scheduler(dec, SchedulerConfig(max_batch_size=3)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=3)) as sched:
         results = run_all(sched, PROMPTS, [greedy(n) for n in MAX_TOKENS])
         stats = sched.stats()
     assert [r.token_ids for r in results] == references
     assert all(r.finish_reason == "length" for r in results)
     assert stats.finished == 5 and stats.failed == 0 and stats.kv_bytes == 0 and stats.kv_reserved_bytes == 0
-    assert 2.0 < stats.mean_batch <= 3.0  # batched, never beyond max_batch_size
+    assert 2.0 < stats.mean_batch <= 3.0  # batched, never beyond max_concurrent_requests
     if kind != "none":
         assert sum(r.stats.drafted_tokens for r in results) > 0
 
@@ -202,7 +202,7 @@ def test_greedy_batch_with_high_acceptance_and_staggered_joins(model, references
     requests join while others are mid-flight, prompts prefilled in chunks of 3 tokens."""
     t = Tree.parse(tree)
     dec = SpecDecoder(model, None, TeacherDrafter(model, t, seed=0), max_tree_nodes=t.num_nodes)
-    with Scheduler(dec, SchedulerConfig(max_batch_size=4, prefill_chunk=3)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=4, prefill_chunk=3)) as sched:
         first = [sched.submit(p, greedy(n)) for p, n in zip(PROMPTS[:2], MAX_TOKENS[:2])]
         head = next(first[0])  # request 0 is decoding ...
         rest = [sched.submit(p, greedy(n)) for p, n in zip(PROMPTS[2:], MAX_TOKENS[2:])]  # ... when these join
@@ -248,7 +248,7 @@ def test_tree_budget_splits_over_the_batch_and_keeps_greedy_output(ckpt, heads, 
     requests join and leave; every output is still plain greedy decoding's."""
     dec = runtime.load(ckpt, draft=kind, draft_model=heads.get(kind), tree=tree, **opts)
     steps = record_steps(monkeypatch, dec)
-    with Scheduler(dec, SchedulerConfig(max_batch_size=3, tree_budget=5)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=3, tree_budget=5)) as sched:
         results = run_all(sched, PROMPTS, [greedy(n) for n in MAX_TOKENS])
     assert [r.token_ids for r in results] == references
     shares = Counter()
@@ -261,7 +261,7 @@ def test_tree_budget_splits_over_the_batch_and_keeps_greedy_output(ckpt, heads, 
     assert {1, 2, 5} <= set(shares)  # every share happened
     drafted = sum(r.stats.drafted_tokens for r in results)
     assert drafted > 0
-    with Scheduler(dec, SchedulerConfig(max_batch_size=3)) as sched:  # no budget: whole trees, more drafted
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=3)) as sched:  # no budget: whole trees, more drafted
         assert sum(r.stats.drafted_tokens for r in run_all(sched, PROMPTS, [greedy(n) for n in MAX_TOKENS])) > drafted
 
 
@@ -275,7 +275,7 @@ def test_tree_budget_leaves_seeded_sampled_requests_whole(ckpt, monkeypatch):
     alone = [dec.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
     steps = record_steps(monkeypatch, dec)
     others = [greedy(20), SamplingParams(max_tokens=20, temperature=1.2, ignore_eos=True)]
-    with Scheduler(dec, SchedulerConfig(max_batch_size=4, tree_budget=2)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=4, tree_budget=2)) as sched:
         mixed = run_all(sched, [PROMPTS[1], PROMPTS[4]] + PROMPTS, others + params)
     assert [r.token_ids for r in mixed[2:]] == alone
     caps = Counter(cap for step in steps for decoding, cap, _ in step if decoding)
@@ -296,11 +296,11 @@ def test_same_seed_same_output_alone_or_in_any_batch(ckpt, dtype):
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, top_k=20, seed=10 + i)
               for i, n in enumerate(MAX_TOKENS)]
     alone = [dec.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
-    with Scheduler(dec, SchedulerConfig(max_batch_size=5)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=5)) as sched:
         together = [r.token_ids for r in run_all(sched, PROMPTS, params)]
     noise = [SamplingParams(max_tokens=20, temperature=1.2, seed=99 + i, ignore_eos=True) for i in range(3)]
     order = [4, 2, 0, 3, 1]
-    with Scheduler(dec, SchedulerConfig(max_batch_size=3)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=3)) as sched:
         mixed = run_all(sched, [PROMPTS[1], PROMPTS[4], PROMPTS[0]] + [PROMPTS[i] for i in order],
                         noise + [params[i] for i in order])
     shuffled = {i: r.token_ids for i, r in zip(order, mixed[3:])}
@@ -320,7 +320,7 @@ def batch_sample_counts(dec: SpecDecoder, prompt, trials: int) -> Counter:
     """Each trial is one request (seed = trial) decoded inside a batch of 6 with other trials and with noise
     requests on other prompts (different lengths, trees, sampling settings)."""
     counts: Counter = Counter()
-    with Scheduler(dec, SchedulerConfig(max_batch_size=6, max_queue_size=trials * 2)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=6, max_queue_size=trials * 2)) as sched:
         handles = []
         for seed in range(trials):
             handles.append(sched.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True, seed=seed, **KW)))
@@ -365,7 +365,7 @@ def test_kv_memory_grows_with_tokens_and_returns_to_zero(plain, model):
     are zero once the request has finished."""
     seen = []
     prompt = PROMPTS[2]
-    with Scheduler(plain, SchedulerConfig(max_batch_size=2)) as sched:
+    with Scheduler(plain, SchedulerConfig(max_concurrent_requests=2)) as sched:
         assert sched.stats().kv_bytes == 0
 
         def watch(handle, delta):
@@ -393,7 +393,7 @@ def test_kv_memory_grows_with_tokens_and_returns_to_zero(plain, model):
 
 
 def test_cancel_frees_memory_at_the_next_step_and_others_continue(plain, references):
-    with Scheduler(plain, SchedulerConfig(max_batch_size=4)) as sched:
+    with Scheduler(plain, SchedulerConfig(max_concurrent_requests=4)) as sched:
         long = sched.submit(PROMPTS[0], greedy(400))
         others = [sched.submit(p, greedy(n)) for p, n in zip(PROMPTS[1:], MAX_TOKENS[1:])]
         for _ in range(3):
@@ -414,7 +414,7 @@ def test_cancel_frees_memory_at_the_next_step_and_others_continue(plain, referen
 
 def test_cancel_while_waiting_and_close_of_a_handle(plain):
     gate = threading.Event()
-    with Scheduler(plain, SchedulerConfig(max_batch_size=1)) as sched:
+    with Scheduler(plain, SchedulerConfig(max_concurrent_requests=1)) as sched:
         blocker = sched.submit(PROMPTS[0], greedy(5), on_delta=lambda h, d: gate.wait(WAIT))
         queued = sched.submit(PROMPTS[1], greedy(50))
         queued.cancel()
@@ -435,7 +435,7 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits(plain, model, re
     per_request = model.cache_bytes(len(prompt) + 30 + 1)
     budget = 2 * per_request + per_request // 2  # room for two worst cases at a time
     active_seen = []
-    with Scheduler(plain, SchedulerConfig(max_batch_size=8, kv_budget_bytes=budget)) as sched:
+    with Scheduler(plain, SchedulerConfig(max_concurrent_requests=8, kv_budget_bytes=budget)) as sched:
         def watch(handle, delta):
             s = sched.stats()
             active_seen.append((s.active, s.kv_reserved_bytes, s.kv_bytes))
@@ -456,10 +456,10 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits(plain, model, re
 
 def test_queue_full_is_a_distinct_overload_error(plain):
     gate = threading.Event()
-    with Scheduler(plain, SchedulerConfig(max_batch_size=1, max_queue_size=1)) as sched:
+    with Scheduler(plain, SchedulerConfig(max_concurrent_requests=1, max_queue_size=1)) as sched:
         first = sched.submit(PROMPTS[0], greedy(3), on_delta=lambda h, d: gate.wait(WAIT))
         second = sched.submit(PROMPTS[1], greedy(3))
-        with pytest.raises(OverloadedError, match="max_batch_size 1 \\+ max_queue_size 1"):
+        with pytest.raises(OverloadedError, match="max_concurrent_requests 1 \\+ max_queue_size 1"):
             sched.submit(PROMPTS[2], greedy(3))
         gate.set()
         assert first.wait(WAIT) and second.result().finish_reason == "length"
@@ -468,8 +468,8 @@ def test_queue_full_is_a_distinct_overload_error(plain):
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match=r"scheduler.max_batch_size: got 0, expected an integer >= 1"):
-        SchedulerConfig(max_batch_size=0)
+    with pytest.raises(ConfigError, match=r"scheduler.max_concurrent_requests: got 0, expected an integer >= 1"):
+        SchedulerConfig(max_concurrent_requests=0)
     with pytest.raises(ConfigError, match=r"scheduler.max_queue_size: got -1, expected an integer >= 0"):
         SchedulerConfig(max_queue_size=-1)
     with pytest.raises(ConfigError, match=r"scheduler.kv_budget_bytes: got 1.5, expected an integer"):
@@ -517,7 +517,7 @@ def test_one_request_failing_does_not_stop_the_others(model, references):
         if len(bad_callback_calls) == 2:
             raise KeyError("client went away")
 
-    with Scheduler(dec, SchedulerConfig(max_batch_size=8)) as sched:
+    with Scheduler(dec, SchedulerConfig(max_concurrent_requests=8)) as sched:
         good = [sched.submit(p, greedy(n)) for p, n in zip(PROMPTS, MAX_TOKENS)]
         bad = sched.submit([17, 5, 6], greedy(20))
         callback = sched.submit(PROMPTS[0], greedy(20), on_delta=bad_callback)
@@ -546,7 +546,7 @@ def test_a_failing_forward_stops_the_scheduler_and_is_reported(plain, monkeypatc
         return original(segments, check)
 
     monkeypatch.setattr(plain.model, "forward_segments", flaky)
-    sched = Scheduler(plain, SchedulerConfig(max_batch_size=2))
+    sched = Scheduler(plain, SchedulerConfig(max_concurrent_requests=2))
     handles = [sched.submit(p, greedy(50)) for p in PROMPTS]
     all_submitted.set()
     for h in handles:
@@ -564,7 +564,7 @@ def test_a_failing_forward_stops_the_scheduler_and_is_reported(plain, monkeypatc
 
 
 def test_close_ends_requests_in_flight_and_refuses_new_ones(plain):
-    sched = Scheduler(plain, SchedulerConfig(max_batch_size=1))
+    sched = Scheduler(plain, SchedulerConfig(max_concurrent_requests=1))
     running = sched.submit(PROMPTS[0], greedy(400))
     waiting = sched.submit(PROMPTS[1], greedy(400))
     next(running)
@@ -594,7 +594,7 @@ def test_submits_from_many_threads(plain, references):
             if (i + j) % 2 == 0:
                 results[i, j] = plain_sched.generate(p, greedy(n)).token_ids
 
-    with Scheduler(plain, SchedulerConfig(max_batch_size=6)) as plain_sched:
+    with Scheduler(plain, SchedulerConfig(max_concurrent_requests=6)) as plain_sched:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
@@ -627,7 +627,7 @@ def test_concurrent_submits_and_cancels_leave_nothing_behind(plain):
             with lock:
                 outcomes.append((i, n, tuple(ids), last.finish_reason))
 
-    with Scheduler(plain, SchedulerConfig(max_batch_size=5, max_queue_size=40)) as sched:
+    with Scheduler(plain, SchedulerConfig(max_concurrent_requests=5, max_queue_size=40)) as sched:
         threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
@@ -644,3 +644,16 @@ def test_concurrent_submits_and_cancels_leave_nothing_behind(plain):
             assert ids == full[i][: len(ids)] and len(ids) < n
     assert stats.active == stats.waiting == stats.kv_bytes == stats.kv_reserved_bytes == 0
     assert stats.finished + stats.cancelled == 40 and stats.failed == 0 and stats.healthy
+
+
+def test_serving_defaults_have_one_source():
+    """The render options and deploy's config take their scheduler defaults from SchedulerConfig; max_batch_size is
+    Triton's batch dimension there, not the scheduler's concurrency."""
+    from deploy.k8s import DeployConfig
+    from model_repo.render import RepoOptions
+
+    defaults, options = SchedulerConfig(), RepoOptions(engine="e", output="o")
+    for name in ("max_concurrent_requests", "max_queue_size", "prefill_chunk", "tree_budget"):
+        assert getattr(options, name) == getattr(defaults, name), name
+    assert DeployConfig().max_concurrent_requests == defaults.max_concurrent_requests
+    assert not hasattr(defaults, "max_batch_size")

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from pathlib import Path
 
 import pytest
 
-from builder.config import DraftSection, Method
+from builder.config import BuildConfigError, DraftSection
 from runtime.__main__ import parser as runtime_parser
 from runtime.api import LoadConfig
 from runtime.draft_spec import (
     DYNAMIC,
-    KINDS,
+    FIELD_NAMES,
     DraftSpec,
     DraftSpecError,
     DynamicTreeOptions,
     LookupOptions,
     PruneOptions,
     field_names,
+    kind_names,
 )
 from runtime.errors import ConfigError
 from runtime.tree import Tree
@@ -179,7 +179,7 @@ def test_describe_and_tree_shape():
 
 def test_front_ends_name_their_own_keys():
     with pytest.raises(ConfigError, match="^draft.checkpoint: drafter 'none' has no weights"):
-        with field_names({"path": "draft.checkpoint"}):
+        with field_names("yaml"):
             DraftSpec("none", path="h")
     with pytest.raises(ConfigError, match="^draft_model: drafter 'lookup' has no weights"):
         LoadConfig(model="m", draft="lookup", draft_model="h")
@@ -192,8 +192,23 @@ def test_front_ends_name_their_own_keys():
 
 
 def test_one_list_of_kinds():
-    assert typing.get_args(Method) == KINDS  # the builder YAML's draft.method
+    assert kind_names() == ("medusa", "eagle", "lookup", "none")  # the built-in kinds, in registry order
+    with pytest.raises(BuildConfigError, match="^draft.method: unknown drafter kind 'hydra'; expected one of medusa, "
+                                               "eagle, lookup, none"):
+        DraftSection("hydra")  # the builder YAML's draft.method
     draft = next(a for a in runtime_parser()._subparsers._group_actions[0].choices["generate"]._actions
                  if a.dest == "draft")
-    assert tuple(draft.choices) == KINDS  # python -m runtime --draft
+    assert tuple(draft.choices) == kind_names()  # python -m runtime --draft
     assert DraftSection("medusa", checkpoint="/h").spec() == DraftSpec("medusa", path="/h")
+
+
+def test_one_table_of_field_names():
+    """Every DraftSpec field has its name in each front end in FIELD_NAMES, and engine.json's record uses them."""
+    assert {f.name for f in dataclasses.fields(DraftSpec)} | {"options"} == set(FIELD_NAMES)
+    record = DraftSpec("eagle", path="h", max_draft_len=4, quantization="int8").to_dict()
+    assert set(record) == {FIELD_NAMES[f].record for f in ("kind", "path", "tree", "options", "max_draft_len",
+                                                           "quantization")}
+    assert record["method"] == "eagle"  # engine.json keeps its key, as engines already built have it
+    with pytest.raises(ValueError, match="front_end"):
+        with field_names("json"):
+            pass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.draft_spec import KINDS, DraftSpec, DynamicTreeOptions, LookupOptions, as_tree
+from runtime.draft_spec import DraftSpec, DynamicTreeOptions, LookupOptions, as_tree, kind_names
 from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.errors import ConfigError
@@ -103,7 +103,7 @@ def test_greedy_identity_through_every_drafter(target, heads, kind, tree, option
 
 @pytest.mark.parametrize("max_nodes", [1, 3])
 def test_small_max_nodes_for_every_drafter(target, heads, max_nodes):
-    for kind in KINDS:
+    for kind in kind_names():
         drafter = load(kind, target, heads.get(kind))
         got, _ = speculative(target, drafter, PROMPT, 8, max_nodes=max_nodes)
         assert got == greedy_reference(target, PROMPT, 8)

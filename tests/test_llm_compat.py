@@ -249,7 +249,7 @@ def test_speculation_and_latency_metrics(decoder):
     """vLLM's spec-decode counters, per-position acceptance, TTFT / inter-token latency, KV usage."""
     backend = RecordingBackend()
     metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0")
-    metrics.limits(SchedulerConfig(max_batch_size=2, max_queue_size=3, kv_budget_bytes=1000))
+    metrics.limits(SchedulerConfig(max_concurrent_requests=2, max_queue_size=3, kv_budget_bytes=1000))
     metrics.state(1, 2, 250)
     r = parse_generate_request(req(stream=np.array([True]), max_tokens=np.array([20], np.int32),
                                    sampling_parameters=s(json.dumps({"ignore_eos": True}))), LIMITS)

@@ -112,7 +112,7 @@ def test_requests_leave_no_objects_or_tensors_behind(eagle):
     each round the scheduler is empty and every per-request object (state, KV caches, drafter session, generator,
     handle) and every tensor is gone again: nothing grows with the number of requests served."""
     rng = random.Random(0)
-    with Scheduler(eagle, SchedulerConfig(max_batch_size=5, max_queue_size=20)) as sched:
+    with Scheduler(eagle, SchedulerConfig(max_concurrent_requests=5, max_queue_size=20)) as sched:
         before = live_objects()
         soak_round(sched, rng)  # first use: anything created once per process (tensors) exists from here on
         baseline = settles_to(before, requests_only)
@@ -163,7 +163,8 @@ def test_served_requests_leave_nothing_behind(eagle):
         for sink in sinks:
             assert sink.done.wait(WAIT) and sink.error is None
 
-    with Generations(eagle, SchedulerConfig(max_batch_size=4, max_queue_size=20, kv_budget_bytes=2**30)) as gens:
+    config = SchedulerConfig(max_concurrent_requests=4, max_queue_size=20, kv_budget_bytes=2**30)
+    with Generations(eagle, config) as gens:
         before = live_objects()
         serve(gens, 8)
         baseline = settles_to(before, requests_only)
@@ -221,7 +222,7 @@ def test_idle_scheduler_hands_free_heap_pages_back(eagle):
         trims.append(sched.stats().memory_trims)
 
     try:
-        with Scheduler(eagle, SchedulerConfig(max_batch_size=2)) as sched:
+        with Scheduler(eagle, SchedulerConfig(max_concurrent_requests=2)) as sched:
             handle = sched.submit(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True), on_delta=on_delta)
             assert handle.wait(WAIT) and handle.finish_reason == "length"
             deadline = time.monotonic() + WAIT
@@ -243,11 +244,11 @@ def test_trim_interval(eagle, monkeypatch):
         SchedulerConfig(trim_interval_s=-1)
     calls = []
     monkeypatch.setattr("runtime.batching.release_free_memory", lambda: calls.append(1) or True)
-    with Scheduler(eagle, SchedulerConfig(max_batch_size=2, trim_interval_s=None)) as sched:
+    with Scheduler(eagle, SchedulerConfig(max_concurrent_requests=2, trim_interval_s=None)) as sched:
         sched.generate(PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True))
         assert sched.stats().memory_trims == 0
     assert calls == []
-    with Scheduler(eagle, SchedulerConfig(max_batch_size=2, trim_interval_s=0)) as sched:
+    with Scheduler(eagle, SchedulerConfig(max_concurrent_requests=2, trim_interval_s=0)) as sched:
         sched.generate(PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True))
         steps = sched.stats().steps
         deadline = time.monotonic() + WAIT

@@ -17,8 +17,8 @@ from runtime.drafters.lookup import LookupDrafter
 from runtime.drafters.merged import MergedDrafter, draft_pool, merge_drafts, merge_pools
 from runtime.errors import ConfigError
 from runtime.model import TargetModel
-from runtime.protocol import CandidatePool, Draft, Proposal
-from runtime.tree import Tree
+from runtime.protocol import Draft, Proposal
+from runtime.tree import CandidatePool, Tree
 from tests.heads import draft_paths, write_eagle_config, write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
 
@@ -211,7 +211,8 @@ def test_eagle2_total_tokens_bound_the_merged_tree(target, tmp_path):
     """EAGLE-2 + prompt lookup: total_tokens is the merged tree's size, whatever budget the caller has left (the
     merge keeps the best nodes of the union), so a config's node budget need only cover total_tokens; a static
     tree takes lookup's nodes on top of its own."""
-    from builder.config import load_config, plan_build
+    from builder.config import load_config
+    from builder.plan import plan_build
 
     model = TargetModel.from_pretrained(target)
     head = write_eagle_head(tmp_path / "eagle", target, seed=1)
@@ -295,7 +296,8 @@ def test_scored_merge_greedy_output_identical_to_plain_decoding(target, tmp_path
 
 def test_engine_keeps_the_merge(target, tmp_path):
     from builder.build import build_engine
-    from builder.config import load_config, plan_build
+    from builder.config import load_config
+    from builder.plan import plan_build
 
     heads = write_eagle_head(tmp_path / "eagle", target, seed=1)
     lookup = {"lookup": {"num_draft_tokens": 4, "max_branches": 1}}

@@ -18,11 +18,11 @@ from model_repo.model_config import (
     EnsembleStep,
     InstanceGroup,
     Kind,
-    ModelConfig,
     ModelInput,
     ModelOutput,
     ModelParameter,
     TransactionPolicy,
+    TritonModelConfig,
 )
 from model_repo.settings import SpecDecodeSettings
 from runtime.errors import ConfigError
@@ -34,8 +34,8 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("repo") / "llama2", "llama2")
 
 
-def sample_config() -> ModelConfig:
-    return ModelConfig(
+def sample_config() -> TritonModelConfig:
+    return TritonModelConfig(
         name="m",
         backend="python",
         max_batch_size=0,
@@ -54,13 +54,13 @@ def sample_config() -> ModelConfig:
 def test_round_trip_python_model():
     cfg = sample_config()
     text = dumps(cfg)
-    assert loads(ModelConfig, text) == cfg
+    assert loads(TritonModelConfig, text) == cfg
     assert "kind: KIND_CPU" in text and "data_type: TYPE_STRING" in text and "dims: [ -1, 2 ]" in text
     assert "decoupled: true" in text
 
 
 def test_round_trip_ensemble():
-    cfg = ModelConfig(
+    cfg = TritonModelConfig(
         name="e", platform="ensemble", max_batch_size=0,
         input=(ModelInput("x", DataType.TYPE_BOOL, (1,)),), output=(ModelOutput("y", DataType.TYPE_UINT64, (1,)),),
         ensemble_scheduling=EnsembleScheduling(step=(
@@ -68,7 +68,7 @@ def test_round_trip_ensemble():
             EnsembleStep("b", 2, {"in": "_t"}, {"out": "y"}),
         )),
     )
-    assert loads(ModelConfig, dumps(cfg)) == cfg
+    assert loads(TritonModelConfig, dumps(cfg)) == cfg
 
 
 def test_parser_reads_handwritten_triton_style():
@@ -84,7 +84,7 @@ def test_parser_reads_handwritten_triton_style():
     instance_group [ { count: 1 kind: KIND_CPU } ]
     parameters: { key: "tokenizer_dir" value: { string_value: "/a/" "b" } }
     """
-    cfg = loads(ModelConfig, text)
+    cfg = loads(TritonModelConfig, text)
     assert cfg.name == "tokenizer" and [i.name for i in cfg.input] == ["text_input", "n"]
     assert cfg.input[1].optional and not cfg.input[0].optional
     assert cfg.parameter("tokenizer_dir") == "/a/b"
@@ -98,7 +98,7 @@ def test_parser_reads_handwritten_triton_style():
         ('name: "m" backend: "python" max_batch_size: 0 input [ { name: "a" data_type: TYPE_NOPE dims: [1] } ]',
          "must be one of TYPE_BOOL"),
         ('name: "m" name: "n" backend: "python" max_batch_size: 0', "appears 2 times"),
-        ('backend: "python" max_batch_size: 0', "ModelConfig.name is required"),
+        ('backend: "python" max_batch_size: 0', "TritonModelConfig.name is required"),
         ('name: "m" backend: "python" max_batch_size: "0"', "must be an integer"),
         ('name: "m" backend: "python" max_batch_size: 0 instance_group [ { kind: KIND_CPU count: 1 extra: 2 } ]',
          "instance_group[0]: unknown field(s) ['extra']"),
@@ -110,7 +110,7 @@ def test_parser_reads_handwritten_triton_style():
 )
 def test_parser_is_strict(text, message):
     with pytest.raises(ConfigError) as e:
-        loads(ModelConfig, text)
+        loads(TritonModelConfig, text)
     assert message in str(e.value)
 
 
@@ -131,9 +131,9 @@ def test_writer_refuses_unfilled_and_mistyped_values():
 
 def test_string_escapes_round_trip_exactly():
     for s in ['plain', 'q"uote', "back\\slash", "new\nline", "tab\t", "ctl\x01\x7f", "ünïcödé 日本 🙂", ""]:
-        cfg = ModelConfig(name=s or "x", backend="python", max_batch_size=0, input=(), output=(),
+        cfg = TritonModelConfig(name=s or "x", backend="python", max_batch_size=0, input=(), output=(),
                           parameters={"p": ModelParameter(s)})
-        assert loads(ModelConfig, dumps(cfg)).parameters["p"].string_value == s
+        assert loads(TritonModelConfig, dumps(cfg)).parameters["p"].string_value == s
     assert parse(r'a: "\x41\101"')["a"][0].text == "AA"
 
 

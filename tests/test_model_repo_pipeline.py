@@ -369,8 +369,8 @@ def test_generations_queue_in_order_and_refuse_beyond_the_queue(decoder):
     ref: list = []
     backend = RecordingBackend()
     metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0_0")
-    gens = Generations(decoder, SchedulerConfig(max_batch_size=1, max_queue_size=2, kv_budget_bytes=2**40), metrics,
-                       on_done=lambda r, e, f: done.append((r, e)))
+    config = SchedulerConfig(max_concurrent_requests=1, max_queue_size=2, kv_budget_bytes=2**40)
+    gens = Generations(decoder, config, metrics, on_done=lambda r, e, f: done.append((r, e)))
     ref.append(gens)
     sinks = [GateSink(ref) for _ in range(3)]
     requests = [_submit(gens, sk) for sk in sinks]
@@ -380,7 +380,7 @@ def test_generations_queue_in_order_and_refuse_beyond_the_queue(decoder):
     with pytest.raises(OverloadedError) as e:
         _submit(gens, ListSink())
     assert error_code(e.value) is ErrorCode.UNAVAILABLE
-    assert re.match(r"^overloaded: .*1 requests running and 2 queued \(max_batch_size 1 \+ max_queue_size 2\)",
+    assert re.match(r"^overloaded: .*1 requests running and 2 queued \(max_concurrent_requests 1 \+ max_queue_size 2\)",
                     error_message(e.value)), error_message(e.value)
     for sk in sinks:
         sk.go.set()
@@ -407,7 +407,7 @@ def test_concurrent_requests_are_batched_and_equal_offline(decoder):
     cases = [{}, {"temperature": f32(0.9), "random_seed": np.array([5], dtype=np.uint64)}, {},
              {"temperature": f32(0.7), "top_k": i32(20), "random_seed": np.array([9], dtype=np.uint64)}]
     sinks = [ListSink() for _ in cases]
-    with Generations(decoder, SchedulerConfig(max_batch_size=4, max_queue_size=0, kv_budget_bytes=2**40),
+    with Generations(decoder, SchedulerConfig(max_concurrent_requests=4, max_queue_size=0, kv_budget_bytes=2**40),
                      metrics) as gens:
         gate = GateSink([gens])
         held = _submit(gens, gate, max_tokens=4)  # holds the loop until every request is in
@@ -436,7 +436,8 @@ def test_generations_kv_budget(decoder):
     need = decoder.model.cache_bytes(decoder.cache_tokens(len(ids), one.params))
     # A request whose worst case (prompt + max_tokens + one tree, within the context) can never fit is refused
     # before it is queued, with the largest max_tokens that would fit.
-    with Generations(decoder, SchedulerConfig(max_batch_size=4, max_queue_size=4, kv_budget_bytes=need - 1)) as small:
+    small_config = SchedulerConfig(max_concurrent_requests=4, max_queue_size=4, kv_budget_bytes=need - 1)
+    with Generations(decoder, small_config) as small:
         with pytest.raises(RequestError) as e:
             _submit(small, ListSink())
     message = str(e.value)
@@ -444,7 +445,7 @@ def test_generations_kv_budget(decoder):
     allowed = int(message.rsplit("max_tokens <= ", 1)[1])
     assert allowed == max(0, (need - 1) // decoder.model.cache_bytes(1) - len(ids) - decoder.max_tree_nodes)
     budget = int(need * 1.5)  # one request fits, two do not
-    gens = Generations(decoder, SchedulerConfig(max_batch_size=4, max_queue_size=4, kv_budget_bytes=budget),
+    gens = Generations(decoder, SchedulerConfig(max_concurrent_requests=4, max_queue_size=4, kv_budget_bytes=budget),
                        on_done=lambda r, e, f: done.append((r, e)))
     ref.append(gens)
     first, second = GateSink(ref), GateSink(ref)
@@ -465,7 +466,7 @@ def test_generations_kv_budget(decoder):
 def test_generations_cancel_waiting_requests_and_close_ends_the_queue(decoder):
     done: list = []
     ref: list = []
-    gens = Generations(decoder, SchedulerConfig(max_batch_size=1, max_queue_size=2, kv_budget_bytes=2**40),
+    gens = Generations(decoder, SchedulerConfig(max_concurrent_requests=1, max_queue_size=2, kv_budget_bytes=2**40),
                        on_done=lambda r, e, f: done.append((r, e)), poll_s=0.01)
     ref.append(gens)
     holder = GateSink(ref)
@@ -502,7 +503,7 @@ def test_a_failed_scheduler_ends_every_request_and_is_reported(decoder, monkeypa
     """A failure of the shared forward stops the scheduler: each request in flight ends with SchedulerStopped (an
     INTERNAL error to its client) and on_dead is called once with the cause (spec_decode's stub then exits)."""
     dead: list = []
-    with Generations(decoder, SchedulerConfig(max_batch_size=2, max_queue_size=2, kv_budget_bytes=2**40),
+    with Generations(decoder, SchedulerConfig(max_concurrent_requests=2, max_queue_size=2, kv_budget_bytes=2**40),
                      on_dead=dead.append, poll_s=0.01) as gens:
         both_submitted = threading.Event()
 
@@ -628,7 +629,7 @@ class RecordingBackend:
 def test_metrics_follow_the_stats(decoder):
     backend = RecordingBackend()
     metrics = SpecMetrics(backend, "spec_decode", "spec_decode_0_0")
-    metrics.limits(SchedulerConfig(max_batch_size=8, max_queue_size=4, kv_budget_bytes=2**30))
+    metrics.limits(SchedulerConfig(max_concurrent_requests=8, max_queue_size=4, kv_budget_bytes=2**30))
     metrics.state(3, 2, 1000)
     inst = (("instance", "spec_decode_0_0"), ("model", "spec_decode"))
     assert backend.values[("spectree_active_requests", inst)] == 3
@@ -672,7 +673,7 @@ def test_spec_decode_settings_are_strict():
     assert st.request_limits(50) == RequestLimits(max_tokens=100, vocab_size=50, max_prompt_bytes=1000,
                                                   max_stop_words=4, max_stop_word_bytes=32)
     assert st.kv_budget_bytes(lambda: 3000) == 1500  # kv_memory_mb 0: half the free memory
-    assert st.scheduler_config(lambda: 3000) == SchedulerConfig(max_batch_size=8, max_queue_size=4,
+    assert st.scheduler_config(lambda: 3000) == SchedulerConfig(max_concurrent_requests=8, max_queue_size=4,
                                                                  kv_budget_bytes=1500, prefill_chunk=64)
     assert SpecDecodeSettings.from_parameters(settings_params(kv_memory_mb="2")).kv_budget_bytes(lambda: 1) == 2 * 2**20
     assert SpecDecodeSettings.from_parameters(settings_params(tree_budget="16")).scheduler_config(

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from builder.config import BuildConfigError
+from builder.drafters.eagle import EagleTrainHead, eagle_layer_config
 from builder.train_heads import (
-    EagleTrainHead,
-    eagle_layer_config,
     load_frozen_target,
     target_outputs,
     train_heads,

@@ -15,7 +15,8 @@ import builder.tune_tree
 import runtime
 from builder.__main__ import main as builder_main
 from builder.build import build_engine
-from builder.config import BuildConfigError, load_config, plan_build
+from builder.config import BuildConfigError, load_config
+from builder.plan import plan_build
 from builder.train_heads import train_heads
 from builder.train_target import train_target
 from builder.training.config import parse_train_config

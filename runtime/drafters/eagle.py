@@ -52,19 +52,21 @@ from plugins.draft_layer import native as native_layer
 from plugins.tree_attention.mask import unpack_mask
 from runtime.checkpoint import IGNORED_SUFFIXES, read_head_state
 from runtime.config import ModelConfig
-from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DynamicTreeOptions, PruneOptions
+from runtime.draft_spec import DYNAMIC, QUANTIZATIONS, DraftSpec, DrafterKind, DynamicTreeOptions, PruneOptions
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError, SpectreeError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
 from runtime.model import (QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, AttendingCache, DecoderLayer, Int8Weight, PackedWeight,
                            QuantizedWeight, causal_mask, linear)
-from runtime.protocol import CandidatePool, Draft, Proposal
-from runtime.tree import Tree, expand_frontier, pruned_pool, select_dynamic_tree
+from runtime.protocol import Draft, Proposal
+from runtime.tree import CandidatePool, Tree, expand_frontier, pruned_pool, select_dynamic_tree
 
+NAME = "eagle"
 CONFIG_FILE = "config.json"
 TORCH_FILE = "pytorch_model.bin"
 SAFETENSORS_FILE = "model.safetensors"
+WEIGHT_FILES = (TORCH_FILE, SAFETENSORS_FILE)  # preferred first
 _MAX_LISTED = 6
 _MIN_CACHE = 256  # initial head-cache capacity beyond the prompt; doubled on demand
 
@@ -235,7 +237,7 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
         raise CheckpointError(f"EAGLE head path {path} is not a directory")
     target: ModelConfig = model.config
     raw = _read_config(path, target)
-    file, state = read_head_state(path, (TORCH_FILE, SAFETENSORS_FILE), "EAGLE")
+    file, state = read_head_state(path, WEIGHT_FILES, EagleKind.title)
     state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
     vocab = DraftVocab.from_state(state, target.vocab_size, file)
     if vocab is not None and raw.get("draft_vocab_size", vocab.size) != vocab.size:
@@ -434,7 +436,7 @@ class DraftTreeCache(AttendingCache):
 class EagleDrafter:
     """Shared EAGLE head + the target (embedding, lm_head); `tree` static (EAGLE-1) or `dynamic` (EAGLE-2)."""
 
-    name = "eagle"
+    name = NAME
 
     def __init__(
         self, head: EagleHead, model: Any, tree: Tree | None = None, dynamic: DynamicTreeOptions | None = None,
@@ -503,7 +505,7 @@ class EagleDrafter:
     @property
     def spec(self) -> DraftSpec:
         """What it drafts: its static tree, or the dynamic tree and its options (the weights path is not kept)."""
-        return DraftSpec("eagle", tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic,
+        return DraftSpec(NAME, tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic,
                          quantization=self.quantization, pruning=self.pruning)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -781,3 +783,45 @@ class EagleSession:
         finally:
             step.close()
         return CandidatePool(torch.cat(pool_parent), torch.cat(pool_tokens), torch.cat(pool_scores))
+
+
+class EagleKind(DrafterKind):
+    name = NAME
+    title = "EAGLE"
+    weighted = True
+    weight_files = WEIGHT_FILES
+    options = ("dynamic", "lookup", "pruning")
+    quantizations = QUANTIZATIONS
+
+    def shape(self, spec: DraftSpec) -> tuple[int, int]:
+        """The dynamic tree (its default): total_tokens nodes, depth + 1 levels."""
+        d = spec.dynamic if spec.dynamic is not None else DynamicTreeOptions()
+        return d.total_tokens, min(d.depth + 1, d.total_tokens - 1)
+
+    def merged_shape(self, spec: DraftSpec, nodes: int, depth: int) -> tuple[int, int]:
+        if spec.static_tree is not None:
+            return super().merged_shape(spec, nodes, depth)
+        # EAGLE-2: total_tokens bounds the merged tree too (the merge keeps the best nodes of the union; the session
+        # drafts within this bound: `MergedDrafter.node_budget`)
+        return nodes, min(depth, nodes - 1)
+
+    def load(self, spec: DraftSpec, model: Any) -> EagleDrafter:
+        """Without a static tree: the dynamic tree, with spec.dynamic or the default options."""
+        static = spec.static_tree
+        dynamic = None if static is not None else spec.dynamic if spec.dynamic is not None else DynamicTreeOptions()
+        return EagleDrafter(load_eagle_head(spec.path, model), model, tree=static, dynamic=dynamic,
+                            quantization=spec.quantization, pruning=spec.pruning)
+
+    def recognizes(self, directory: Path) -> bool:
+        cfg = directory / CONFIG_FILE
+        if not cfg.exists():
+            return False
+        raw = read_json_object(cfg, CheckpointError)
+        return raw.get("num_hidden_layers") == 1 or any((directory / name).exists() for name in WEIGHT_FILES)
+
+    def with_tree(self, drafter: EagleDrafter, model: Any, tree: Tree,
+                  pruning: PruneOptions | None = None) -> EagleDrafter:
+        return EagleDrafter(drafter.head, model, tree=tree, quantization=drafter.quantization, pruning=pruning)
+
+
+KIND = EagleKind()

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from runtime.draft_spec import DraftSpec, LookupOptions
-from runtime.drafters.datastore import SEPARATOR, Datastore
+from runtime.draft_spec import DraftSpec, DraftSpecError, DrafterKind, LookupOptions
+from runtime.drafters.datastore import DATASTORE_FILE, SEPARATOR, Datastore
 from runtime.errors import ConfigError
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
 
+NAME = "lookup"
 # Occurrences looked at per n-gram length and draft (most recent first).
 _SCAN_PER_NGRAM = 64
 
@@ -35,7 +38,7 @@ _SCAN_PER_NGRAM = 64
 class LookupDrafter:
     """Prompt-lookup drafter; stateless apart from its options (and its read-only datastore, if any)."""
 
-    name = "lookup"
+    name = NAME
 
     def __init__(self, options: LookupOptions | None = None, datastore: Datastore | None = None) -> None:
         self.options = options if options is not None else LookupOptions()
@@ -46,7 +49,17 @@ class LookupDrafter:
     @property
     def spec(self) -> DraftSpec:
         """What it drafts: lookup with its options."""
-        return DraftSpec("lookup", lookup=self.options)
+        return DraftSpec(NAME, lookup=self.options)
+
+    @classmethod
+    def merged(cls, options: LookupOptions, head_dir: str, vocab_size: int) -> LookupDrafter:
+        """Prompt lookup to merge into a weighted drafter's trees, with the datastore in its head directory when
+        `options` asks for one."""
+        datastore = None
+        if options.datastore_tokens:
+            datastore = Datastore.load(Path(head_dir) / DATASTORE_FILE, vocab_size, options.datastore_min_ngram,
+                                       options.datastore_max_ngram)
+        return cls(options, datastore)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor | None, max_nodes: int) -> LookupSession:
         """prompt # [P] int64; hidden is ignored (lookup needs no hidden states)."""
@@ -172,3 +185,25 @@ class LookupSession:
         if tokens.ndim != 1:
             raise ConfigError(f"advance tokens must be 1-D, got shape {tuple(tokens.shape)}")
         self._extend(tokens.tolist())
+
+
+class LookupKind(DrafterKind):
+    name = NAME
+    title = "prompt lookup"
+    options = ("lookup",)
+    sized_by = "lookup.num_draft_tokens"
+
+    def check(self, spec: DraftSpec) -> None:
+        if spec.tree is not None:
+            raise DraftSpecError("tree", f"drafter {NAME!r} builds its own trees from matches; give it options "
+                                         "(max_ngram, num_draft_tokens, ...) instead of a tree")
+
+    def shape(self, spec: DraftSpec) -> tuple[int, int]:
+        lk = spec.lookup if spec.lookup is not None else LookupOptions()
+        return lk.num_draft_tokens + 1, lk.depth_limit
+
+    def load(self, spec: DraftSpec, model: Any) -> LookupDrafter:
+        return LookupDrafter(spec.lookup if spec.lookup is not None else LookupOptions())
+
+
+KIND = LookupKind()

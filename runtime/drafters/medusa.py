@@ -24,21 +24,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.checkpoint import read_head_state
-from runtime.draft_spec import DraftSpec
+from runtime.draft_spec import DraftSpec, DrafterKind, PruneOptions
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import read_json_object
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
 
+NAME = "medusa"
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "medusa_lm_head.safetensors"
 TORCH_FILE = "medusa_lm_head.pt"
+WEIGHT_FILES = (SAFETENSORS_FILE, TORCH_FILE)  # preferred first
+DEFAULT_TREE = "mc_sim_7b_63"  # for heads at least as many as its depth; fewer heads: a chain as deep as they are
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ def load_medusa_heads(path: str | Path, dtype: torch.dtype | None = None) -> Med
     cfg = _read_config(path)
     num_heads = _positive_int(cfg, "medusa_num_heads", path, 1)
     num_layers = _positive_int(cfg, "medusa_num_layers", path, 0)
-    file, state = read_head_state(path, (SAFETENSORS_FILE, TORCH_FILE), "Medusa")
+    file, state = read_head_state(path, WEIGHT_FILES, MedusaKind.title)
     d2t = {k: state.pop(k) for k in ("d2t", "t2d") if k in state}
 
     expected = set()
@@ -183,7 +187,7 @@ def check_against_target(heads: MedusaHeads, hidden_size: int, vocab_size: int, 
 class MedusaDrafter:
     """Shared Medusa heads + a static tree."""
 
-    name = "medusa"
+    name = NAME
 
     def __init__(self, heads: MedusaHeads, tree: Tree, source: str = "medusa heads") -> None:
         if tree.max_depth > heads.config.num_heads:
@@ -202,7 +206,7 @@ class MedusaDrafter:
     @property
     def spec(self) -> DraftSpec:
         """What it drafts: its static tree (the weights path is not kept)."""
-        return DraftSpec("medusa", tree=self.tree)
+        return DraftSpec(NAME, tree=self.tree)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> MedusaSession:
         """prompt # [P] int64; hidden # [P, H]: h_0 .. h_{P-1}."""
@@ -252,3 +256,43 @@ class MedusaSession:
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """tokens # [a]; hidden # [a, H]: only the last row matters (it produced the next root)."""
         self.last_hidden = self._last(hidden)
+
+
+class MedusaKind(DrafterKind):
+    name = NAME
+    title = "Medusa"
+    weighted = True
+    weight_files = WEIGHT_FILES
+    options = ("lookup",)
+
+    def shape(self, spec: DraftSpec) -> tuple[int, int]:
+        raise ConfigError("a Medusa spec without a tree drafts its heads' default tree: ask the loaded drafter's "
+                          "spec (load_drafter(spec, model).spec)")
+
+    def load(self, spec: DraftSpec, model: Any) -> MedusaDrafter:
+        """Its tree by default: DEFAULT_TREE, or a chain as deep as the heads when they are fewer than its depth."""
+        config = model.config
+        heads = load_medusa_heads(spec.path, dtype=model.dtype)
+        check_against_target(heads, config.hidden_size, config.vocab_size, spec.path)
+        heads = heads.to(model.device)
+        tree = spec.static_tree
+        if tree is None:
+            n, default = heads.config.num_heads, Tree.preset(DEFAULT_TREE)
+            tree = default if n >= default.max_depth else Tree.chain(n)
+        return MedusaDrafter(heads, tree, source=spec.path)
+
+    def recognizes(self, directory: Path) -> bool:
+        if any((directory / name).exists() for name in WEIGHT_FILES):
+            return True
+        cfg = directory / CONFIG_FILE
+        return cfg.exists() and "medusa_num_heads" in read_json_object(cfg, CheckpointError)
+
+    def with_tree(self, drafter: MedusaDrafter, model: Any, tree: Tree,
+                  pruning: PruneOptions | None = None) -> MedusaDrafter:
+        return MedusaDrafter(drafter.heads, tree)
+
+    def max_depth(self, drafter: MedusaDrafter) -> int:
+        return drafter.heads.config.num_heads  # head i drafts depth i + 1
+
+
+KIND = MedusaKind()

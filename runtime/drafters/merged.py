@@ -32,8 +32,8 @@ import torch
 from runtime.draft_spec import DraftSpec
 from runtime.drafters.lookup import LookupDrafter, LookupSession
 from runtime.errors import ConfigError
-from runtime.protocol import CandidatePool, Draft, DraftSession, Proposal
-from runtime.tree import Tree, select_dynamic_tree_lists
+from runtime.protocol import Draft, DraftSession, Proposal
+from runtime.tree import CandidatePool, Tree, select_dynamic_tree_lists
 
 
 def merge_drafts(primary: Draft, extra: Draft, max_nodes: int) -> Draft:

@@ -3,21 +3,23 @@ through the same draft -> verify -> commit path (tau = 1)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from runtime.draft_spec import DraftSpec
+from runtime.draft_spec import PLAIN, DraftSpec, DraftSpecError, DrafterKind
 from runtime.errors import ConfigError
 from runtime.protocol import Draft, Proposal
 from runtime.tree import Tree
 
 
 class NoneDrafter:
-    name = "none"
+    name = PLAIN
 
     @property
     def spec(self) -> DraftSpec:
         """What it drafts: root-only trees."""
-        return DraftSpec("none")
+        return DraftSpec(PLAIN)
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor | None, max_nodes: int) -> NoneSession:
         if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
@@ -35,3 +37,19 @@ class NoneSession:
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         return None
+
+
+class NoneKind(DrafterKind):
+    name = PLAIN
+    title = "plain decoding"
+
+    def check(self, spec: DraftSpec) -> None:
+        if isinstance(spec.tree, Tree) and spec.tree.num_nodes != 1:
+            raise DraftSpecError("tree", f"drafter {PLAIN!r} drafts root-only trees; got a tree with "
+                                         f"{spec.tree.num_nodes} nodes")
+
+    def load(self, spec: DraftSpec, model: Any) -> NoneDrafter:
+        return NoneDrafter()
+
+
+KIND = NoneKind()

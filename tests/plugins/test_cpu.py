@@ -1,4 +1,4 @@
-"""plugins/cpu.py: features read from the CPU, a forced level masking them, and the dtype choice that follows
+"""plugins/cpu/: features read from the CPU, a forced level masking them, and the dtype choice that follows
 (runtime.config.choose_dtype)."""
 
 import subprocess

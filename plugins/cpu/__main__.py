@@ -1,0 +1,46 @@
+"""`python -m plugins.cpu [--env LEVEL] [--build]`: this CPU's row of the README's support table, the environment that
+forces a lower level, and the C kernels built for it (a module of its own: the kernels' build reads `plugins.cpu`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from plugins import cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m plugins.cpu", description=cpu.__doc__.split("\n")[0])
+    parser.add_argument("--env", metavar="LEVEL", choices=sorted(cpu.LEVELS),
+                        help="print the environment (NAME=VALUE, one per line) that forces LEVEL, and exit")
+    parser.add_argument("--build", action="store_true",
+                        help="also build the C kernels for this level now (cached), and say which routes they take")
+    args = parser.parse_args(argv)
+    try:
+        cpu.features()
+    except cpu.CpuLevelError as exc:
+        parser.error(str(exc))
+    if args.env:
+        print("\n".join(f"{k}={v}" for k, v in cpu.forced_env(args.env).items()))
+        return 0
+    print(cpu.features().describe())
+    if args.build:  # the kernels only now: --env runs before torch should load
+        from plugins import native_build
+        from plugins.draft_layer import native as draft_layer
+        from plugins.matmul import native as matmul
+        from plugins.rowwise import native as rowwise
+        from plugins.tree_attention import native as attention
+
+        for name, module, fallback in (
+            ("attention kernel", attention, "bf16 models on CPU attend in float64 (slower)"),
+            ("RMSNorm / RoPE kernel", rowwise, "torch's ops run instead (slower)"),
+            ("float32 matmul kernel", matmul, "float32 linears run through torch (slower, not row-invariant)"),
+            ("draft layer kernel", draft_layer, "int8 EAGLE heads draft through torch (slower)"),
+        ):
+            lib = module.load()
+            print(f"{name}: built for {native_build.compiled_isa()}" if lib
+                  else f"{name} unavailable ({module.unavailable()}): {fallback}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
