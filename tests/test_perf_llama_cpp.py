@@ -143,7 +143,6 @@ def test_precisions_parse_and_refuse_unknown_or_repeated():
 
 @pytest.mark.parametrize("field, value, message", [
     ("draft_max", 0, r"llama_cpp\.draft_max: got 0, expected an integer >= 1"),
-    ("poll", 101, r"llama_cpp\.poll: got 101"),
     ("timeout_s", 0.0, r"llama_cpp\.timeout_s: got 0\.0"),
     ("precisions", ("int3",), r"got \['int3'\]"),
 ])
@@ -154,7 +153,7 @@ def test_config_refuses_out_of_range(field, value, message):
 
 def test_config_defaults_are_off():
     c = L.LlamaCppConfig()
-    assert not c.enabled and c.draft_max == 8 and c.poll is None
+    assert not c.enabled and c.draft_max == 8
     assert L.LlamaCppConfig(precisions=("bf16",)).enabled
 
 
@@ -192,11 +191,11 @@ def test_runner_commands_pass_the_prompt_exactly():
     plain = L.LlamaCppRunner(b, Path("m.gguf"), "bf16", "plain", 2, 2048)
     cmd = plain.command("a\\nb\n", 64)
     assert cmd[0] == "/x/llama-completion" and cmd[cmd.index("-p") + 1] == "a\\nb\n" and "--no-escape" in cmd
-    assert cmd[cmd.index("-n") + 1] == "64" and cmd[cmd.index("-t") + 1] == "2" and "--poll" not in cmd
-    lookup = L.LlamaCppRunner(b, Path("m.gguf"), "bf16", "lookup", 2, 2048, draft_max=5, poll=0)
+    assert cmd[cmd.index("-n") + 1] == "64" and cmd[cmd.index("-t") + 1] == "2"
+    lookup = L.LlamaCppRunner(b, Path("m.gguf"), "bf16", "lookup", 2, 2048, draft_max=5)
     cmd = lookup.command("p", 64)
     assert cmd[0] == "/x/llama-lookup" and cmd[cmd.index("-n") + 1] == "63"
-    assert cmd[cmd.index("--spec-draft-n-max") + 1] == "5" and cmd[cmd.index("--poll") + 1] == "0"
+    assert cmd[cmd.index("--spec-draft-n-max") + 1] == "5"
     assert plain.name == "llama.cpp plain BF16" and lookup.describe()["draft_max"] == 5
 
 
