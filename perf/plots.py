@@ -70,6 +70,11 @@ def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
             ax.axhline(v[key], color=color, lw=1.4, ls="-.", label=f"{v['name']} (transformers)")
             ax.annotate(v["name"], (1.0, v[key]), xycoords=("axes fraction", "data"), xytext=(-4, 3),
                         textcoords="offset points", ha="right", fontsize=7, color=color)
+        ours = next((v for v in variants if v["name"] == "plain"), None)
+        if key != "speedup_vs_plain" and ours is not None and ours.get(key) is not None:  # our plain decoding
+            ax.axhline(ours[key], color="black", lw=1.2, ls="--", label="plain (ours)")
+            ax.annotate("plain (ours)", (0.0, ours[key]), xycoords=("axes fraction", "data"), xytext=(4, 3),
+                        textcoords="offset points", ha="left", fontsize=7)
         for i, v in enumerate(p for p in llama if p.get(key) is not None):
             color = LLAMA_COLORS[i % len(LLAMA_COLORS)]
             ax.axhline(v[key], color=color, lw=1.2, ls=":", label=v["name"])
