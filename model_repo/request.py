@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from model_repo.contract import (
+    INPUT_IDS,
     MESSAGES,
     NUMPY_DTYPES,
     PARSE_SPECIAL_TOKENS,
@@ -455,23 +456,25 @@ def split_batch(inputs: Inputs) -> list[dict[str, np.ndarray]]:
 def preprocess(inputs: Inputs, tokenizer: Any, max_context: int,
                max_prompt_bytes: int | None = None) -> dict[str, np.ndarray]:
     """text_input or messages -> input_ids INT32 [n], input_length INT32 [1]; the ids `encode_text` makes of the
-    text (BOS first when the model has one; special-token text literal unless parse_special_tokens) or
-    `SpecDecoder.encode_prompt` of the messages (the chat template's text). The prompt's size is checked against
+    text (BOS first when the model has one; special-token text literal unless parse_special_tokens) or the chat
+    template's ids of the messages (special-token text in their content literal, unless parse_special_tokens: see
+    `Tokenizer.apply_chat_template`). The prompt's size is checked against
     max_prompt_bytes before anything decodes it."""
     unknown = sorted(set(inputs) - {i.name for i in PREPROCESSING_INPUTS})
     if unknown:
         raise RequestError(f"unknown input(s) {unknown}; preprocessing takes {[i.name for i in PREPROCESSING_INPUTS]}")
     check_prompt_bytes(inputs, max_prompt_bytes)
     text, messages = _text_or_messages(inputs)
+    parse_special = bool(_scalar(inputs, PARSE_SPECIAL_TOKENS))
     if messages is not None:
         source = MESSAGES.name
-        try:
-            ids = tokenizer.apply_chat_template(messages)
-        except RequestError as exc:  # no chat template, or the template refused the conversation
+        try:  # the chat template's own special tokens; content's special-token text literal unless parse_special
+            ids = tokenizer.apply_chat_template(messages, parse_special=parse_special)
+        except RequestError as exc:  # no chat template, the template refused the conversation, a forged role
             raise RequestError(f"messages: {exc}") from exc
     else:
         source = TEXT_INPUT.name
-        ids = encode_text(tokenizer, text, bool(_scalar(inputs, PARSE_SPECIAL_TOKENS)))
+        ids = encode_text(tokenizer, text, parse_special)
     if len(ids) >= max_context:
         raise RequestError(
             f"{source}: the prompt is {len(ids)} tokens; the context limit is {max_context} tokens, so a prompt "
@@ -491,16 +494,19 @@ def encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[i
 
 def prompt_ids(decoder: Any, request: GenerateRequest) -> list[int]:
     """The token ids spec_decode generates from (validated by `SpecDecoder.encode_prompt`: vocabulary, context);
-    text is encoded by `encode_text`, messages through the chat template."""
+    text is encoded by `encode_text`, messages by the chat template (`Tokenizer.apply_chat_template`)."""
     prompt: Any = request.prompt
+    source = request.prompt_source
     try:
-        if request.prompt_source == TEXT_INPUT.name:
-            if decoder.tokenizer is None:
-                raise RequestError("the prompt is text but this model has no tokenizer; send input_ids instead")
+        if source != INPUT_IDS.name and decoder.tokenizer is None:
+            raise RequestError(f"the prompt is {source} but this model has no tokenizer; send input_ids instead")
+        if source == TEXT_INPUT.name:
             prompt = encode_text(decoder.tokenizer, prompt, request.parse_special_tokens)
+        elif source == MESSAGES.name:
+            prompt = decoder.tokenizer.apply_chat_template(prompt, parse_special=request.parse_special_tokens)
         return decoder.encode_prompt(prompt)
-    except RequestError as exc:  # too long for the context, bad ids, no chat template
-        raise RequestError(f"{request.prompt_source}: {exc}") from exc
+    except RequestError as exc:  # too long for the context, bad ids, no chat template, a forged role
+        raise RequestError(f"{source}: {exc}") from exc
 
 
 __all__ = [
