@@ -138,8 +138,17 @@ def _get(body: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: str, 
 
 
 def _check_common(body: Any, known: tuple[str, ...]) -> None:
+    from runtime.errors import RequestError
+    from runtime.tokenizer import check_unicode
+
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    for key, value in body.items():  # every string the client sent, once: JSON escapes can spell lone surrogates
+        try:
+            check_unicode(key, "a field name")
+            check_unicode(value, key)
+        except RequestError as exc:
+            raise APIError(str(exc), param=key) from exc
     for key in _UNSUPPORTED:
         value = body.get(key)
         if value in (None, [], {}) or (key == "tool_choice" and value == "none"):

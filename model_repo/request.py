@@ -26,7 +26,7 @@ from model_repo.contract import (
 from model_repo.model_config import DataType, ModelInput
 from runtime.errors import ConfigError, RequestError
 from runtime.sampling import SamplingParams
-from runtime.tokenizer import ChatMessage, chat_messages
+from runtime.tokenizer import ChatMessage, chat_messages, check_unicode
 
 # ---- reading inputs -------------------------------------------------------------------------------------
 
@@ -64,6 +64,7 @@ def text_value(value: Any, name: str) -> str:
         except UnicodeDecodeError as exc:
             raise RequestError(f"{name}: not valid UTF-8 ({exc})") from exc
     if isinstance(value, str):
+        check_unicode(value, name)
         return value
     raise RequestError(f"{name}: expected text (bytes), got {type(value).__name__}")
 
@@ -88,6 +89,7 @@ def _messages(inputs: Inputs) -> tuple[ChatMessage, ...] | None:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise RequestError(f"messages: not valid JSON ({exc}); expected a JSON array of {{role, content}}") from exc
+    check_unicode(data, MESSAGES.name)  # JSON escapes can spell lone surrogates ("\ud800"), UTF-8 cannot
     return chat_messages(data, MESSAGES.name)
 
 
@@ -231,6 +233,7 @@ def _sampling_json(text: str) -> dict[str, Any]:
         raise RequestError(f"{name}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise RequestError(f"{name}: expected a JSON object, got {type(data).__name__}")
+    check_unicode(data, name)
     unknown = sorted(set(data) - set(_JSON_KEYS))
     if unknown:
         raise RequestError(f"{name}: unknown key(s) {unknown}; accepted: {sorted(_JSON_KEYS)}")

@@ -82,6 +82,25 @@ def chat_messages(messages: Any, name: str = "messages") -> tuple[ChatMessage, .
     return tuple(out)
 
 
+def check_unicode(value: Any, name: str) -> None:
+    """RequestError naming the first string in `value` (a str, or lists / mappings of them, keys included) that is
+    not Unicode text: a lone surrogate such as "\\ud800", which JSON can escape but no UTF-8 text holds, so no
+    tokenizer takes it. Each front end calls it once on what a client sent, where JSON text becomes strings."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"{name}: {value[exc.start]!r} at character {exc.start} is a lone surrogate (half of "
+                               "a UTF-16 pair), not a character; expected valid Unicode text") from None
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            check_unicode(key, f"{name}: a key" if name else "a key")
+            check_unicode(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{name}[{i}]")
+
+
 def single_turn(user: str, system: str | None = None) -> list[dict[str, str]]:
     """The messages of a one-question chat (the CLIs' --chat [--system]): a system message if given, then the user's."""
     return [*([] if system is None else [{"role": "system", "content": system}]), {"role": "user", "content": user}]
@@ -466,5 +485,5 @@ class IncrementalDetokenizer:
         return delta
 
 
-__all__ = ["CHAT_TEMPLATE_FILE", "ChatMessage", "IncrementalDetokenizer", "Tokenizer", "chat_messages", "is_chat",
-           "single_turn"]
+__all__ = ["CHAT_TEMPLATE_FILE", "ChatMessage", "IncrementalDetokenizer", "Tokenizer", "chat_messages",
+           "check_unicode", "is_chat", "single_turn"]

@@ -172,6 +172,14 @@ def test_parse_messages():
          "exclude_input_in_output: false needs text_input"),
         ({"pad_id": i32(10**6)}, "pad_id: expected a token id in [0,"),
         ({"prompt_embedding_table": i32(0)}, "unknown input(s) ['prompt_embedding_table']"),
+        # Lone surrogates: valid JSON escapes, not text (the tokenizer would raise TypeError / UnicodeEncodeError).
+        ({"text_input": None, "messages": s('[{"role": "user", "content": "a\\ud800"}]')},
+         "messages[0].content: '\\ud800' at character 1 is a lone surrogate"),
+        ({"text_input": None, "messages": s('[{"role": "\\udc00", "content": "a"}]')}, "messages[0].role: '\\udc00'"),
+        ({"sampling_parameters": s('{"stop": ["ok", "\\ud800"]}')}, "sampling_parameters.stop[1]: '\\ud800'"),
+        ({"sampling_parameters": s('{"stop": "\\ud800"}')}, "sampling_parameters.stop: '\\ud800'"),
+        ({"sampling_parameters": s('{"bad_words": ["\\ud800"]}')}, "sampling_parameters.bad_words[0]: '\\ud800'"),
+        ({"text_input": np.array(["a\ud800"], dtype=np.object_)}, "text_input: '\\ud800' at character 1"),
     ],
 )
 def test_bad_inputs_name_the_input(inputs, message):
