@@ -6,7 +6,7 @@ final response (`error_outputs` / `error_of_outputs`)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -98,13 +98,15 @@ class CancelBoard:
 
 
 class InFlight:
-    """A counter of requests a model holds at once; `enter` beyond `limit` raises OverloadedError."""
+    """A counter of requests a model holds at once; `enter` beyond `limit` raises OverloadedError. on_change(count)
+    is told every new count (in order: called under the counter's lock)."""
 
-    def __init__(self, limit: int, what: str) -> None:
+    def __init__(self, limit: int, what: str, on_change: Callable[[int], None] | None = None) -> None:
         self.limit = limit
         self.what = what  # names the setting in the message
         self._n = 0
         self._lock = threading.Lock()
+        self._on_change = on_change
 
     @property
     def count(self) -> int:
@@ -116,12 +118,16 @@ class InFlight:
                 raise OverloadedError(f"{OVERLOADED} {self._n} requests in flight ({self.what} {self.limit}); "
                                       "retry later")
             self._n += 1
+            if self._on_change is not None:
+                self._on_change(self._n)
 
     def leave(self) -> None:
         with self._lock:
             if self._n <= 0:
                 raise RuntimeError("InFlight.leave without a matching enter")
             self._n -= 1
+            if self._on_change is not None:
+                self._on_change(self._n)
 
 
 __all__ = [

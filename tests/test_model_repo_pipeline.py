@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import runtime
-from model_repo.bls import CANCEL_TOKEN_PARAMETER, CODED_ERRORS_PARAMETER, CancelBoard
+from model_repo.bls import CANCEL_TOKEN_PARAMETER, CODED_ERRORS_PARAMETER, CancelBoard, InFlight
 from model_repo.errors import (
     ErrorCode,
     RequestCancelled,
@@ -23,7 +23,7 @@ from model_repo.errors import (
     error_message,
 )
 from model_repo.generations import Generations, run_generation
-from model_repo.metrics import METRICS, SpecMetrics
+from model_repo.metrics import ENTRY_METRICS, METRICS, EntryMetrics, SpecMetrics
 from model_repo.request import RequestLimits, parse_generate_request, preprocess, prompt_ids
 from model_repo.settings import CallerOptions, EnsembleSettings, PreprocessingSettings, SpecDecodeSettings
 from runtime.batching import SchedulerConfig
@@ -666,6 +666,7 @@ def test_metrics_follow_the_stats(decoder):
     assert backend.values[("spectree_generation_slots", inst)] == 8
     assert backend.values[("spectree_queue_slots", inst)] == 4
     assert backend.values[("spectree_kv_budget_bytes", inst)] == 2**30
+    assert backend.values[("spectree_free_request_slots", inst)] == 8 + 4 - 3 - 2
     sampled = parse_generate_request(req(max_tokens=i32(15), temperature=f32(0.8),
                                          random_seed=np.array([1], dtype=np.uint64)), LIMITS)
     final = run_generation(decoder, sampled, ListSink())
@@ -684,6 +685,25 @@ def test_metrics_follow_the_stats(decoder):
     for outcome in ("completed", "invalid", "cancelled", "overloaded"):
         assert backend.values[("spectree_requests_total", (("model", "spec_decode"), ("outcome", outcome)))] == 1
     assert {m.name for m in METRICS} >= {"spectree_tau", "spectree_accepted_tokens_per_step"}
+
+
+def test_entry_metrics_count_the_refusals_the_ensemble_makes_itself():
+    backend = RecordingBackend()
+    metrics = EntryMetrics(backend, "ensemble", "ensemble_0_0")
+    in_flight = InFlight(2, "max_in_flight", lambda n: metrics.in_flight(n, 2))
+    free = ("spectree_free_request_slots", (("instance", "ensemble_0_0"), ("model", "ensemble")))
+    in_flight.enter()
+    in_flight.enter()
+    assert backend.values[free] == 0
+    with pytest.raises(OverloadedError) as e:
+        in_flight.enter()
+    metrics.ended(e.value)
+    metrics.ended(ErrorCode.INVALID_ARG)  # preprocessing refused one
+    in_flight.leave()
+    assert backend.values[free] == 1
+    for outcome in ("overloaded", "invalid"):
+        assert backend.values[("spectree_requests_total", (("model", "ensemble"), ("outcome", outcome)))] == 1
+    assert set(ENTRY_METRICS) <= set(METRICS)  # one declaration of each metric, whichever model updates it
 
 
 def settings_params(**over: str) -> dict[str, str]:

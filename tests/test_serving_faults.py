@@ -79,6 +79,7 @@ def test_capacity_plus_queue_are_served_and_more_are_overloaded(faulty):
     # two active requests' KV reservations (prompt + 800 + a 17-node tree each) still fit the 1 MiB budget together.
     n = 800
     results: dict[int, object] = {}
+    before = settled_scrape(faulty)
 
     def client(i: int) -> None:
         try:
@@ -90,6 +91,7 @@ def test_capacity_plus_queue_are_served_and_more_are_overloaded(faulty):
     for t in threads:
         t.start()
     wait_for(lambda: house(faulty) == (SLOTS, QUEUE), "the slots and the queue never filled")
+    full = scrape(faulty)
     refusals = []
     for model in ("ensemble", "spec_decode"):
         t0 = time.monotonic()
@@ -108,7 +110,18 @@ def test_capacity_plus_queue_are_served_and_more_are_overloaded(faulty):
     for i in range(SLOTS + QUEUE):
         assert not isinstance(results[i], ClientError), results[i]
         check_equal(results[i], offline(faulty, PROMPTS[i], max_tokens=n, ignore_eos=True))
-    assert settled_scrape(faulty).get("spectree_requests_total", model="spec_decode", outcome="overloaded") >= 1
+    # Load shedding is visible: every refusal counted as overloaded by the model that refused it (the ensemble's
+    # own max_in_flight refusals included: two here, gRPC and HTTP), and no free slot while the house was full.
+    after = settled_scrape(faulty)
+
+    def refused(model: str) -> float:
+        return (after.get("spectree_requests_total", model=model, outcome="overloaded")
+                - before.get("spectree_requests_total", model=model, outcome="overloaded"))
+
+    assert refused("ensemble") == 2 and refused("spec_decode") == 1
+    for model in ("ensemble", "spec_decode"):
+        assert full.get("spectree_free_request_slots", model=model) == 0
+        assert after.get("spectree_free_request_slots", model=model) == SLOTS + QUEUE
 
 
 def test_clients_at_full_capacity_back_to_back_are_never_refused(faulty):
