@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,6 +226,13 @@ _JSON_TYPES: dict[str, type] = {"temperature": float, "top_p": float, "top_k": i
                                 "ignore_eos": bool}
 
 
+# vLLM's SamplingParams defaults for what a vllm_backend-shaped request leaves out (those requests are read as
+# vllm_backend reads them); a request of tensors alone (tensorrtllm_backend's shape) must give max_tokens, and is
+# greedy unless it gives a temperature.
+VLLM_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}
+REQUEST_PARAMETERS = "parameters"  # the source name of sampling fields read from the request's parameters
+
+
 def _sampling_json(text: str) -> dict[str, Any]:
     name = "sampling_parameters"
     try:
@@ -237,7 +245,12 @@ def _sampling_json(text: str) -> dict[str, Any]:
     unknown = sorted(set(data) - set(_JSON_KEYS))
     if unknown:
         raise RequestError(f"{name}: unknown key(s) {unknown}; accepted: {sorted(_JSON_KEYS)}")
-    out = {_JSON_KEYS[k]: _json_value(k, v) for k, v in data.items()}
+    return _vllm_fields(data, name)
+
+
+def _vllm_fields(data: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """vLLM's sampling keys (`_JSON_KEYS`, values possibly strings) -> SamplingParams fields."""
+    out = {_JSON_KEYS[k]: _json_value(k, v, name) for k, v in data.items()}
     for key in ("n", "best_of"):
         if out.pop(key, 1) not in (1, None):
             raise RequestError(f"{name}: {key} = {data[key]!r}; this server returns one sequence per request "
@@ -249,7 +262,7 @@ def _sampling_json(text: str) -> dict[str, Any]:
     return out
 
 
-def _json_value(key: str, value: Any) -> Any:
+def _json_value(key: str, value: Any, name: str) -> Any:
     kind = _JSON_TYPES.get(key)
     if kind is None or not isinstance(value, str):
         return value
@@ -260,7 +273,7 @@ def _json_value(key: str, value: Any) -> Any:
             return value.strip().lower() in ("true", "1")
         return kind(value)
     except ValueError:
-        raise RequestError(f"sampling_parameters: {key} = {value!r} is not {'an' if kind is int else 'a'} "
+        raise RequestError(f"{name}: {key} = {value!r} is not {'an' if kind is int else 'a'} "
                          f"{kind.__name__}") from None
 
 
@@ -293,9 +306,15 @@ def _one_sequence(inputs: Inputs, name: str) -> None:
                          "again with another seed")
 
 
-def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any = None) -> GenerateRequest:
+def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any = None,
+                           parameters: Mapping[str, Any] | None = None) -> GenerateRequest:
     """Triton-style inputs (name -> numpy array) -> a validated GenerateRequest; RequestError names the input.
-    tokenizer: encodes bad_words (a request with bad words needs it)."""
+    tokenizer: encodes bad_words (a request with bad words needs it). parameters: the request's parameters; as
+    vllm_backend does, their vLLM sampling keys are read when there is no sampling_parameters input (other keys are
+    not this parser's: Triton's, the pipeline's own).
+
+    A vllm_backend-shaped request (sampling settings as vLLM's sampling_parameters JSON, or as request parameters)
+    gets vLLM's defaults for what it leaves out (`VLLM_DEFAULTS`: 16 tokens, temperature 1.0)."""
     unknown = sorted(set(inputs) - set(_SPEC))
     if unknown:
         raise RequestError(f"unknown input(s) {unknown}; this model takes {sorted(_SPEC)}")
@@ -371,17 +390,26 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
         given("stop_token_ids", (end_id,), "end_id")
         given("ignore_eos", True, "end_id")
     sp_text = _scalar(inputs, _SPEC["sampling_parameters"])
+    vllm_source = None  # where a vllm_backend-shaped request's sampling settings came from
     if sp_text is not None and sp_text.strip():
-        json_fields = _sampling_json(sp_text)
-        _check_stop(json_fields.get("stop"), "sampling_parameters.stop", limits)
+        vllm_source, json_fields = "sampling_parameters", _sampling_json(sp_text)
+    elif parameters and set(parameters) & set(_JSON_KEYS):
+        check_unicode(dict(parameters), REQUEST_PARAMETERS)
+        vllm_source = REQUEST_PARAMETERS
+        json_fields = _vllm_fields({k: v for k, v in parameters.items() if k in _JSON_KEYS}, REQUEST_PARAMETERS)
+    if vllm_source is not None:
+        _check_stop(json_fields.get("stop"), f"{vllm_source}.stop", limits)
         if "bad_words" in json_fields:
-            json_fields["bad_words"] = _bad_words(json_fields["bad_words"], "sampling_parameters.bad_words",
+            json_fields["bad_words"] = _bad_words(json_fields["bad_words"], f"{vllm_source}.bad_words",
                                                   tokenizer, limits)
         for key, value in json_fields.items():
             if key in fields:
                 tensor = _TENSOR_FOR_FIELD.get(key, "end_id")
-                raise RequestError(f"sampling_parameters: {key!r} is also given as the input {tensor!r}; give it once")
-            given(key, value, f"sampling_parameters.{key}")
+                raise RequestError(f"{vllm_source}: {key!r} is also given as the input {tensor!r}; give it once")
+            given(key, value, f"{vllm_source}.{key}")
+        for key, default in VLLM_DEFAULTS.items():
+            if key not in fields:
+                given(key, default, f"{vllm_source} (vLLM's default {key} {default})")
     if stop:
         _check_stop(list(stop), "stop_words", limits)  # byte sizes, now decoded
 
@@ -513,6 +541,7 @@ def prompt_ids(decoder: Any, request: GenerateRequest) -> list[int]:
 
 
 __all__ = [
+    "VLLM_DEFAULTS",
     "GenerateRequest",
     "RequestLimits",
     "RequestTiming",

@@ -79,6 +79,15 @@ def _caller(request: Any) -> CallerOptions:
         return CallerOptions()
 
 
+def _request_parameters(request: Any) -> dict[str, Any]:
+    """A request's parameters as a dict ({} when there are none or they are unreadable)."""
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
 def _coded_triton_error(code: ErrorCode, message: str, coded: bool) -> Any:
     """A Triton error with this code; coded: the message carries it too ("[CODE] message")."""
     return pb_utils.TritonError(f"[{code.value}] {message}" if coded else message, getattr(pb_utils.TritonError,
@@ -279,7 +288,8 @@ class SpecDecodeModel:
         for request in requests:
             sink = _Sink(request.get_response_sender(), self.stopping, self.board, _caller(request), self.name)
             try:
-                parsed = parse_generate_request(_inputs(request, names), self.limits, self.decoder.tokenizer)
+                parsed = parse_generate_request(_inputs(request, names), self.limits, self.decoder.tokenizer,
+                                                _request_parameters(request))
                 if self.stopping.is_set():
                     raise RequestCancelled("the model is shutting down")
                 ids = prompt_ids(self.decoder, parsed)

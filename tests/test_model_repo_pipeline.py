@@ -110,6 +110,34 @@ def test_parse_token_ids_and_sampling_parameters_json():
     assert r.params.max_tokens == 5
 
 
+def test_vllm_shaped_requests_get_vllms_defaults():
+    """A request whose sampling settings come as vLLM's sampling_parameters (or, without that input, as request
+    parameters: vllm_backend's HTTP example) is read as vllm_backend reads it: 16 tokens and temperature 1.0 unless
+    it says otherwise. A request of tensors alone (tensorrtllm_backend's shape) still needs max_tokens and is
+    greedy by default."""
+    text = {"text_input": s("hi")}
+    r = parse_generate_request({**text, "sampling_parameters": s('{"top_p": "0.9"}')}, LIMITS)
+    assert (r.params.max_tokens, r.params.temperature, r.params.top_p) == (16, 1.0, 0.9)
+    r = parse_generate_request({**text, "sampling_parameters": s('{"max_tokens": 4, "temperature": 0}')}, LIMITS)
+    assert (r.params.max_tokens, r.params.temperature) == (4, 0.0)
+    r = parse_generate_request({**text, "max_tokens": i32(5), "temperature": f32(0.0),
+                                "sampling_parameters": s('{"ignore_eos": true}')}, LIMITS)
+    assert (r.params.max_tokens, r.params.temperature) == (5, 0.0)  # the tensors give them
+    r = parse_generate_request(text, LIMITS, parameters={"stream": False, "temperature": 0})
+    assert (r.params.max_tokens, r.params.temperature) == (16, 0.0)
+    r = parse_generate_request({**text, "sampling_parameters": s('{"temperature": 0.5}')}, LIMITS,
+                               parameters={"temperature": "0", "max_tokens": "3"})
+    assert (r.params.max_tokens, r.params.temperature) == (16, 0.5)  # the input wins, as in vllm_backend
+    r = parse_generate_request(req(), LIMITS, parameters={"spectree_coded_errors": True})
+    assert r.params == SamplingParams(max_tokens=8)  # not vLLM-shaped: greedy
+    with pytest.raises(RequestError, match="max_tokens: missing"):
+        parse_generate_request(text, LIMITS, parameters={"unrelated": 1})
+    with pytest.raises(RequestError, match="parameters: temperature = 'hot' is not a float"):
+        parse_generate_request(text, LIMITS, parameters={"temperature": "hot"})
+    with pytest.raises(RequestError, match=r"parameters.top_p: expected a number in \(0, 1\]"):
+        parse_generate_request(text, LIMITS, parameters={"top_p": 3})
+
+
 def test_parse_messages():
     r = parse_generate_request({"messages": j(MESSAGES), "max_tokens": i32(8)}, LIMITS)
     assert r.prompt == (ChatMessage("system", "Be brief."), ChatMessage("user", "The quick brown fox"))
@@ -293,7 +321,7 @@ def test_stop_words_and_end_id(decoder):
     stop = ref.text[5:8]
     request = parse_generate_request(req(max_tokens=i32(30), stream=b(True),
                                          stop_words=np.array([stop.encode()], dtype=np.object_),
-                                         sampling_parameters=s('{"ignore_eos": true}')), LIMITS)
+                                         sampling_parameters=s('{"ignore_eos": true, "temperature": 0}')), LIMITS)
     sink = ListSink()
     run_generation(decoder, request, sink)
     assert sink.text() == decoder.generate(PROMPT, request.params).text
@@ -327,7 +355,7 @@ def test_prompt_too_long_is_an_input_error(decoder):
 
 # ---- in-flight batching, error codes, metrics, settings -------------------------------------------------
 
-LONG = '{"ignore_eos": true}'
+LONG = {"ignore_eos": True}
 
 
 class GateSink(ListSink):
@@ -356,7 +384,9 @@ class GateSink(ListSink):
 
 
 def _request(max_tokens=6, long=False, **inputs):
-    extra = {"sampling_parameters": s(LONG)} if long else {}
+    # greedy unless a temperature is given (a sampling_parameters request without one gets vLLM's 1.0)
+    extra = {"sampling_parameters": j({**LONG, **({} if "temperature" in inputs else {"temperature": 0})})} \
+        if long else {}
     return parse_generate_request(req(max_tokens=i32(max_tokens), stream=b(True), **extra, **inputs), LIMITS)
 
 

@@ -428,7 +428,6 @@ def test_concurrent_streams_are_verified_in_one_batch(served):
     """spec_decode batches in flight: concurrent greedy streams share target forwards (mean batch above 1 on the
     scheduler's counters) and each equals the offline runtime, which equals plain greedy decoding; two requests
     with the same seed, in flight together with the others, give the same output, the offline one."""
-    long = {"sampling_parameters": {"ignore_eos": True}}
     seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 4242}
     jobs = [(PROMPTS[i % len(PROMPTS)], {}) for i in range(4)] + [(PROMPTS[1], seeded), (PROMPTS[1], seeded)]
     start = threading.Barrier(len(jobs))
@@ -436,7 +435,9 @@ def test_concurrent_streams_are_verified_in_one_batch(served):
     def one(job):
         prompt, sampling = job
         start.wait(30)
-        return stream(served, "spec_decode", prompt, 48, **sampling, **long)
+        # greedy unless the job gives a temperature (a sampling_parameters request without one is vLLM's 1.0)
+        long = {"ignore_eos": True, **({} if sampling else {"temperature": 0})}
+        return stream(served, "spec_decode", prompt, 48, **sampling, sampling_parameters=long)
 
     before = settled_scrape(served)
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -453,7 +454,7 @@ def test_concurrent_streams_are_verified_in_one_batch(served):
 
 
 def test_a_full_house_queues_and_a_cancelled_stream_frees_its_slot(served):
-    long = {"sampling_parameters": {"ignore_eos": True}}
+    long = {"sampling_parameters": {"ignore_eos": True, "temperature": 0}}
     busy = [generate_stream(served.grpc, "spec_decode", PROMPTS[i % 4], MAX_TOKENS_LIMIT, timeout_s=60, **long)
             for i in range(SLOTS)]
     before = settled_scrape(served)

@@ -42,7 +42,7 @@ CONTEXT = 8192
 KV_MB = 1
 LIMITS = {"max_concurrent_requests": SLOTS, "max_queue_size": QUEUE, "kv_memory_mb": KV_MB,
           "max_prompt_bytes": 4096, "max_stop_words": 4, "max_stop_word_bytes": 32}
-IGNORE_EOS = {"sampling_parameters": {"ignore_eos": True}}
+IGNORE_EOS = {"sampling_parameters": {"ignore_eos": True, "temperature": 0}}  # greedy (vLLM's default is 1.0)
 FAST_S = 1.0  # how long a refused request may take
 
 
