@@ -122,7 +122,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, float) or math.isfinite(value) else "NaN"
+    text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
