@@ -278,8 +278,8 @@ def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[
                     result.mismatches.append(f"{case.key}: {len(ids)} tokens, offline {len(case.reference)}; first "
                                              f"difference at {stats.first_difference(ids, case.reference)}")
 
-    samplers = [threading.Thread(target=f, daemon=True) for f, wanted in ((sample_rss, pids is not None),
-                                                                           (sample_metrics, first is not None)) if wanted]
+    wanted = ((sample_rss, pids is not None), (sample_metrics, first is not None))
+    samplers = [threading.Thread(target=f, daemon=True) for f, on in wanted if on]
     for t in samplers:
         t.start()
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(config.clients)]
@@ -322,11 +322,12 @@ def report_markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in runs:
         sm = r.get("server_metrics")
         if sm:
+            by_model = ", ".join(f"{m} {v:.0f}" for m, v in sorted(sm["outcomes"].get("overloaded", {}).items()))
             lines.append(
                 f"- {r['clients']} clients, the server's metrics ({sm['scrapes']} scrapes): {sm['overloaded']:.0f} "
-                f"requests refused as overloaded (spectree_requests_total{{outcome=\"overloaded\"}}: " + ", ".join(
-                    f"{m} {v:.0f}" for m, v in sorted(sm["outcomes"].get("overloaded", {}).items())) + "; the "
-                f"clients saw {r['overloaded']}), fewest free request slots seen (spectree_free_request_slots): "
+                f"requests refused as overloaded (spectree_requests_total{{outcome=\"overloaded\"}}: "
+                f"{by_model or 'none'}; the clients saw {r['overloaded']}), fewest free request slots seen "
+                "(spectree_free_request_slots): "
                 + ", ".join(f"{m} {v:.0f}" for m, v in sorted(sm["free_request_slots_min"].items())))
     for r in runs:
         if r.get("rss_by_process_mib"):
