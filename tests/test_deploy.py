@@ -92,6 +92,7 @@ def test_docker_and_compose(tmp_path):
         assert (Path(__file__).parent.parent / pkg).is_dir()  # what the Dockerfile copies exists
     cmd = next(line for line in lines if line.startswith("CMD "))
     assert cmd == "CMD " + __import__("json").dumps(container_command(cfg))
+    assert any('".[kernels,serve]"' in line for line in lines if line.startswith("RUN "))  # deploy serve's HTTP front
 
     compose = yaml.safe_load(compose_file.read_text())
     svc = compose["services"]["spectree"]
