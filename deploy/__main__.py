@@ -152,6 +152,12 @@ def _admin_token(ns: argparse.Namespace) -> str | None:
 def _serve(ns: argparse.Namespace) -> int:
     from deploy.server import ServerConfig, TritonServer, endpoints_text, free_ports
 
+    if not ns.no_http_front:
+        from deploy.http_front import HttpFront
+
+        missing = HttpFront.available()
+        if missing is not None:
+            raise SpectreeError(f"{missing}; or serve with --no-http-front (tritonserver's own HTTP endpoint)")
     internal_http = None if ns.no_http_front else free_ports(1)[0]
     config = ServerConfig(repo=ns.repo, http_port=ns.http_port, grpc_port=ns.grpc_port, metrics_port=ns.metrics_port,
                           address=ns.address, exit_timeout_s=ns.exit_timeout_s, ready_timeout_s=ns.ready_timeout_s,

@@ -268,6 +268,16 @@ class HttpFront:
         self._server = AppServer(self.app, self.config.host, self.config.port, "HTTP front")
         self._server.start()
 
+    @staticmethod
+    def available() -> str | None:
+        """None when the front can run here, else why not (its packages are missing)."""
+        import importlib.util
+
+        missing = [m for m in ("starlette", "uvicorn", "tritonclient.grpc") if importlib.util.find_spec(
+            m.split(".")[0]) is None]
+        return None if not missing else (f"the HTTP front needs {', '.join(missing)} (pip install "
+                                         "'spectree-llm[serve]' 'tritonclient[grpc]')")
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop()
