@@ -2,12 +2,15 @@
 
     serve   --repo REPO_DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002 --address 127.0.0.1]
             start tritonserver on a model repository, wait until it is ready, print the endpoints, and shut it
-            down cleanly on SIGINT / SIGTERM (exit status 0 after a clean shutdown). It watches the server: when
-            tritonserver exits, or a model's python backend process dies (tritonserver 2.51 would keep reporting
-            that model ready while its requests hang), it says so, stops everything within seconds (in-flight
-            streams end with an error) and exits with status 3, for a supervisor (Kubernetes, systemd, compose)
-            to restart it. The shared-memory, model-repository, trace and logging APIs need the header
-            spectree-admin: TOKEN (--admin-token, or $SPECTREE_ADMIN_TOKEN; unset: those APIs are off).
+            down cleanly on SIGINT / SIGTERM (exit status 0 after a clean shutdown). --http-port is served by the
+            HTTP front (deploy/http_front.py: generate requests validated, and cancelled when their client
+            leaves; tritonserver's own HTTP endpoint behind it on a loopback port; --no-http-front: tritonserver's
+            own). It watches the server: when tritonserver exits, or a model's python backend process dies
+            (tritonserver 2.51 would keep reporting that model ready while its requests hang), it says so, answers
+            503 on readiness at once, stops everything within a second (every open stream ends with an error) and
+            exits with status 3, for a supervisor (Kubernetes, systemd, compose) to restart it. The shared-memory,
+            model-repository, trace and logging APIs need the header spectree-admin: TOKEN (--admin-token-file, or
+            $SPECTREE_ADMIN_TOKEN; neither: those APIs are off; the token is never on a command line).
             --openai-port PORT also serves an OpenAI-compatible API (/v1/models, /v1/completions,
             /v1/chat/completions, SSE streaming) on PORT over the gRPC endpoint (deploy/openai_api.py)
     client  --url HOST:GRPC_PORT --prompt TEXT [--chat [--system TEXT]] [--model ensemble] [--max-tokens N]
@@ -45,8 +48,11 @@ class _Shutdown(BaseException):
 
 
 EXIT_SERVER_LOST = 3  # serve: tritonserver exited, or one of its python backend processes died
-WATCH_INTERVAL_S = 0.5  # how often serve checks the server and its stubs
-LOST_STUB_GRACE_S = 3.0  # SIGTERM -> SIGKILL when a stub died (its in-flight requests would never finish)
+WATCH_INTERVAL_S = 0.25  # how often serve checks the server and its stubs
+# SIGTERM -> SIGKILL when a stub died: its in-flight requests would never finish, and every open stream should end
+# with an error now rather than after a grace period
+LOST_STUB_GRACE_S = 0.5
+FRONT_DRAIN_S = 0.5  # after the server is gone, how long the fronts get to write their streams' error events
 ADMIN_TOKEN_ENV = "SPECTREE_ADMIN_TOKEN"
 
 
@@ -89,15 +95,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--log-verbose", type=int, default=_default(ServerConfig, "log_verbose"))
     s.add_argument("--log-file", help="tritonserver's log (default: a temporary file)")
     s.add_argument("--tritonserver", help="tritonserver binary (default: PATH, then the nvidia-pytriton wheel)")
+    s.add_argument("--no-http-front", action="store_true",
+                   help="serve --http-port with tritonserver's own HTTP endpoint instead of the HTTP front "
+                        "(deploy/http_front.py: validated generate requests, cancelled when their client leaves)")
     s.add_argument("--openai-port", type=int,
                    help="also serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on "
                         "this port, on --address, over the gRPC endpoint (deploy/openai_api.py)")
     s.add_argument("--openai-model", default=_default(OpenAIConfig, "model"),
                    help="the Triton model the OpenAI API sends requests to")
     s.add_argument("--served-model-name", help="the model id the OpenAI API serves (default: the engine's name)")
-    s.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV),
-                   help="token for the restricted APIs (shared-memory, model-repository, trace, logging), sent as "
-                        f"the spectree-admin header (default: ${ADMIN_TOKEN_ENV}; unset: those APIs are off)")
+    s.add_argument("--admin-token-file", type=Path,
+                   help="a file holding the token for the restricted APIs (shared-memory, model-repository, trace, "
+                        f"logging), sent as the spectree-admin header (default: ${ADMIN_TOKEN_ENV}; neither: those "
+                        "APIs are off). Never a flag value: command lines are visible to every local user")
 
     c = sub.add_parser("client", help="stream a generation over gRPC")
     c.add_argument("--url", required=True, help="gRPC endpoint, HOST:PORT")
@@ -129,12 +139,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _serve(ns: argparse.Namespace) -> int:
-    from deploy.server import ServerConfig, TritonServer, endpoints_text
+def _admin_token(ns: argparse.Namespace) -> str | None:
+    """--admin-token-file's token (its first line), else $SPECTREE_ADMIN_TOKEN, else None."""
+    if ns.admin_token_file is None:
+        return os.environ.get(ADMIN_TOKEN_ENV) or None
+    try:
+        return ns.admin_token_file.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpectreeError(f"--admin-token-file: cannot read {ns.admin_token_file}: {exc}") from exc
 
+
+def _serve(ns: argparse.Namespace) -> int:
+    from deploy.server import ServerConfig, TritonServer, endpoints_text, free_ports
+
+    if not ns.no_http_front:
+        from deploy.http_front import HttpFront
+
+        missing = HttpFront.available()
+        if missing is not None:
+            raise SpectreeError(f"{missing}; or serve with --no-http-front (tritonserver's own HTTP endpoint)")
+    internal_http = None if ns.no_http_front else free_ports(1)[0]
     config = ServerConfig(repo=ns.repo, http_port=ns.http_port, grpc_port=ns.grpc_port, metrics_port=ns.metrics_port,
                           address=ns.address, exit_timeout_s=ns.exit_timeout_s, ready_timeout_s=ns.ready_timeout_s,
-                          log_verbose=ns.log_verbose, tritonserver=ns.tritonserver, admin_token=ns.admin_token)
+                          log_verbose=ns.log_verbose, tritonserver=ns.tritonserver, admin_token=_admin_token(ns),
+                          internal_http_port=internal_http)
     server = TritonServer(config, log_path=Path(ns.log_file) if ns.log_file else None)
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -146,49 +174,75 @@ def _serve(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     lost = None  # why the server can no longer serve, when it is lost
-    frontend = None  # the OpenAI API (--openai-port), started once tritonserver is ready
+    http_front = None  # the HTTP front on --http-port (unless --no-http-front)
+    fronts: list[Any] = []  # the ASGI fronts started, stopped after tritonserver (their streams end first)
 
-    def stop_frontend() -> None:
-        if frontend is not None:
-            frontend.stop()
+    def going_down(why: str) -> None:
+        """Readiness and liveness answer 503 from now on (the HTTP front's; tritonserver's own go when it does)."""
+        if http_front is not None:
+            http_front.lost = why
+
+    def stop_fronts() -> None:
+        for front in reversed(fronts):
+            front.stop()
 
     try:
         print(f"starting tritonserver on {config.repo} ...", flush=True)
         server.start()
+        if server.warning is not None:
+            print(f"warning: {server.warning}", file=sys.stderr, flush=True)
         models = sorted(p.parent.name for p in Path(config.repo).glob("*/config.pbtxt"))
+        # The fronts are up before "ready" is printed: a client reading it may connect at once.
+        if internal_http is not None:
+            from deploy.http_front import FrontConfig, HttpFront
+
+            http_front = HttpFront(FrontConfig(grpc_url=config.grpc_url, triton_http=f"127.0.0.1:{internal_http}",
+                                               port=config.http_port, host=config.address))
+            http_front.start()
+            fronts.append(http_front)
         openai_line = ""
-        if ns.openai_port is not None:  # up before "ready" is printed: a client reading it may connect at once
+        if ns.openai_port is not None:
             from deploy.openai_api import OpenAIConfig, OpenAIServer
 
             frontend = OpenAIServer(OpenAIConfig(
                 grpc_url=f"{config.address}:{config.grpc_port}", repo=config.repo, port=ns.openai_port,
                 host=config.address, model=ns.openai_model, served_model_name=ns.served_model_name))
             frontend.start()
+            fronts.append(frontend)
             openai_line = f"\n  openai   {frontend.url} (model {frontend.served.name!r})"
-        print(f"ready (tritonserver pid {server.process.pid}, {server.install.kind} install)\n"
+        front_note = "" if http_front is None else f"; HTTP front over tritonserver's {config.triton_http_url}"
+        print(f"ready (tritonserver pid {server.process.pid}, {server.install.kind} install{front_note})\n"
               f"{endpoints_text(config, models)}{openai_line}", flush=True)
         while lost is None:
             time.sleep(WATCH_INTERVAL_S)
             lost = _server_lost(server)
     except _Shutdown as sig:
         print(f"shutting down ({sig}) ...", flush=True)
-        stop_frontend()
-        code = server.stop()
+        going_down(f"shutting down ({sig})")
+        code = server.stop()  # in-flight requests finish (exit_timeout_s), through the fronts still up
+        stop_fronts()
         server.cleanup()
+        if server.killed_after_drain:  # every request had finished: a clean stop (see TritonServer.stop)
+            print("stopped (every request finished; tritonserver 2.51 kept a model loaded after a client cancelled "
+                  "its gRPC stream, so it was stopped after the drain)", flush=True)
+            return 0
         print(f"stopped (tritonserver exit status {code})", flush=True)
         return 0 if code == 0 else 1
     except SpectreeError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        stop_frontend()
         server.stop()
+        stop_fronts()
         server.cleanup()
         return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # nothing may interrupt the stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    going_down(lost)
     print(f"error: {lost}; stopping the server (exit status {EXIT_SERVER_LOST}: restart it)", file=sys.stderr,
           flush=True)
-    stop_frontend()
-    code = server.stop(grace_s=LOST_STUB_GRACE_S)
+    code = server.stop(grace_s=LOST_STUB_GRACE_S)  # every open stream ends, with an error
+    if fronts:
+        time.sleep(FRONT_DRAIN_S)
+    stop_fronts()
     server.cleanup()
     print(f"stopped (tritonserver exit status {code})", flush=True)
     return EXIT_SERVER_LOST

@@ -110,10 +110,10 @@ def dockerfile(cfg: DeployConfig) -> str:
         "COPY deploy ./deploy",
         "COPY perf ./perf",
         # The image's tritonserver and python backend serve with the system Python; torch is installed there
-        # (the registry's 2.13.0 Linux wheel is the CUDA build).
+        # (the registry's 2.13.0 Linux wheel is the CUDA build); the serve extra for deploy serve's HTTP front.
         (
             'RUN python3 -m pip install --no-cache-dir "torch==2.13.0" "numpy<2" && '
-            'python3 -m pip install --no-cache-dir ".[kernels]" && '
+            'python3 -m pip install --no-cache-dir ".[kernels,serve]" && '
             'python3 -m pip install --no-cache-dir "tritonclient[grpc]==2.51.0"'
         ),
         f"EXPOSE {cfg.http_port} {cfg.grpc_port} {cfg.metrics_port}",

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -43,6 +42,8 @@ from typing import Any
 import numpy as np
 
 from deploy.server import tcp_port
+from deploy.triton_stream import StreamError, stream_request
+from model_repo.errors import OVERLOADED, ErrorCode
 from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import read_json_object
@@ -138,8 +139,17 @@ def _get(body: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: str, 
 
 
 def _check_common(body: Any, known: tuple[str, ...]) -> None:
+    from runtime.errors import RequestError
+    from runtime.tokenizer import check_unicode
+
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    for key, value in body.items():  # every string the client sent, once: JSON escapes can spell lone surrogates
+        try:
+            check_unicode(key, "a field name")
+            check_unicode(value, key)
+        except RequestError as exc:
+            raise APIError(str(exc), param=key) from exc
     for key in _UNSUPPORTED:
         value = body.get(key)
         if value in (None, [], {}) or (key == "tool_choice" and value == "none"):
@@ -375,62 +385,30 @@ def piece_of(result: Any) -> Piece:
     return piece
 
 
-def _server_error(message: str) -> APIError:
-    """A Triton error response (coded: "[INVALID_ARG] ...") -> the API error it means."""
-    from model_repo.errors import ErrorCode, decode_error_message
-
-    code, text = decode_error_message(message)
-    if code is ErrorCode.INVALID_ARG:
-        return APIError(text, status=400)
-    if code is ErrorCode.UNAVAILABLE:
-        return APIError(text, status=503, kind="server_overloaded", code="overloaded")
-    if code is ErrorCode.CANCELLED:
-        return APIError(text, status=499, kind="cancelled")
-    return APIError(text, status=500, kind="internal_error")
+def _api_error(exc: StreamError) -> APIError:
+    """A Triton stream's error -> the API error it means."""
+    if exc.code is ErrorCode.INVALID_ARG:
+        return APIError(str(exc), status=400)
+    if exc.code is ErrorCode.UNAVAILABLE:
+        return APIError(str(exc), status=503, kind="server_overloaded" if str(exc).startswith(OVERLOADED) else
+                        "service_unavailable", code="overloaded" if str(exc).startswith(OVERLOADED) else None)
+    if exc.code is ErrorCode.CANCELLED:
+        return APIError(str(exc), status=499, kind="cancelled")
+    return APIError(str(exc), status=500, kind="internal_error")
 
 
 async def triton_pieces(client: Any, model: str, call: GenerationCall, timeout_s: float) -> AsyncIterator[Piece]:
-    """Stream one request over tritonserver's gRPC stream: its decoded responses, up to the final one. Leaving the
-    loop early (the HTTP client went away) cancels the gRPC stream, and the server stops the generation."""
-    import tritonclient.grpc.aio as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    from model_repo.bls import CODED_ERRORS_PARAMETER, ERROR_FINISH_REASON
-
-    tensors = []
-    for name, value in call.inputs.items():
-        t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-        t.set_data_from_numpy(value)
-        tensors.append(t)
-
-    async def requests() -> AsyncIterator[dict[str, Any]]:
-        yield {"model_name": model, "inputs": tensors, "request_id": uuid.uuid4().hex,
-               "parameters": {CODED_ERRORS_PARAMETER: True}}
-
-    responses = client.stream_infer(inputs_iterator=requests(), stream_timeout=timeout_s)
-    ended = False  # the server closed the stream: nothing to cancel
+    """Stream one request over tritonserver's gRPC stream (`deploy.triton_stream.stream_request`): its decoded
+    responses, up to the final one; errors as APIErrors. Leaving the loop early (the HTTP client went away)
+    cancels the gRPC stream, and the server stops the generation."""
+    results = stream_request(client, model, call.inputs, timeout_s)
     try:
-        async for result, error in responses:
-            if error is not None:
-                raise _server_error(error.message() if hasattr(error, "message") else str(error))
-            piece = piece_of(result)
-            if piece.finish_reason == ERROR_FINISH_REASON:  # an error sent as a final response (coded text)
-                raise _server_error(piece.text)
-            if piece.finish_reason is not None:
-                # Let the server close the stream (it does after the final response: the request side is already
-                # closed) rather than cancel it: a cancelled stream keeps the model's request alive in
-                # tritonserver 2.51 (the model then never unloads at shutdown).
-                async for _ in responses:
-                    pass
-                ended = True
-                yield piece
-                return
-            yield piece
-        ended = True
-        raise APIError("the server ended the stream without a final response", status=500, kind="internal_error")
+        async for result in results:
+            yield piece_of(result)
+    except StreamError as exc:
+        raise _api_error(exc) from exc
     finally:
-        if not ended:
-            responses.cancel()
+        await results.aclose()
 
 
 class Answer:
@@ -539,8 +517,10 @@ def create_app(config: OpenAIConfig, served: ServedModel) -> Any:
     import tritonclient.grpc.aio as grpcclient
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    from deploy.asgi import ClientGone, unless_disconnected
 
     import runtime.sampling  # noqa: F401  (requests are checked by SamplingParams: torch loads now, not on the first)
 
@@ -573,20 +553,29 @@ def create_app(config: OpenAIConfig, served: ServedModel) -> Any:
         answer = Answer(call, served.tokenizer)
         pieces = triton_pieces(state["client"], config.model, call, config.timeout_s)
         if not call.stream:
-            got: list[Piece] = []
-            try:
+            async def whole() -> list[Piece]:
+                got = []
                 async for piece in pieces:
                     answer.absorb(piece)
                     got.append(piece)
+                return got
+
+            try:  # a client that leaves before the answer cancels the generation, as a dropped stream does
+                return JSONResponse(answer.whole(await unless_disconnected(request, whole())))
             except APIError as exc:
                 return error_response(exc)
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it
             finally:
                 await pieces.aclose()
-            return JSONResponse(answer.whole(got))
         try:  # the first piece before the 200: a refused request gets its status code, not an event
-            first = await pieces.__anext__()
+            first = await unless_disconnected(request, pieces.__anext__())
         except APIError as exc:
+            await pieces.aclose()
             return error_response(exc)
+        except ClientGone:
+            await pieces.aclose()
+            return Response(status_code=499)
 
         async def events() -> AsyncIterator[bytes]:
             piece, is_first = first, True
@@ -624,35 +613,24 @@ def create_app(config: OpenAIConfig, served: ServedModel) -> Any:
 
 
 class OpenAIServer:
-    """uvicorn serving `create_app` on a background thread (started and stopped by `python -m deploy serve`)."""
+    """`create_app` served by uvicorn on a background thread (started and stopped by `python -m deploy serve`)."""
 
     def __init__(self, config: OpenAIConfig, served: ServedModel | None = None) -> None:
-        import uvicorn
+        from deploy.asgi import AppServer
 
         self.config = config
         self.served = served or ServedModel.from_repo(config.repo, config.served_model_name)
-        self._server = uvicorn.Server(uvicorn.Config(create_app(config, self.served), host=config.host,
-                                                     port=config.port, log_level="warning", lifespan="on"))
-        self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
+        self._server = AppServer(create_app(config, self.served), config.host, config.port, "OpenAI API")
 
     @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}/v1"
 
     def start(self, timeout_s: float = 30.0) -> None:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise ConfigError(f"the OpenAI API could not start on {self.config.host}:{self.config.port} "
-                                  "(port in use?)")
-            if time.monotonic() > deadline:
-                raise ConfigError(f"the OpenAI API did not start within {timeout_s:.0f} s")
-            time.sleep(0.05)
+        self._server.start(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
+        self._server.stop(timeout_s)
 
 
 def run_forever(config: OpenAIConfig) -> None:

@@ -17,7 +17,10 @@ Restricted by default (tritonserver's --http-restricted-api / --grpc-restricted-
 model-repository, trace and logging APIs answer only requests carrying the header ADMIN_HEADER (gRPC:
 triton-grpc-protocol-ADMIN_HEADER) with the admin token; without a configured token a random one is used and never
 shown, so those APIs are off. Left open: health, metadata, inference, model-config and statistics (clients and
-perf_analyzer use them).
+perf_analyzer use them). The token never shows on tritonserver's command line: it carries ADMIN_TOKEN_MARK, which a
+preloaded library (deploy/argv_secret.c) replaces with the token from the environment before the server parses its
+arguments (`secret_environment`); without a C compiler to build that library the token goes on the command line,
+and `TritonServer.warning` says so.
 
 Health (`dead_stubs`): tritonserver 2.51 keeps a model "ready" after its python backend stub died (it restarts
 no stub of a decoupled model; measured: /v2/health/ready stays 200, the in-flight stream hangs, every new request
@@ -76,17 +79,21 @@ class ServerConfig:
     # The token the restricted APIs (RESTRICTED_APIS) want in the ADMIN_HEADER header; None: a random one per start,
     # never shown (those APIs are then unreachable).
     admin_token: str | None = None
+    # Where tritonserver's own HTTP endpoint listens when an HTTP front (deploy.http_front) serves http_port:
+    # 127.0.0.1 on this port. None: tritonserver serves http_port itself.
+    internal_http_port: int | None = setting(None, ge=1, le=65535, what="None or a TCP port in 1..65535")
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError)
-        ports = {n: getattr(self, n) for n in ("http_port", "grpc_port", "metrics_port")}
-        if len(set(ports.values())) != 3:
-            raise ConfigError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+        names = ("http_port", "grpc_port", "metrics_port", "internal_http_port")
+        ports = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        if len(set(ports.values())) != len(ports):
+            raise ConfigError(f"{', '.join(ports)} must differ, got {ports}")
         if not Path(self.repo).is_dir():
             raise ConfigError(f"repo: {self.repo!r} is not a directory")
         if self.admin_token is not None and not re.fullmatch(r"[A-Za-z0-9_\-]{16,}", self.admin_token):
             raise ConfigError("admin_token: expected at least 16 letters, digits, '-' or '_' (it goes into an HTTP "
-                              "header and the server's command line)")
+                              "header)")
 
     @property
     def client_host(self) -> str:
@@ -98,8 +105,22 @@ class ServerConfig:
         return f"http://{self.client_host}:{self.http_port}"
 
     @property
+    def triton_http_url(self) -> str:
+        """tritonserver's own HTTP endpoint (http_url unless an HTTP front serves that)."""
+        if self.internal_http_port is None:
+            return self.http_url
+        return f"http://127.0.0.1:{self.internal_http_port}"
+
+    @property
     def grpc_url(self) -> str:
         return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def triton_http_url(self) -> str:
+        """tritonserver's own HTTP endpoint (http_url unless an HTTP front serves that)."""
+        if self.internal_http_port is None:
+            return self.http_url
+        return f"http://127.0.0.1:{self.internal_http_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -171,8 +192,37 @@ def prepare_backends(install: Installation, into: Path) -> Path | None:
     return target
 
 
+# tritonserver 2.51's log line once every in-flight inference has finished at shutdown (server.cc), and how long
+# the models then get to unload before the server is killed (TritonServer.stop).
+DRAINED_LOG_LINE = "All models are stopped, unloading models"
+UNLOAD_GRACE_S = 3.0
 RESTRICTED_APIS = ("shared-memory", "model-repository", "trace", "logging")
 ADMIN_HEADER = "spectree-admin"
+# tritonserver 2.51 reads the restricted APIs' header value from its command line only, which every local user can
+# read (ps, /proc/PID/cmdline). So the command line carries this mark instead, and a library preloaded into the
+# server (deploy/argv_secret.c) puts the token, passed in the environment, in its place before main() runs.
+ADMIN_TOKEN_MARK = "spectree-admin-token-from-the-environment"
+SECRET_SOURCE = Path(__file__).with_name("argv_secret.c")
+
+
+def secret_preload() -> Path:
+    """The library that hands tritonserver the admin token from its environment (deploy/argv_secret.c, built on
+    first use by plugins.native_build); ServerError when it cannot be built (no C compiler)."""
+    from plugins import native_build
+
+    try:
+        return native_build.build(SECRET_SOURCE, "argv_secret", openmp=False)[1]
+    except native_build.BUILD_ERRORS as exc:
+        raise ServerError(f"cannot build {SECRET_SOURCE.name}, which keeps the admin token off tritonserver's command "
+                          f"line: {exc}") from exc
+
+
+def secret_environment(env: dict[str, str], token: str, preload: Path) -> dict[str, str]:
+    """`env` for a tritonserver whose command line carries ADMIN_TOKEN_MARK where `token` goes (see
+    deploy/argv_secret.c: these variables and the preload leave the server's environment before its main())."""
+    preloads = [str(preload), *[p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]]
+    return {**env, "LD_PRELOAD": ":".join(preloads), "SPECTREE_SECRET": token,
+            "SPECTREE_SECRET_MARK": ADMIN_TOKEN_MARK, "SPECTREE_SECRET_PRELOAD": str(preload)}
 
 
 def restricted_api_args(admin_token: str) -> list[str]:
@@ -181,16 +231,18 @@ def restricted_api_args(admin_token: str) -> list[str]:
     return [f"--http-restricted-api={group}", f"--grpc-restricted-protocol={group}"]
 
 
-def command(config: ServerConfig, install: Installation, backend_dir: Path | None) -> list[str]:
-    """The tritonserver command line (the restricted APIs get config.admin_token, or a fresh random token)."""
+def command(config: ServerConfig, install: Installation, backend_dir: Path | None,
+            admin_token: str = ADMIN_TOKEN_MARK) -> list[str]:
+    """The tritonserver command line; the restricted APIs' header value is `admin_token` (by default the mark the
+    preloaded library replaces: `secret_environment`)."""
     cmd = [
         str(install.binary),
         f"--model-repository={Path(config.repo).resolve()}",
         "--model-control-mode=none",
         "--disable-auto-complete-config",
         "--strict-readiness=true",
-        f"--http-address={config.address}",
-        f"--http-port={config.http_port}",
+        f"--http-address={config.address if config.internal_http_port is None else '127.0.0.1'}",
+        f"--http-port={config.http_port if config.internal_http_port is None else config.internal_http_port}",
         f"--grpc-address={config.address}",
         f"--grpc-port={config.grpc_port}",
         f"--metrics-address={config.address}",
@@ -198,7 +250,7 @@ def command(config: ServerConfig, install: Installation, backend_dir: Path | Non
         "--allow-gpu-metrics=false" if install.kind == "wheel" else "--allow-gpu-metrics=true",
         f"--exit-timeout-secs={config.exit_timeout_s}",
         f"--log-verbose={config.log_verbose}",
-        *restricted_api_args(config.admin_token or secrets.token_urlsafe(24)),
+        *restricted_api_args(admin_token),
     ]
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")
@@ -302,12 +354,17 @@ class TritonServer:
     _regions: set[str] = field(default_factory=set, init=False)  # every stub's shared-memory region seen
     _tmp: Path | None = field(default=None, init=False)
     _log_file: object = field(default=None, init=False)
+    warning: str | None = field(default=None, init=False)  # set by start when the admin token had to go on argv
+    killed_after_drain: bool = field(default=False, init=False)  # set by stop (see there)
+    _log_start: int = field(default=0, init=False)
 
     def start(self) -> TritonServer:
         if self.process is not None:
             raise ServerError("this server was already started")
         busy = [p for p in (self.config.http_port, self.config.grpc_port, self.config.metrics_port)
                 if not port_is_free(p, self.config.address)]
+        if self.config.internal_http_port is not None and not port_is_free(self.config.internal_http_port):
+            busy.append(self.config.internal_http_port)
         if busy:
             raise ServerError(f"port(s) {busy} on {self.config.address} are already in use")
         self.install = find_installation(self.config.tritonserver)
@@ -316,12 +373,22 @@ class TritonServer:
         if self.log_path is None:
             self.log_path = self._tmp / "tritonserver.log"
         self._log_file = open(self.log_path, "ab")
+        self._log_start = self._log_file.tell()  # a --log-file may hold earlier runs' lines
+        # No token configured: a random one, never shown (the restricted APIs are then unreachable).
+        token = self.config.admin_token or secrets.token_urlsafe(24)
+        env = server_environment(self.install)
+        try:
+            env = secret_environment(env, token, secret_preload())
+            cmd = command(self.config, self.install, backend_dir)
+        except ServerError as exc:
+            self.warning = f"{exc}; the admin token is on tritonserver's command line (visible to local users)"
+            cmd = command(self.config, self.install, backend_dir, token)
         self.process = subprocess.Popen(
-            command(self.config, self.install, backend_dir),
+            cmd,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_environment(self.install),
+            env=env,
             start_new_session=True,  # its own process group: stop() can take the python stubs down with it
         )
         try:
@@ -332,6 +399,17 @@ class TritonServer:
         self.stubs = python_stubs(child_pids(self.process.pid))
         self._regions.update(stub.region for stub in self.stubs.values())
         return self
+
+    def _log_shows(self, text: str) -> bool:
+        """Whether the server's log (written since this start) holds `text`."""
+        if self.log_path is None:
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return text.encode() in f.read()
+        except OSError:
+            return False
 
     def dead_stubs(self) -> list[Stub]:
         """The python stubs seen at start that are gone now (their models cannot answer any more)."""
@@ -347,7 +425,7 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.config.http_url}/v2/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.config.triton_http_url}/v2/health/ready", timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -366,27 +444,43 @@ class TritonServer:
 
     def stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM, wait (exit_timeout_s + 15 s by default), then SIGKILL the process group. Returns the exit
-        status (None if it was never started)."""
+        status (None if it was never started).
+
+        Once tritonserver says every inference has finished and it is unloading the models (DRAINED_LOG_LINE in its
+        log), a model still loaded UNLOAD_GRACE_S later is one tritonserver 2.51 can never unload: it leaks a
+        request of a gRPC stream its client cancelled (measured: intermittently, after clients left ensemble
+        streams; the model's finalize is never called) and would hold the exit until exit_timeout_s, then exit 1.
+        Nothing is left to finish then, so the server is killed at once and `killed_after_drain` says so."""
         proc = self.process
         if proc is None:
             return None
         grace = self.config.exit_timeout_s + 15 if grace_s is None else grace_s
         regions = self._regions | set(shm_regions(group_members(proc.pid)))
+        self.killed_after_drain = False
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.monotonic() + grace
+            drained_at = None
+            while proc.poll() is None and time.monotonic() < deadline:
+                if drained_at is None and self._log_shows(DRAINED_LOG_LINE):
+                    drained_at = time.monotonic()
+                if drained_at is not None and time.monotonic() - drained_at > UNLOAD_GRACE_S:
+                    self.killed_after_drain = True
+                    break
+                time.sleep(0.1)
         # Anything left in the group (a stuck stub) goes now.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         code = proc.wait()
-        # A stub that did not exit on its own leaves its shared-memory region behind; no process maps it now.
+        # A stub that did not exit on its own leaves its shared-memory region behind; no process maps it now. Nor
+        # does it remove its models' cancellation board (model_repo.bls.CancelBoard, named by the server's pid).
         for region in regions:
             Path("/dev/shm", region).unlink(missing_ok=True)
+        from model_repo.bls import CancelBoard
+
+        CancelBoard.for_server(proc.pid).remove()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -418,6 +512,7 @@ def endpoints_text(config: ServerConfig, models: Sequence[str]) -> str:
 
 __all__ = [
     "ADMIN_HEADER",
+    "ADMIN_TOKEN_MARK",
     "RESTRICTED_APIS",
     "Installation",
     "ServerConfig",
@@ -436,6 +531,8 @@ __all__ = [
     "server_environment",
     "python_stubs",
     "restricted_api_args",
+    "secret_environment",
+    "secret_preload",
     "shm_regions",
     "Stub",
 ]

@@ -6,14 +6,12 @@ final response (`error_outputs` / `error_of_outputs`)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from model_repo.errors import OVERLOADED, ErrorCode, coded_error_message, decode_error_message
-from model_repo.request import text_value
-from model_repo.responses import string_tensor
 from runtime.errors import OverloadedError
 
 # The ensemble model calls preprocessing and spec_decode as BLS requests with two request parameters. Tritonserver
@@ -31,12 +29,16 @@ ERROR_FINISH_REASON = "error"  # finish_reason of a final response that carries 
 
 def error_outputs(exc: BaseException) -> dict[str, np.ndarray]:
     """A final response standing for an error: finish_reason "error", text_output the coded message."""
+    from model_repo.responses import string_tensor  # (imported here: this module stays light for deploy/server.py)
+
     return {"text_output": string_tensor(coded_error_message(exc)),
             "finish_reason": string_tensor(ERROR_FINISH_REASON)}
 
 
 def error_of_outputs(outputs: Mapping[str, np.ndarray]) -> tuple[ErrorCode, str] | None:
     """(code, message) when a response made by `error_outputs`, else None."""
+    from model_repo.request import text_value
+
     reason = outputs.get("finish_reason")
     if reason is None or text_value(np.asarray(reason).reshape(-1)[0], "finish_reason") != ERROR_FINISH_REASON:
         return None
@@ -66,9 +68,16 @@ class CancelBoard:
     def of_server(cls) -> CancelBoard:
         """The board of the tritonserver this process is a python-backend stub of (its parent process)."""
         import os
+
+        return cls.for_server(os.getppid())
+
+    @classmethod
+    def for_server(cls, server_pid: int) -> CancelBoard:
+        """The board of the tritonserver with this pid (run by this user)."""
+        import os
         import tempfile
 
-        return cls(Path(tempfile.gettempdir()) / f"spectree-cancel-{os.getuid()}-{os.getppid()}")
+        return cls(Path(tempfile.gettempdir()) / f"spectree-cancel-{os.getuid()}-{server_pid}")
 
     @classmethod
     def is_token(cls, token: str) -> bool:
@@ -96,15 +105,24 @@ class CancelBoard:
         except OSError:
             pass
 
+    def remove(self) -> None:
+        """Remove the board and its marks (once its server has stopped: a stub killed before its finalize leaves
+        them)."""
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
 
 class InFlight:
-    """A counter of requests a model holds at once; `enter` beyond `limit` raises OverloadedError."""
+    """A counter of requests a model holds at once; `enter` beyond `limit` raises OverloadedError. on_change(count)
+    is told every new count (in order: called under the counter's lock)."""
 
-    def __init__(self, limit: int, what: str) -> None:
+    def __init__(self, limit: int, what: str, on_change: Callable[[int], None] | None = None) -> None:
         self.limit = limit
         self.what = what  # names the setting in the message
         self._n = 0
         self._lock = threading.Lock()
+        self._on_change = on_change
 
     @property
     def count(self) -> int:
@@ -116,12 +134,16 @@ class InFlight:
                 raise OverloadedError(f"{OVERLOADED} {self._n} requests in flight ({self.what} {self.limit}); "
                                       "retry later")
             self._n += 1
+            if self._on_change is not None:
+                self._on_change(self._n)
 
     def leave(self) -> None:
         with self._lock:
             if self._n <= 0:
                 raise RuntimeError("InFlight.leave without a matching enter")
             self._n -= 1
+            if self._on_change is not None:
+                self._on_change(self._n)
 
 
 __all__ = [

@@ -10,8 +10,9 @@ so their clients work unchanged:
              optional stream BOOL, temperature FP32,
              top_k INT32, top_p FP32, random_seed UINT64, stop_words / bad_words STRING [-1], end_id INT32,
              exclude_input_in_output BOOL, sampling_parameters STRING (vLLM-style JSON), parse_special_tokens BOOL
-             (special-token text in text_input becomes special tokens; default: literal text); tensorrtllm_backend's
-             seed, min_tokens, repetition / presence / frequency penalties, pad_id, beam_width and
+             (special-token text in text_input or in message content becomes special tokens; default: literal
+             text); tensorrtllm_backend's seed, min_tokens, repetition / presence / frequency penalties, pad_id,
+             beam_width and
              num_return_sequences (1), return_log_probs, return_num_input_tokens / ..._output_tokens
              (COMPAT_INPUTS). The entry model adds a batch dimension (request.split_batch /
              responses.batch_row_outputs).
@@ -39,8 +40,8 @@ TEXT_INPUT = ModelInput("text_input", DataType.TYPE_STRING, (1,), optional=True)
 MESSAGES = ModelInput("messages", DataType.TYPE_STRING, (1,), optional=True)  # JSON [{"role", "content"}, ...]
 INPUT_IDS = ModelInput("input_ids", DataType.TYPE_INT32, (-1,), optional=True)
 MAX_TOKENS = ModelInput("max_tokens", DataType.TYPE_INT32, (1,), optional=True)
-# Special-token text typed in a prompt ("<s>", "</s>", "<|im_start|>") is literal text unless the request sets
-# this true (a chat template's own special tokens are always parsed).
+# Special-token text typed in a prompt ("<s>", "</s>", "<|im_start|>"), in text_input or in a message's content, is
+# literal text unless the request sets this true (a chat template's own special tokens are always parsed).
 PARSE_SPECIAL_TOKENS = ModelInput("parse_special_tokens", DataType.TYPE_BOOL, (1,), optional=True)
 # tensorrtllm_backend's ensemble inputs beyond the basic ones (its names, types and dims: `seed` is its current
 # name for `random_seed`, which stays for older clients), and `num_top_log_probs` (ours: the likeliest

@@ -25,9 +25,12 @@ class MetricSpec:
     buckets: tuple[float, ...] | None = None  # histograms only
 
 
+# Every request is counted once, by the model where it ended: spec_decode counts the requests it took (and the ones
+# it refused); the ensemble only those it ended itself (refused beyond max_in_flight, or refused by preprocessing or
+# for their batch shape), so the sum over models of outcome="overloaded" is every refusal the server made.
 REQUESTS = MetricSpec("spectree_requests_total", "counter",
-                      "Generation requests finished, by outcome (completed, invalid, overloaded, cancelled, error)",
-                      ("model", "outcome"))
+                      "Generation requests finished, by outcome (completed, invalid, overloaded, cancelled, error), "
+                      "counted by the model where each ended", ("model", "outcome"))
 GENERATED = MetricSpec("spectree_generated_tokens_total", "counter", "Tokens generated", ("model",))
 # Speculation counters in vLLM's spec-decode meanings (runtime/decode.py): drafts = verification steps, draft
 # tokens = positions speculated (each step's tree depth), accepted tokens; per position k, the steps whose k-th
@@ -76,6 +79,10 @@ QUEUED = MetricSpec("spectree_queued_requests", "gauge", "Requests waiting to jo
                     ("model", "instance"))
 QUEUE_CAPACITY = MetricSpec("spectree_queue_slots", "gauge", "Requests allowed to wait (max_queue_size)",
                             ("model", "instance"))
+FREE_SLOTS = MetricSpec("spectree_free_request_slots", "gauge",
+                        "Requests this instance can still take before it refuses new ones as overloaded (spec_decode: "
+                        "max_batch_size + max_queue_size - running - queued; ensemble: max_in_flight - in flight)",
+                        ("model", "instance"))
 KV_RESERVED = MetricSpec("spectree_kv_reserved_bytes", "gauge",
                          "KV cache reserved by the running generations (prompt + max_tokens + one tree each)",
                          ("model", "instance"))
@@ -91,17 +98,22 @@ BATCH_SEGMENTS = MetricSpec("spectree_batch_segments_total", "counter",
                             "Requests' segments (prompt chunks, draft trees) in those forwards", ("model", "instance"))
 METRICS: tuple[MetricSpec, ...] = (REQUESTS, GENERATED, STEPS, DRAFT_TOKENS, TREE_NODES, ACCEPTED,
                                    ACCEPTED_PER_POSITION, ACCEPTED_PER_STEP, MEAN_ACCEPTED_LENGTH, ACCEPTANCE_RATE,
-                                   TAU, TTFT, ITL, ACTIVE, CAPACITY, QUEUED, QUEUE_CAPACITY, KV_RESERVED, KV_BUDGET,
-                                   KV_USAGE, BATCH_FORWARDS, BATCH_SEGMENTS)
+                                   TAU, TTFT, ITL, ACTIVE, CAPACITY, QUEUED, QUEUE_CAPACITY, FREE_SLOTS, KV_RESERVED,
+                                   KV_BUDGET, KV_USAGE, BATCH_FORWARDS, BATCH_SEGMENTS)
+ENTRY_METRICS: tuple[MetricSpec, ...] = (REQUESTS, FREE_SLOTS)  # the ensemble's (`EntryMetrics`)
 
 OUTCOMES = ("completed", "invalid", "overloaded", "cancelled", "error")
 
 
-def outcome_of(exc: BaseException | None) -> str:
+_OUTCOMES = {ErrorCode.INVALID_ARG: "invalid", ErrorCode.UNAVAILABLE: "overloaded", ErrorCode.CANCELLED: "cancelled",
+             ErrorCode.INTERNAL: "error"}
+
+
+def outcome_of(exc: BaseException | ErrorCode | None) -> str:
+    """A request's outcome label: None completed, else by the Triton code of its error (or the code itself)."""
     if exc is None:
         return "completed"
-    return {ErrorCode.INVALID_ARG: "invalid", ErrorCode.UNAVAILABLE: "overloaded",
-            ErrorCode.CANCELLED: "cancelled"}.get(error_code(exc), "error")
+    return _OUTCOMES[exc if isinstance(exc, ErrorCode) else error_code(exc)]
 
 
 class MetricsBackend(Protocol):
@@ -121,6 +133,7 @@ class SpecMetrics:
     instance: str  # Triton's model instance name (gauges are per instance; counters add up across instances)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _kv_budget: int = 0
+    _room: int = 0  # max_batch_size + max_queue_size
 
     def limits(self, config: SchedulerConfig) -> None:
         labels = {"model": self.model, "instance": self.instance}
@@ -128,6 +141,7 @@ class SpecMetrics:
         self.backend.set(QUEUE_CAPACITY, labels, config.max_queue_size)
         self.backend.set(KV_BUDGET, labels, config.kv_budget_bytes)
         self._kv_budget = config.kv_budget_bytes
+        self._room = config.max_batch_size + config.max_queue_size
         self.state(0, 0, 0)
 
     def state(self, running: int, queued: int, kv_reserved: int) -> None:
@@ -135,6 +149,7 @@ class SpecMetrics:
         labels = {"model": self.model, "instance": self.instance}
         self.backend.set(ACTIVE, labels, running)
         self.backend.set(QUEUED, labels, queued)
+        self.backend.set(FREE_SLOTS, labels, max(0, self._room - running - queued))
         self.backend.set(KV_RESERVED, labels, kv_reserved)
         if self._kv_budget:
             self.backend.set(KV_USAGE, labels, kv_reserved / self._kv_budget)
@@ -178,4 +193,21 @@ class SpecMetrics:
                 self.backend.observe(ACCEPTANCE_RATE, labels, stats.acceptance_rate)
 
 
-__all__ = ['METRICS', 'OUTCOMES', 'MetricSpec', 'MetricsBackend', 'SpecMetrics', 'outcome_of']
+@dataclass
+class EntryMetrics:
+    """The ensemble (entry) model's metrics: the requests it ended itself (`ended`) and its free request slots
+    (`in_flight`); what it passed on to spec_decode is counted there."""
+
+    backend: MetricsBackend
+    model: str
+    instance: str
+
+    def ended(self, outcome: BaseException | ErrorCode) -> None:
+        self.backend.add(REQUESTS, {"model": self.model, "outcome": outcome_of(outcome)}, 1)
+
+    def in_flight(self, count: int, limit: int) -> None:
+        self.backend.set(FREE_SLOTS, {"model": self.model, "instance": self.instance}, max(0, limit - count))
+
+
+__all__ = ['ENTRY_METRICS', 'METRICS', 'OUTCOMES', 'EntryMetrics', 'MetricSpec', 'MetricsBackend', 'SpecMetrics',
+           'outcome_of']

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from model_repo.contract import (
+    INPUT_IDS,
     MESSAGES,
     NUMPY_DTYPES,
     PARSE_SPECIAL_TOKENS,
@@ -25,7 +27,7 @@ from model_repo.contract import (
 from model_repo.model_config import DataType, ModelInput
 from runtime.errors import ConfigError, RequestError
 from runtime.sampling import SamplingParams
-from runtime.tokenizer import ChatMessage, chat_messages
+from runtime.tokenizer import ChatMessage, chat_messages, check_unicode
 
 # ---- reading inputs -------------------------------------------------------------------------------------
 
@@ -63,6 +65,7 @@ def text_value(value: Any, name: str) -> str:
         except UnicodeDecodeError as exc:
             raise RequestError(f"{name}: not valid UTF-8 ({exc})") from exc
     if isinstance(value, str):
+        check_unicode(value, name)
         return value
     raise RequestError(f"{name}: expected text (bytes), got {type(value).__name__}")
 
@@ -87,6 +90,7 @@ def _messages(inputs: Inputs) -> tuple[ChatMessage, ...] | None:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise RequestError(f"messages: not valid JSON ({exc}); expected a JSON array of {{role, content}}") from exc
+    check_unicode(data, MESSAGES.name)  # JSON escapes can spell lone surrogates ("\ud800"), UTF-8 cannot
     return chat_messages(data, MESSAGES.name)
 
 
@@ -222,6 +226,13 @@ _JSON_TYPES: dict[str, type] = {"temperature": float, "top_p": float, "top_k": i
                                 "ignore_eos": bool}
 
 
+# vLLM's SamplingParams defaults for what a vllm_backend-shaped request leaves out (those requests are read as
+# vllm_backend reads them); a request of tensors alone (tensorrtllm_backend's shape) must give max_tokens, and is
+# greedy unless it gives a temperature.
+VLLM_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}
+REQUEST_PARAMETERS = "parameters"  # the source name of sampling fields read from the request's parameters
+
+
 def _sampling_json(text: str) -> dict[str, Any]:
     name = "sampling_parameters"
     try:
@@ -230,10 +241,16 @@ def _sampling_json(text: str) -> dict[str, Any]:
         raise RequestError(f"{name}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise RequestError(f"{name}: expected a JSON object, got {type(data).__name__}")
+    check_unicode(data, name)
     unknown = sorted(set(data) - set(_JSON_KEYS))
     if unknown:
         raise RequestError(f"{name}: unknown key(s) {unknown}; accepted: {sorted(_JSON_KEYS)}")
-    out = {_JSON_KEYS[k]: _json_value(k, v) for k, v in data.items()}
+    return _vllm_fields(data, name)
+
+
+def _vllm_fields(data: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """vLLM's sampling keys (`_JSON_KEYS`, values possibly strings) -> SamplingParams fields."""
+    out = {_JSON_KEYS[k]: _json_value(k, v, name) for k, v in data.items()}
     for key in ("n", "best_of"):
         if out.pop(key, 1) not in (1, None):
             raise RequestError(f"{name}: {key} = {data[key]!r}; this server returns one sequence per request "
@@ -245,7 +262,7 @@ def _sampling_json(text: str) -> dict[str, Any]:
     return out
 
 
-def _json_value(key: str, value: Any) -> Any:
+def _json_value(key: str, value: Any, name: str) -> Any:
     kind = _JSON_TYPES.get(key)
     if kind is None or not isinstance(value, str):
         return value
@@ -256,7 +273,7 @@ def _json_value(key: str, value: Any) -> Any:
             return value.strip().lower() in ("true", "1")
         return kind(value)
     except ValueError:
-        raise RequestError(f"sampling_parameters: {key} = {value!r} is not {'an' if kind is int else 'a'} "
+        raise RequestError(f"{name}: {key} = {value!r} is not {'an' if kind is int else 'a'} "
                          f"{kind.__name__}") from None
 
 
@@ -289,9 +306,15 @@ def _one_sequence(inputs: Inputs, name: str) -> None:
                          "again with another seed")
 
 
-def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any = None) -> GenerateRequest:
+def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any = None,
+                           parameters: Mapping[str, Any] | None = None) -> GenerateRequest:
     """Triton-style inputs (name -> numpy array) -> a validated GenerateRequest; RequestError names the input.
-    tokenizer: encodes bad_words (a request with bad words needs it)."""
+    tokenizer: encodes bad_words (a request with bad words needs it). parameters: the request's parameters; as
+    vllm_backend does, their vLLM sampling keys are read when there is no sampling_parameters input (other keys are
+    not this parser's: Triton's, the pipeline's own).
+
+    A vllm_backend-shaped request (sampling settings as vLLM's sampling_parameters JSON, or as request parameters)
+    gets vLLM's defaults for what it leaves out (`VLLM_DEFAULTS`: 16 tokens, temperature 1.0)."""
     unknown = sorted(set(inputs) - set(_SPEC))
     if unknown:
         raise RequestError(f"unknown input(s) {unknown}; this model takes {sorted(_SPEC)}")
@@ -367,17 +390,26 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
         given("stop_token_ids", (end_id,), "end_id")
         given("ignore_eos", True, "end_id")
     sp_text = _scalar(inputs, _SPEC["sampling_parameters"])
+    vllm_source = None  # where a vllm_backend-shaped request's sampling settings came from
     if sp_text is not None and sp_text.strip():
-        json_fields = _sampling_json(sp_text)
-        _check_stop(json_fields.get("stop"), "sampling_parameters.stop", limits)
+        vllm_source, json_fields = "sampling_parameters", _sampling_json(sp_text)
+    elif parameters and set(parameters) & set(_JSON_KEYS):
+        check_unicode(dict(parameters), REQUEST_PARAMETERS)
+        vllm_source = REQUEST_PARAMETERS
+        json_fields = _vllm_fields({k: v for k, v in parameters.items() if k in _JSON_KEYS}, REQUEST_PARAMETERS)
+    if vllm_source is not None:
+        _check_stop(json_fields.get("stop"), f"{vllm_source}.stop", limits)
         if "bad_words" in json_fields:
-            json_fields["bad_words"] = _bad_words(json_fields["bad_words"], "sampling_parameters.bad_words",
+            json_fields["bad_words"] = _bad_words(json_fields["bad_words"], f"{vllm_source}.bad_words",
                                                   tokenizer, limits)
         for key, value in json_fields.items():
             if key in fields:
                 tensor = _TENSOR_FOR_FIELD.get(key, "end_id")
-                raise RequestError(f"sampling_parameters: {key!r} is also given as the input {tensor!r}; give it once")
-            given(key, value, f"sampling_parameters.{key}")
+                raise RequestError(f"{vllm_source}: {key!r} is also given as the input {tensor!r}; give it once")
+            given(key, value, f"{vllm_source}.{key}")
+        for key, default in VLLM_DEFAULTS.items():
+            if key not in fields:
+                given(key, default, f"{vllm_source} (vLLM's default {key} {default})")
     if stop:
         _check_stop(list(stop), "stop_words", limits)  # byte sizes, now decoded
 
@@ -455,23 +487,25 @@ def split_batch(inputs: Inputs) -> list[dict[str, np.ndarray]]:
 def preprocess(inputs: Inputs, tokenizer: Any, max_context: int,
                max_prompt_bytes: int | None = None) -> dict[str, np.ndarray]:
     """text_input or messages -> input_ids INT32 [n], input_length INT32 [1]; the ids `encode_text` makes of the
-    text (BOS first when the model has one; special-token text literal unless parse_special_tokens) or
-    `SpecDecoder.encode_prompt` of the messages (the chat template's text). The prompt's size is checked against
+    text (BOS first when the model has one; special-token text literal unless parse_special_tokens) or the chat
+    template's ids of the messages (special-token text in their content literal, unless parse_special_tokens: see
+    `Tokenizer.apply_chat_template`). The prompt's size is checked against
     max_prompt_bytes before anything decodes it."""
     unknown = sorted(set(inputs) - {i.name for i in PREPROCESSING_INPUTS})
     if unknown:
         raise RequestError(f"unknown input(s) {unknown}; preprocessing takes {[i.name for i in PREPROCESSING_INPUTS]}")
     check_prompt_bytes(inputs, max_prompt_bytes)
     text, messages = _text_or_messages(inputs)
+    parse_special = bool(_scalar(inputs, PARSE_SPECIAL_TOKENS))
     if messages is not None:
         source = MESSAGES.name
-        try:
-            ids = tokenizer.apply_chat_template(messages)
-        except RequestError as exc:  # no chat template, or the template refused the conversation
+        try:  # the chat template's own special tokens; content's special-token text literal unless parse_special
+            ids = tokenizer.apply_chat_template(messages, parse_special=parse_special)
+        except RequestError as exc:  # no chat template, the template refused the conversation, a forged role
             raise RequestError(f"messages: {exc}") from exc
     else:
         source = TEXT_INPUT.name
-        ids = encode_text(tokenizer, text, bool(_scalar(inputs, PARSE_SPECIAL_TOKENS)))
+        ids = encode_text(tokenizer, text, parse_special)
     if len(ids) >= max_context:
         raise RequestError(
             f"{source}: the prompt is {len(ids)} tokens; the context limit is {max_context} tokens, so a prompt "
@@ -491,19 +525,23 @@ def encode_text(tokenizer: Any, text: str, parse_special_tokens: bool) -> list[i
 
 def prompt_ids(decoder: Any, request: GenerateRequest) -> list[int]:
     """The token ids spec_decode generates from (validated by `SpecDecoder.encode_prompt`: vocabulary, context);
-    text is encoded by `encode_text`, messages through the chat template."""
+    text is encoded by `encode_text`, messages by the chat template (`Tokenizer.apply_chat_template`)."""
     prompt: Any = request.prompt
+    source = request.prompt_source
     try:
-        if request.prompt_source == TEXT_INPUT.name:
-            if decoder.tokenizer is None:
-                raise RequestError("the prompt is text but this model has no tokenizer; send input_ids instead")
+        if source != INPUT_IDS.name and decoder.tokenizer is None:
+            raise RequestError(f"the prompt is {source} but this model has no tokenizer; send input_ids instead")
+        if source == TEXT_INPUT.name:
             prompt = encode_text(decoder.tokenizer, prompt, request.parse_special_tokens)
+        elif source == MESSAGES.name:
+            prompt = decoder.tokenizer.apply_chat_template(prompt, parse_special=request.parse_special_tokens)
         return decoder.encode_prompt(prompt)
-    except RequestError as exc:  # too long for the context, bad ids, no chat template
-        raise RequestError(f"{request.prompt_source}: {exc}") from exc
+    except RequestError as exc:  # too long for the context, bad ids, no chat template, a forged role
+        raise RequestError(f"{source}: {exc}") from exc
 
 
 __all__ = [
+    "VLLM_DEFAULTS",
     "GenerateRequest",
     "RequestLimits",
     "RequestTiming",

@@ -53,7 +53,7 @@ from model_repo.errors import (
     error_message,
 )
 from model_repo.generations import Generations, available_memory_bytes
-from model_repo.metrics import METRICS, MetricSpec, SpecMetrics
+from model_repo.metrics import ENTRY_METRICS, METRICS, EntryMetrics, MetricSpec, SpecMetrics
 from model_repo.request import GenerateRequest, parse_generate_request, preprocess, prompt_ids, split_batch
 from model_repo.responses import batch_row_outputs, is_final_response
 from model_repo.settings import CallerOptions, EnsembleSettings, PreprocessingSettings, SpecDecodeSettings
@@ -77,6 +77,15 @@ def _caller(request: Any) -> CallerOptions:
         return CallerOptions.from_parameters(request.parameters())
     except Exception:  # noqa: BLE001  (a client's odd parameters are not this model's business)
         return CallerOptions()
+
+
+def _request_parameters(request: Any) -> dict[str, Any]:
+    """A request's parameters as a dict ({} when there are none or they are unreadable)."""
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return params if isinstance(params, dict) else {}
 
 
 def _coded_triton_error(code: ErrorCode, message: str, coded: bool) -> Any:
@@ -279,7 +288,8 @@ class SpecDecodeModel:
         for request in requests:
             sink = _Sink(request.get_response_sender(), self.stopping, self.board, _caller(request), self.name)
             try:
-                parsed = parse_generate_request(_inputs(request, names), self.limits, self.decoder.tokenizer)
+                parsed = parse_generate_request(_inputs(request, names), self.limits, self.decoder.tokenizer,
+                                                _request_parameters(request))
                 if self.stopping.is_set():
                     raise RequestCancelled("the model is shutting down")
                 ids = prompt_ids(self.decoder, parsed)
@@ -380,7 +390,11 @@ class EnsembleModel:
         self.name = args["model_name"]
         _require_decoupled(args)
         self.settings = EnsembleSettings.from_parameters(_parameters(args), self.name)
-        self.in_flight = InFlight(self.settings.max_in_flight, "max_in_flight")
+        self.metrics_backend = PrometheusMetrics(ENTRY_METRICS)
+        self.metrics = EntryMetrics(self.metrics_backend, self.name, args["model_instance_name"])
+        limit = self.settings.max_in_flight
+        self.metrics.in_flight(0, limit)
+        self.in_flight = InFlight(limit, "max_in_flight", lambda n: self.metrics.in_flight(n, limit))
         self.board = CancelBoard.of_server()
         self.watch = _CancelWatch(self.board, self.name)
         self.pool = ThreadPoolExecutor(max_workers=self.settings.max_in_flight, thread_name_prefix=f"{self.name}-req")
@@ -405,12 +419,13 @@ class EnsembleModel:
             except Exception as exc:  # noqa: BLE001  (one too many: answered now, UNAVAILABLE)
                 sender.send(pb_utils.InferenceResponse(error=_triton_error(exc, _caller(request).coded_errors)),
                             flags=_FINAL)
+                self.metrics.ended(exc)
                 continue
             self.pool.submit(self._serve, request, sender)
 
     def _serve(self, request: Any, sender: Any) -> None:
         token = self.board.new_token()
-        state = {"final": False, "left": False}
+        state = {"final": False, "left": False, "passed": False}  # passed: spec_decode has it (and counts it)
         coded = _caller(request).coded_errors  # the client's own wish (deploy client, OpenAI frontend)
 
         def leave() -> None:
@@ -438,9 +453,13 @@ class EnsembleModel:
                     parameters={CODED_ERRORS_PARAMETER: True},
                 ).exec()
                 if pre.has_error():
-                    finish(pb_utils.InferenceResponse(error=_bls_error(pre, coded)))
+                    error = _bls_error(pre, coded)
+                    if not state["passed"]:
+                        self.metrics.ended(decode_error_message(pre.error().message())[0])
+                    finish(pb_utils.InferenceResponse(error=error))
                     return
                 ids = pb_utils.get_output_tensor_by_name(pre, "input_ids")
+                state["passed"] = True
                 responses = pb_utils.InferenceRequest(
                     model_name=self.settings.spec_decode, requested_output_names=self.output_names,
                     inputs=[pb_utils.Tensor("input_ids", ids.as_numpy()), *tensors],
@@ -474,6 +493,8 @@ class EnsembleModel:
                 if not row_done:
                     raise RuntimeError(f"{self.settings.spec_decode} ended the stream without a final response")
         except Exception as exc:  # noqa: BLE001  (every failure goes back to the client as a Triton error)
+            if not state["passed"]:
+                self.metrics.ended(exc)
             if not state["final"]:
                 if error_code(exc) is ErrorCode.INTERNAL:
                     pb_utils.Logger.log_error(f"{self.name}: request failed: {error_message(exc)}")
@@ -489,6 +510,7 @@ class EnsembleModel:
         self.watch.close()
         self.pool.shutdown(wait=True)
         self.board.close()
+        self.metrics_backend.close()
 
 
 __all__ = ["EnsembleModel", "PreprocessingModel", "PrometheusMetrics", "SpecDecodeModel"]

@@ -153,6 +153,48 @@ def find_genai_perf(explicit: str | None = None) -> Path:
                            f"\"{GENAI_PERF_PIN}\"` (scripts/setup.sh does)")
 
 
+# ---- genai-perf runnable as installed -------------------------------------------------------------------------
+
+WRAPPER_MARK = "# spectree: genai-perf with what its perf_analyzer needs"
+
+
+def entry_point_wrapper(python: Path, target: str, perf_analyzer_dir: Path, lib_dir: Path | None) -> str:
+    """A shell script that runs the console-script `target` ("module:function") with `python`, perf_analyzer's
+    folder first on PATH (genai-perf starts it by name) and the folder of the libraries it lacks here
+    (perf.analyzer.locate) first on LD_LIBRARY_PATH."""
+    import shlex
+
+    module, function = target.split(":")
+    code = f'import sys; from {module} import {function}; sys.argv[0] = "genai-perf"; sys.exit({function}())'
+    lines = ["#!/bin/sh", WRAPPER_MARK + " (perf/genai.py install_entry_point, run by scripts/setup.sh)",
+             f"PATH={shlex.quote(str(perf_analyzer_dir))}:\"$PATH\"", "export PATH"]
+    if lib_dir is not None:
+        lines += [f"LD_LIBRARY_PATH={shlex.quote(str(lib_dir))}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}",
+                  "export LD_LIBRARY_PATH"]
+    lines.append(f"exec {shlex.quote(str(python))} -c {shlex.quote(code)} \"$@\"")
+    return "\n".join(lines) + "\n"
+
+
+def install_entry_point(perf_analyzer: str | None = None) -> Path:
+    """Make this environment's `genai-perf` command runnable as installed, without activating the environment or
+    installing system packages: pip's console script is replaced by `entry_point_wrapper` (same entry point, the
+    perf_analyzer it needs reachable). Returns the script's path; GenaiPerfMissing / PerfAnalyzerMissing when either
+    tool is absent."""
+    from importlib.metadata import entry_points
+
+    found = [e for e in entry_points(group="console_scripts") if e.name == "genai-perf"]
+    if not found:
+        raise GenaiPerfMissing(f"genai-perf is not installed; `{sys.executable} -m pip install \"{GENAI_PERF_PIN}\"`")
+    pa = locate(perf_analyzer)
+    script = Path(sys.executable).parent / "genai-perf"
+    tmp = script.with_name(f".genai-perf.{os.getpid()}")
+    tmp.write_text(entry_point_wrapper(Path(sys.executable), found[0].value, pa.binary.parent, pa.lib_dir),
+                   encoding="utf-8")
+    tmp.chmod(0o755)
+    os.replace(tmp, script)
+    return script
+
+
 # ---- Triton's metrics ----------------------------------------------------------------------------------------
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$")
@@ -312,6 +354,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "entry_point_wrapper",
+    "install_entry_point",
     "GenaiPerfConfig",
     "GenaiPerfFailed",
     "GenaiPerfMissing",

@@ -3,7 +3,7 @@
 For each concurrency level C, perf_analyzer runs over gRPC with `--async --streaming` (what a decoupled LLM model
 needs; reference-facts section 8) on input data generated from the prompt sets
     {"data": [{"text_input": ["..."], "max_tokens": [N], "stream": [true],
-               "sampling_parameters": ["{\\"ignore_eos\\": true}"]}, ...]}
+               "sampling_parameters": ["{\\"ignore_eos\\": true, \\"temperature\\": 0}"]}, ...]}
 for exactly `max(requests, 2 C)` requests (`--request-count`), after `warmup` untimed requests before the first
 level. Its CSV (-f) and profile export (--profile-export-file: every request's send time, every streamed
 response's time and outputs) are kept in the output directory and parsed into, per level:
@@ -116,7 +116,8 @@ def input_data(prompts: Sequence[Prompt], max_tokens: int, ignore_eos: bool) -> 
     """perf_analyzer's --input-data JSON: one entry per prompt, cycled through by perf_analyzer."""
     entry: dict[str, Any] = {"max_tokens": [max_tokens], "stream": [True]}
     if ignore_eos:
-        entry["sampling_parameters"] = [json.dumps({"ignore_eos": True})]
+        # greedy as the other requests (a sampling_parameters request without a temperature gets vLLM's 1.0)
+        entry["sampling_parameters"] = [json.dumps({"ignore_eos": True, "temperature": 0})]
     return {"data": [{"text_input": [p.text], **entry} for p in prompts]}
 
 

@@ -2,7 +2,7 @@
 
     python -m perf.soak --url 127.0.0.1:8001 --engine ENGINE_DIR [--clients 16,64] [--seconds 60]
                         [--model ensemble] [--max-tokens 48] [--prompts FILE ...] [--server-pid PID]
-                        [--out perf/results/{date}-{machine}]
+                        [--metrics-url http://127.0.0.1:8002/metrics] [--out perf/results/{date}-{machine}]
 
 Each client sends requests back to back, for `seconds`, alternating greedy and sampled (temperature 0.8, top-p
 0.95, a fixed seed per prompt). Every completed stream's token ids must equal the offline runtime's on the same
@@ -12,7 +12,9 @@ same output whatever else the server is doing. A request refused with UNAVAILABL
 mismatch, is a failure (exit status 1). With --server-pid, the resident memory of the server and its
 python stubs is sampled every second (RSS flat: its growth between the second and the last quarter of the run),
 in total and per process (stubs by their Triton instance name, e.g. spec_decode_0_0), so a growth is traced to
-its process.
+its process. With --metrics-url, the server's metrics are scraped every second: the refusals it counted itself
+(spectree_requests_total{outcome="overloaded"}, by the model that refused: every refusal once) beside the ones
+the clients saw, and the fewest free request slots (spectree_free_request_slots) per model.
 Writes soak.json and soak.md into --out ({date} and {machine} filled in).
 """
 
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +45,8 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 SEED_BASE = 1000  # prompt i's sampled requests use seed SEED_BASE + i
 DEFAULT_PROMPTS = ("perf/prompts/prose.jsonl", "perf/prompts/code.jsonl")
 RSS_EVERY_S = 1.0
+METRICS_EVERY_S = 1.0
+METRICS_SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class SoakConfig:
     model: str = "ensemble"
     max_tokens: int = setting(48, ge=1)
     timeout_s: float = 120.0  # per response
+    metrics_url: str | None = None  # Triton's metrics (http://HOST:PORT/metrics): the server's own count of refusals
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError)
@@ -81,6 +88,11 @@ class SoakResult:
     itl_s: list[float] = field(default_factory=list)  # between responses, per token of the later one
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MiB)
     rss_by_process: list[dict[str, float]] = field(default_factory=list)  # per sample of rss_mb: MiB by process
+    # scraped from the server's metrics (SoakConfig.metrics_url) during the run: outcome -> model -> requests
+    # finished so (spectree_requests_total) since the start, and model -> the fewest free request slots seen
+    server_outcomes: dict[str, dict[str, float]] = field(default_factory=dict)
+    free_slots_min: dict[str, float] = field(default_factory=dict)
+    scrapes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -112,6 +124,10 @@ class SoakResult:
                                              "max": round(max(rss), 1),
                                              "growth": None if growth is None else round(growth, 1)},
             "rss_by_process_mib": by_process,
+            "server_metrics": None if not self.scrapes else {
+                "scrapes": self.scrapes, "outcomes": self.server_outcomes,
+                "overloaded": sum(self.server_outcomes.get("overloaded", {}).values()),
+                "free_request_slots_min": self.free_slots_min},
             "first_errors": self.errors[:5], "first_mismatches": self.mismatches[:5], "ok": self.ok,
         }
 
@@ -122,6 +138,25 @@ def _growth(rss: Sequence[float]) -> float | None:
         return None
     quarter = len(rss) // 4
     return statistics.median(rss[-quarter:]) - statistics.median(rss[quarter:2 * quarter])
+
+
+_LOAD_SERIES = re.compile(r'^(spectree_requests_total|spectree_free_request_slots)\{([^}]*)\} (\S+)$')
+
+
+def server_load(url: str) -> dict[tuple[str, str, str], float]:
+    """One scrape of the metrics that show load shedding: ("requests", model, outcome) -> requests finished so, and
+    ("free", model, instance) -> free request slots now."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode("utf-8")
+    out: dict[tuple[str, str, str], float] = {}
+    for line in text.splitlines():
+        m = _LOAD_SERIES.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            key = (("requests", labels.get("model", ""), labels.get("outcome", "")) if m.group(1).endswith("total")
+                   else ("free", labels.get("model", ""), labels.get("instance", "")))
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
 
 
 def reference_cases(decoder: Any, prompts: Sequence[Any], max_tokens: int) -> list[Case]:
@@ -180,6 +215,29 @@ def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[
                 result.rss_by_process.append(by_name)
             stop_rss.wait(RSS_EVERY_S)
 
+    first = server_load(config.metrics_url) if config.metrics_url else None
+
+    def absorb(load: dict[tuple[str, str, str], float]) -> None:
+        """A scrape into the result: outcomes since the first scrape, the fewest free slots per model so far."""
+        assert first is not None
+        with lock:
+            result.scrapes += 1
+            outcomes: dict[str, dict[str, float]] = {}
+            for (kind, model, label), value in load.items():
+                if kind == "requests" and value - first.get((kind, model, label), 0.0):
+                    outcomes.setdefault(label, {})[model] = value - first.get((kind, model, label), 0.0)
+            result.server_outcomes = outcomes
+            free: dict[str, float] = {}
+            for (kind, model, _), value in load.items():
+                if kind == "free":
+                    free[model] = free.get(model, 0.0) + value
+            for model, value in free.items():
+                result.free_slots_min[model] = min(value, result.free_slots_min.get(model, value))
+
+    def sample_metrics() -> None:
+        while not stop_rss.wait(METRICS_EVERY_S):
+            absorb(server_load(config.metrics_url))
+
     def client(index: int) -> None:
         n = index
         while time.monotonic() < deadline:
@@ -220,9 +278,10 @@ def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[
                     result.mismatches.append(f"{case.key}: {len(ids)} tokens, offline {len(case.reference)}; first "
                                              f"difference at {stats.first_difference(ids, case.reference)}")
 
-    sampler = threading.Thread(target=sample_rss, daemon=True) if pids is not None else None
-    if sampler is not None:
-        sampler.start()
+    wanted = ((sample_rss, pids is not None), (sample_metrics, first is not None))
+    samplers = [threading.Thread(target=f, daemon=True) for f, on in wanted if on]
+    for t in samplers:
+        t.start()
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(config.clients)]
     for t in threads:
         t.start()
@@ -230,8 +289,11 @@ def run_soak(config: SoakConfig, cases: Sequence[Case], pids: Callable[[], list[
         t.join()
     result.seconds = time.monotonic() - start
     stop_rss.set()
-    if sampler is not None:
-        sampler.join()
+    for t in samplers:
+        t.join()
+    if first is not None:
+        time.sleep(METRICS_SETTLE_S)  # a refusal is counted just after the client hears it
+        absorb(server_load(config.metrics_url))
     return result
 
 
@@ -257,6 +319,16 @@ def report_markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{' / '.join(str(r['ttft_ms'][k]) for k in ('p50', 'p90', 'p99'))} | "
             f"{' / '.join(str(r['itl_ms'][k]) for k in ('p50', 'p90', 'p99'))} | "
             f"{rss.get('start')} / {rss.get('end')} / {rss.get('growth')} |")
+    for r in runs:
+        sm = r.get("server_metrics")
+        if sm:
+            by_model = ", ".join(f"{m} {v:.0f}" for m, v in sorted(sm["outcomes"].get("overloaded", {}).items()))
+            lines.append(
+                f"- {r['clients']} clients, the server's metrics ({sm['scrapes']} scrapes): {sm['overloaded']:.0f} "
+                f"requests refused as overloaded (spectree_requests_total{{outcome=\"overloaded\"}}: "
+                f"{by_model or 'none'}; the clients saw {r['overloaded']}), fewest free request slots seen "
+                "(spectree_free_request_slots): "
+                + ", ".join(f"{m} {v:.0f}" for m, v in sorted(sm["free_request_slots_min"].items())))
     for r in runs:
         if r.get("rss_by_process_mib"):
             lines.append(f"- {r['clients']} clients, RSS by process (start / end / growth MiB): " + "; ".join(
@@ -286,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompts", action="append", default=[], metavar="FILE",
                    help=f"prompt file, JSON Lines (repeatable; default {', '.join(DEFAULT_PROMPTS)})")
     p.add_argument("--server-pid", type=int, help="tritonserver's pid (samples its RSS and its stubs')")
+    p.add_argument("--metrics-url", help="Triton's metrics, http://HOST:PORT/metrics: the server's own count of "
+                                         "refused requests and its free request slots, scraped during each run")
     p.add_argument("--out", default="perf/results/{date}-{machine}", help="output directory (default %(default)s)")
     ns = p.parse_args(argv)
     try:
@@ -293,8 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from perf.machine import expand_out, machine_info, machine_slug
 
         levels = [int(c) for c in ns.clients.split(",") if c.strip()]
-        configs = [SoakConfig(url=ns.url, clients=c, seconds=ns.seconds, model=ns.model, max_tokens=ns.max_tokens)
-                   for c in levels]
+        configs = [SoakConfig(url=ns.url, clients=c, seconds=ns.seconds, model=ns.model, max_tokens=ns.max_tokens,
+                              metrics_url=ns.metrics_url) for c in levels]
         decoder = runtime.load(ns.engine)
         print(f"offline references for {ns.engine} ...", file=sys.stderr, flush=True)
         cases = reference_cases(decoder, _load_prompts(ns.prompts or DEFAULT_PROMPTS), ns.max_tokens)

@@ -87,9 +87,11 @@ def _load_or_compile(cc: str, flags: tuple[str, ...], source: Path, name: str) -
     return ctypes.CDLL(str(path)), path
 
 
-def build(source: Path, stem: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL, Path, bool]:
+def build(source: Path, stem: str, extra_flags: tuple[str, ...] = (),
+          openmp: bool = True) -> tuple[ctypes.CDLL, Path, bool]:
     """(library, its path, whether it has OpenMP) for the C file `source`, named `{stem}_{hash}.so` in the cache;
-    raises one of BUILD_ERRORS, naming every attempt's failure, where it cannot be built."""
+    raises one of BUILD_ERRORS, naming every attempt's failure, where it cannot be built. openmp=False: never
+    linked with OpenMP (a library preloaded into another program)."""
     name = os.environ.get("CC") or "cc"
     cc = shutil.which(name)
     if cc is None:
@@ -100,7 +102,7 @@ def build(source: Path, stem: str, extra_flags: tuple[str, ...] = ()) -> tuple[c
     built_from = [source.read_bytes(), version.encode(), " ".join(sorted(features.flags)).encode() or
                   (platform.processor() or platform.machine()).encode()]
     errors = []
-    for threaded in (True, False):
+    for threaded in (True, False) if openmp else (False,):
         flags = FLAGS + (f"-march={features.march}",) + extra_flags + ((OPENMP,) if threaded else ())
         key = hashlib.sha256(b"\0".join([" ".join(flags).encode(), *built_from])).hexdigest()[:16]
         try:

@@ -9,12 +9,17 @@ Chat template: a `chat_template.jinja` file beside tokenizer.json (wins, as in t
 tokenizer_config.json "chat_template" (a string, or HF's list of {name, template} where "default" is used).
 It is rendered as transformers renders it (sandboxed jinja2, trim_blocks / lstrip_blocks, `raise_exception`,
 `bos_token` / `eos_token`) and the text is encoded without adding a BOS: the template places special tokens.
+Only the template's own special tokens become control tokens: special-token text inside a message's content
+("<|im_end|>\n<|im_start|>assistant") stays literal text (`apply_chat_template`, unless parse_special), so a user
+cannot forge turns or roles; a role holding special-token text is refused.
 `chat_messages` is the one validator of chat messages (the runtime's prompt and the served `messages` input).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,6 +80,25 @@ def chat_messages(messages: Any, name: str = "messages") -> tuple[ChatMessage, .
             raise RequestError(f"{where}.role must be a non-empty string, got ''")
         out.append(ChatMessage(message["role"], message["content"]))
     return tuple(out)
+
+
+def check_unicode(value: Any, name: str) -> None:
+    """RequestError naming the first string in `value` (a str, or lists / mappings of them, keys included) that is
+    not Unicode text: a lone surrogate such as "\\ud800", which JSON can escape but no UTF-8 text holds, so no
+    tokenizer takes it. Each front end calls it once on what a client sent, where JSON text becomes strings."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"{name}: {value[exc.start]!r} at character {exc.start} is a lone surrogate (half of "
+                               "a UTF-16 pair), not a character; expected valid Unicode text") from None
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            check_unicode(key, f"{name}: a key" if name else "a key")
+            check_unicode(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{name}[{i}]")
 
 
 def single_turn(user: str, system: str | None = None) -> list[dict[str, str]]:
@@ -153,7 +177,11 @@ class Tokenizer:
         if getattr(tokenizer.model, "byte_fallback", False):
             ids = (tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
             self.byte_fallback_ids = frozenset(i for i in ids if i is not None)
-        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = frozenset(specials)
+        # the text of every special token, longest first (special-token text in chat content: apply_chat_template)
+        texts = sorted({t for t in specials.values() if t}, key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
         for tid in (*self.eos_token_ids, *(() if bos_token_id is None else (bos_token_id,))):
             if not 0 <= tid < size:
                 raise TokenizerError(f"special token id {tid} is outside the tokenizer vocabulary [0, {size})")
@@ -263,9 +291,90 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise RequestError(f"the chat template ({self._chat_template_source}) refused the messages: {exc}") from exc
 
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat template (no BOS added: the template places its special tokens)."""
-        return self.encode(self.render_chat_template(messages, add_generation_prompt), add_bos=False)
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
+                            parse_special: bool = False) -> list[int]:
+        """Token ids of the rendered chat template (no BOS added: the template places its special tokens).
+
+        The template's own special tokens are control tokens; special-token text inside a message's content stays
+        literal text (the ids of that text as ordinary characters), so content cannot close its turn or open
+        another role's. parse_special: content's special-token text becomes special tokens too (transformers'
+        apply_chat_template, which tokenises the rendered text as a whole). Messages without special-token text
+        get transformers' ids either way.
+        """
+        turns = chat_messages(messages)
+        pattern = None if parse_special else self._special_text
+        if pattern is not None:
+            for i, turn in enumerate(turns):
+                found = pattern.search(turn.role)
+                if found:
+                    raise RequestError(f"messages[{i}].role holds the special-token text {found.group(0)!r}; a role "
+                                       "is a plain name (user, assistant, system, ...)")
+        if pattern is None or not any(pattern.search(t.content) for t in turns):
+            return self.encode(self.render_chat_template(turns, add_generation_prompt), add_bos=False)
+        text, literal = self._render_marked(turns, add_generation_prompt, pattern)
+        return self._encode_with_literal_spans(text, literal)
+
+    def _render_marked(self, turns: tuple[ChatMessage, ...], add_generation_prompt: bool,
+                       pattern: re.Pattern[str]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text, and the spans in it of special-token text that came from message content. Content's
+        special-token text is replaced by unique marks before rendering (a template may trim or cut content; marks
+        of private-use characters and digits pass through such changes unaltered) and put back after."""
+        nonce = str(secrets.randbelow(10**12))
+        originals: list[str] = []
+
+        def mark(m: re.Match[str]) -> str:
+            originals.append(m.group(0))
+            return f"\ue000{nonce}.{len(originals) - 1}\ue001"
+
+        rendered = self.render_chat_template(
+            [ChatMessage(t.role, pattern.sub(mark, t.content)) for t in turns], add_generation_prompt)
+        parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        size = pos = 0
+        for m in re.finditer(f"\ue000{nonce}\\.(\\d+)\ue001", rendered):
+            parts.append(rendered[pos:m.start()])
+            size += m.start() - pos
+            original = originals[int(m.group(1))]
+            parts.append(original)
+            spans.append((size, size + len(original)))
+            size += len(original)
+            pos = m.end()
+        parts.append(rendered[pos:])
+        text = "".join(parts)
+        if f"\ue000{nonce}" in text:
+            raise RequestError("messages: the chat template changed message content that holds special-token text, "
+                               "so that text cannot be kept literal; remove the special-token text from the messages")
+        return text, spans
+
+    def _encode_with_literal_spans(self, text: str, literal: list[tuple[int, int]]) -> list[int]:
+        """Ids of `text` where the special tokens inside the `literal` spans are ordinary text: every other special
+        token as parsed, the text between them as the literal tokenizer encodes it in place (its tokens from one
+        encoding of the whole text, so each stretch gets the context the pre-tokenizer gives it inside the text;
+        a stretch whose edge a literal token crosses is encoded on its own)."""
+        parsed = self._tok.encode(text, add_special_tokens=False)
+        kept = [(tid, a, b) for tid, (a, b) in zip(parsed.ids, parsed.offsets)
+                if tid in self.special_ids and not any(a < end and start < b for start, end in literal)]
+        whole = self._literal().encode(text, add_special_tokens=False)
+        pieces = list(zip(whole.ids, whole.offsets))
+        ids: list[int] = []
+        i, pos = 0, 0
+        for tid, a, b in [*kept, (None, len(text), len(text))]:
+            crossed = False
+            while i < len(pieces) and pieces[i][1][0] < pos:  # tokens of the special token before this stretch
+                crossed = crossed or pieces[i][1][1] > pos
+                i += 1
+            region = []
+            while i < len(pieces) and pieces[i][1][0] < a:
+                crossed = crossed or pieces[i][1][1] > a
+                region.append(pieces[i][0])
+                i += 1
+            if crossed:
+                region = self._literal().encode(text[pos:a], add_special_tokens=False).ids
+            ids += region
+            if tid is not None:
+                ids.append(tid)
+            pos = b
+        return ids
 
     def _compiled(self) -> Any:
         if self._compiled_template is None:
@@ -376,5 +485,5 @@ class IncrementalDetokenizer:
         return delta
 
 
-__all__ = ["CHAT_TEMPLATE_FILE", "ChatMessage", "IncrementalDetokenizer", "Tokenizer", "chat_messages", "is_chat",
-           "single_turn"]
+__all__ = ["CHAT_TEMPLATE_FILE", "ChatMessage", "IncrementalDetokenizer", "Tokenizer", "chat_messages",
+           "check_unicode", "is_chat", "single_turn"]

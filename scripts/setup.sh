@@ -26,6 +26,10 @@ rm -rf spectree.egg-info
 .venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
 .venv/bin/python -m pip install -q "tritonclient[http]==2.51.0" "grpcio>=1.64.3" "packaging>=14.1" protobuf
 .venv/bin/spectree-run --help >/dev/null  # the console scripts are installed and import
+# genai-perf starts perf_analyzer by name, and the tritonclient wheel's perf_analyzer lacks libb64 / libcudart here:
+# the genai-perf command becomes a wrapper that provides both (perf/genai.py install_entry_point), so
+# .venv/bin/genai-perf runs as installed, without activating the venv or installing system packages.
+.venv/bin/python -c 'from perf.genai import install_entry_point as i; print(f"genai-perf: {i()}")'
 # Which row of the README's CPU support table this machine is (plugins/cpu.py: AMX / AVX-512 + BF16 / AVX-512 / AVX2),
 # the dtype `auto` picks here, and the native CPU kernels (attention, RMSNorm / RoPE, the EAGLE draft layer) built
 # now for it, so that a missing or failing C compiler shows here rather than when a model first loads.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from deploy.k8s import (
     write_k8s,
 )
 from deploy.server import (
+    ADMIN_TOKEN_MARK,
     Installation,
     ServerConfig,
     ServerError,
@@ -28,6 +30,8 @@ from deploy.server import (
     find_installation,
     free_ports,
     port_is_free,
+    secret_environment,
+    secret_preload,
     server_environment,
 )
 from runtime.errors import ConfigError
@@ -88,6 +92,7 @@ def test_docker_and_compose(tmp_path):
         assert (Path(__file__).parent.parent / pkg).is_dir()  # what the Dockerfile copies exists
     cmd = next(line for line in lines if line.startswith("CMD "))
     assert cmd == "CMD " + __import__("json").dumps(container_command(cfg))
+    assert any('".[kernels,serve]"' in line for line in lines if line.startswith("RUN "))  # deploy serve's HTTP front
 
     compose = yaml.safe_load(compose_file.read_text())
     svc = compose["services"]["spectree"]
@@ -166,16 +171,36 @@ def test_server_restricts_the_admin_apis(tmp_path):
 
     on_path = Installation(binary=Path("/opt/tritonserver/bin/tritonserver"), backend_source=None, stub=None)
     token = "t" * 20
-    cmd = command(ServerConfig(repo=str(tmp_path), admin_token=token), on_path, None)
-    group = f"shared-memory,model-repository,trace,logging:{ADMIN_HEADER}={token}"
-    assert f"--http-restricted-api={group}" in cmd and f"--grpc-restricted-protocol={group}" in cmd
+    config = ServerConfig(repo=str(tmp_path), admin_token=token)
+    for cmd, value in ((command(config, on_path, None), ADMIN_TOKEN_MARK), (command(config, on_path, None, token),
+                                                                            token)):
+        group = f"shared-memory,model-repository,trace,logging:{ADMIN_HEADER}={value}"
+        assert f"--http-restricted-api={group}" in cmd and f"--grpc-restricted-protocol={group}" in cmd
+    assert token not in " ".join(command(config, on_path, None))  # by default the mark stands in for it
     assert set(RESTRICTED_APIS).isdisjoint({"inference", "health", "metadata", "model-config", "statistics"})
-    # No token configured: a fresh random one each start, so the restricted APIs are unreachable.
-    first, second = (command(ServerConfig(repo=str(tmp_path)), on_path, None) for _ in range(2))
-    restricted = [[a for a in c if a.startswith("--http-restricted-api=")] for c in (first, second)]
-    assert len(restricted[0]) == 1 and restricted[0] != restricted[1]
     with pytest.raises(ConfigError, match="admin_token: expected at least 16"):
         ServerConfig(repo=str(tmp_path), admin_token="short")
+
+
+def test_the_admin_token_reaches_the_program_but_never_its_command_line(tmp_path):
+    """deploy/argv_secret.c, preloaded as tritonserver is: the program's own argv holds the token where the command
+    line holds the mark, /proc/PID/cmdline (what ps shows every local user) only the mark, and neither the token nor
+    the preload is passed on to the program's children. The program here is Python, whose sys.argv is main()'s."""
+    preload = secret_preload()
+    token = "secret-admin-token-0123456789"
+    probe = ("import os, subprocess, sys; print(sys.argv[1]); print(open('/proc/self/cmdline', 'rb').read()); "
+             "print(subprocess.run(['env'], capture_output=True, text=True).stdout)")
+    env = secret_environment({"PATH": os.environ["PATH"], "LD_PRELOAD": "/nonexistent-other.so"}, token, preload)
+    r = subprocess.run([sys.executable, "-c", probe, f"--x=a:{ADMIN_TOKEN_MARK}"], capture_output=True, text=True,
+                       env=env, timeout=60, check=True)
+    argv, cmdline, child_env = r.stdout.split("\n", 2)
+    assert argv == f"--x=a:{token}"
+    assert ADMIN_TOKEN_MARK in cmdline and token not in cmdline
+    assert token not in child_env and "SPECTREE_SECRET" not in child_env and str(preload) not in child_env
+    assert "LD_PRELOAD=/nonexistent-other.so" in child_env  # someone else's preload stays
+    without = subprocess.run([sys.executable, "-c", "import sys; print(sys.argv[1])", f"--x={ADMIN_TOKEN_MARK}"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    assert without.stdout.strip() == f"--x={ADMIN_TOKEN_MARK}"  # negative control: nothing replaces it unpreloaded
 
 
 def test_server_environment_for_the_wheel():
@@ -233,3 +258,31 @@ def test_serve_cli_reports_a_server_that_fails_to_start(tmp_path, capsys):
     assert code == 1 and "before it was ready" in err and "no_such_backend" in err
     for port in (http, grpc, metrics):
         assert port_is_free(port)
+
+
+def test_stop_kills_a_server_whose_models_never_unload_after_the_drain(tmp_path):
+    """TritonServer.stop: once the server's log says every inference has finished and the models are unloading, a
+    server still up UNLOAD_GRACE_S later (tritonserver 2.51 never unloads a model that leaked a cancelled gRPC
+    stream's request) is killed then, not after the whole exit timeout; a server that exits on its own keeps its
+    status. The server is a shell script standing in for tritonserver's shutdown."""
+    import time
+
+    from deploy.server import DRAINED_LOG_LINE, UNLOAD_GRACE_S
+
+    def fake(after_term: str) -> TritonServer:
+        log = tmp_path / f"{len(list(tmp_path.iterdir()))}.log"
+        log.write_text(f"an earlier run's {DRAINED_LOG_LINE}\n")  # --log-file appends: only this run's lines count
+        server = TritonServer(ServerConfig(repo=str(tmp_path), exit_timeout_s=30), log_path=log)
+        server._log_start = log.stat().st_size
+        script = f"trap '{after_term}' TERM; echo started >> {log}; while true; do sleep 0.05; done"
+        server.process = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+        while "started" not in log.read_text():
+            time.sleep(0.05)
+        return server
+
+    stuck = fake(f'echo "{DRAINED_LOG_LINE}" >> {tmp_path}/0.log; sleep 60')
+    t0 = time.monotonic()
+    code = stuck.stop()
+    assert stuck.killed_after_drain and UNLOAD_GRACE_S <= time.monotonic() - t0 < UNLOAD_GRACE_S + 5, code
+    clean = fake("exit 0")
+    assert clean.stop() == 0 and not clean.killed_after_drain

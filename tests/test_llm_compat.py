@@ -148,8 +148,9 @@ def test_bad_words_never_appear_in_the_output(decoder):
     i = next(i for i in range(1, len(free) - 1)
              if tuple(tok.encode(tok.decode(free[i:i + 2]), add_bos=False, parse_special=False)) == free[i:i + 2])
     seq = free[i:i + 2]
+    greedy_to_the_end = s(json.dumps({"ignore_eos": True, "temperature": 0}))
     r = parse_generate_request(req(bad_words=s(tok.decode(seq)), max_tokens=np.array([12], np.int32),
-                                   sampling_parameters=s(json.dumps({"ignore_eos": True}))), LIMITS, tok)
+                                   sampling_parameters=greedy_to_the_end), LIMITS, tok)
     assert r.params.bad_words == (seq,)
     out = decoder.generate("The quick brown fox", r.params).token_ids
     assert all(tuple(out[k:k + 2]) != seq for k in range(len(out)))
@@ -252,7 +253,7 @@ def test_speculation_and_latency_metrics(decoder):
     metrics.limits(SchedulerConfig(max_concurrent_requests=2, max_queue_size=3, kv_budget_bytes=1000))
     metrics.state(1, 2, 250)
     r = parse_generate_request(req(stream=np.array([True]), max_tokens=np.array([20], np.int32),
-                                   sampling_parameters=s(json.dumps({"ignore_eos": True}))), LIMITS)
+                                   sampling_parameters=s(json.dumps({"ignore_eos": True, "temperature": 0}))), LIMITS)
     sink = ListSink()
     final = run_generation(decoder, r, sink)
     metrics.finished(None, final, r.timing)

@@ -89,6 +89,25 @@ def test_bad_requests_are_refused_in_openai_shape(make, body, status, message):
     assert err.value.body()["error"]["message"] == str(err.value)
 
 
+@pytest.mark.parametrize("make, body, message", [
+    (completion_call, {"model": "tiny", "prompt": "a\ud800"}, "prompt: '\\ud800' at character 1 is a lone surrogate"),
+    (completion_call, {"model": "tiny", "prompt": "a", "stop": ["x", "\udfff"]}, "stop[1]: '\\udfff' at character 0"),
+    (chat_call, {"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}]},
+     "messages[0].content: '\\ud800' at character 0 is a lone surrogate"),
+    (chat_call, {"model": "tiny", "messages": [{"role": "us\ud800er", "content": "x"}]}, "messages[0].role: "),
+    (chat_call, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[0].text: "),
+    (completion_call, {"model": "tiny", "prompt": "a", "\ud800": 1}, "a field name: '\\ud800'"),
+])
+def test_lone_surrogates_are_refused_naming_the_field(make, body, message):
+    """JSON can escape half a UTF-16 pair ("\\ud800"); no UTF-8 text holds one, so it is a 400 naming where it is,
+    before anything encodes it (it used to be a 500 with a UnicodeEncodeError traceback)."""
+    with pytest.raises(APIError) as err:
+        make(json.loads(json.dumps(body)), SERVED)
+    assert err.value.status == 400 and message in str(err.value), str(err.value)
+    assert "expected valid Unicode text" in str(err.value)
+
+
 def test_sampling_errors_are_sampling_params_errors_named_by_the_request_field():
     from runtime.errors import RequestError
     from runtime.sampling import SamplingParams

@@ -4,14 +4,18 @@ and the OpenAI API: tests/test_openai_api.py::test_genai_perf_against_both_endpo
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from perf.genai import (
+    WRAPPER_MARK,
     GenaiPerfConfig,
     GenaiPerfFailed,
     command,
+    entry_point_wrapper,
     counter_sums,
     endpoints,
     level_report,
@@ -103,3 +107,30 @@ def test_genai_perf_export_is_read_and_written_as_markdown():
               "num_prompts": 8, "created": "now", "endpoints": {"triton": [lv]}}
     md = markdown(report)
     assert "| 2 | 4.70 | 300.0 | 20.0 / 20.0 / 22.0 / 24.0 |" in md and "| 0.500 | 1.70 |" in md
+
+
+def test_the_genai_perf_wrapper_reaches_perf_analyzer(tmp_path):
+    """genai-perf starts `perf_analyzer` by name; installed, neither is on a bare PATH, and the wheel's binary lacks
+    two libraries here. The wrapper scripts/setup.sh installs as the genai-perf command gives it both: its
+    environment lines, run in a bare environment, start perf_analyzer (negative control: a bare shell cannot)."""
+    from perf.analyzer import PerfAnalyzerMissing, locate
+
+    try:
+        pa = locate()
+    except PerfAnalyzerMissing as exc:
+        pytest.skip(f"no runnable perf_analyzer here: {exc}")
+    script = entry_point_wrapper(Path(sys.executable), "genai_perf.main:main", pa.binary.parent, pa.lib_dir)
+    assert script.startswith("#!/bin/sh\n") and WRAPPER_MARK in script and "from genai_perf.main import main" in script
+    probe = tmp_path / "probe.sh"
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    probe.write_text(script.rsplit("\nexec ", 1)[0] + "\nexec perf_analyzer --version\n")
+    run = subprocess.run(["sh", str(probe)], capture_output=True, text=True, env=bare, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    bare_run = subprocess.run(["sh", "-c", "exec perf_analyzer --version"], capture_output=True, text=True, env=bare,
+                              timeout=60, check=False)
+    assert bare_run.returncode != 0
+    installed = Path(sys.executable).parent / "genai-perf"
+    if installed.is_file() and WRAPPER_MARK in installed.read_text(errors="replace"):  # scripts/setup.sh has run
+        help_run = subprocess.run([str(installed), "--help"], capture_output=True, text=True, env=bare, timeout=120,
+                                  check=False)
+        assert help_run.returncode == 0 and "profile" in help_run.stdout, help_run.stderr

@@ -220,7 +220,7 @@ def test_input_data_follows_the_llm_conventions():
     prompts = [Prompt("code", "a", "def f():"), Prompt("prose", "b", "Once")]
     data = input_data(prompts, 32, ignore_eos=True)
     assert data["data"][0] == {"text_input": ["def f():"], "max_tokens": [32], "stream": [True],
-                               "sampling_parameters": ['{"ignore_eos": true}']}
+                               "sampling_parameters": ['{"ignore_eos": true, "temperature": 0}']}
     assert "sampling_parameters" not in input_data(prompts, 32, ignore_eos=False)["data"][1]
 
 

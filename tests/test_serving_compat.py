@@ -267,6 +267,18 @@ def test_vllm_sample_client_greedy_equals_offline(served):
     assert not errors and [out[str(i)] for i in range(3)] == [p + r.text for p, r in zip(prompts, refs)]
 
 
+def test_vllm_readme_curl_and_vllms_defaults(served):
+    """vllm_backend's README request: the sampling settings as request parameters, no max_tokens (vLLM's default,
+    16 tokens); and its sample client's sampling_parameters without a temperature sample at vLLM's 1.0."""
+    prompt = PROMPTS[0]
+    code, body = post(f"{served.http}/v2/models/spec_decode/generate",
+                      {"text_input": prompt, "parameters": {"stream": False, "temperature": 0}})
+    assert code == 200, body
+    assert json.loads(body)["text_output"] == prompt + offline(served, prompt, max_tokens=16).text
+    out, errors = vllm_run(served.grpc, "spec_decode", [prompt], {"seed": "5", "max_tokens": "12"}, False, True)
+    assert not errors and out["0"] == offline(served, prompt, max_tokens=12, temperature=1.0, seed=5).text
+
+
 # ---- metrics users' dashboards know ------------------------------------------------------------------------
 
 
