@@ -81,7 +81,7 @@ QUEUE_CAPACITY = MetricSpec("spectree_queue_slots", "gauge", "Requests allowed t
                             ("model", "instance"))
 FREE_SLOTS = MetricSpec("spectree_free_request_slots", "gauge",
                         "Requests this instance can still take before it refuses new ones as overloaded (spec_decode: "
-                        "max_batch_size + max_queue_size - running - queued; ensemble: max_in_flight - in flight)",
+                        "max_concurrent_requests + max_queue_size - running - queued; ensemble: max_in_flight - in flight)",
                         ("model", "instance"))
 KV_RESERVED = MetricSpec("spectree_kv_reserved_bytes", "gauge",
                          "KV cache reserved by the running generations (prompt + max_tokens + one tree each)",
@@ -133,7 +133,7 @@ class SpecMetrics:
     instance: str  # Triton's model instance name (gauges are per instance; counters add up across instances)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _kv_budget: int = 0
-    _room: int = 0  # max_batch_size + max_queue_size
+    _room: int = 0  # max_concurrent_requests + max_queue_size
 
     def limits(self, config: SchedulerConfig) -> None:
         labels = {"model": self.model, "instance": self.instance}
@@ -141,7 +141,7 @@ class SpecMetrics:
         self.backend.set(QUEUE_CAPACITY, labels, config.max_queue_size)
         self.backend.set(KV_BUDGET, labels, config.kv_budget_bytes)
         self._kv_budget = config.kv_budget_bytes
-        self._room = config.max_batch_size + config.max_queue_size
+        self._room = config.max_concurrent_requests + config.max_queue_size
         self.state(0, 0, 0)
 
     def state(self, running: int, queued: int, kv_reserved: int) -> None:
