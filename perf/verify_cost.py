@@ -7,8 +7,7 @@ directly, for each dtype asked for, with two masks over the N new tokens:
     chain   a causal chain (`runtime.model.causal_mask(N)`), positions context + 0..N-1
     tree    a random tree of N nodes (`plugins.tree_attention.mask.random_parents`, `ancestor_mask`, packed),
             positions context + depth; the same tree for every dtype
-A dtype is a name `runtime.config.choose_dtype` takes (`auto` is reported as what it chose); `DTYPE+torch` runs
-the same model with torch's matmul in place of the weight-streaming kernel (plugins/matmul), side by side with it.
+A dtype is a name `runtime.config.choose_dtype` takes (`auto` is reported as what it chose).
 Each dtype's target is loaded once (`TargetModel.from_pretrained(dir, dtype=...)`) and `context` random tokens
 are prefilled into its cache. A timing is one `model.forward(tokens [1, N], positions, cache, mask)`: it writes
 the N tokens' K/V at [length, length + N) without committing them, so the cache does not advance and every call
@@ -22,8 +21,6 @@ verify_cost.md and verify_cost.png.
 
 from __future__ import annotations
 
-import contextlib
-
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,15 +33,12 @@ import torch
 from perf import stats
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from runtime import schema
-from plugins.matmul import native as stream_matmul
 from runtime.config import DTYPE_CHOICES
 from runtime.errors import ConfigError
 from runtime.files import shown_path
 from runtime.schema import setting
 
-# "+torch": the same dtype with torch's matmul instead of the weight-streaming kernel (plugins/matmul), side by side
-TORCH_MATMUL = "+torch"
-DTYPES = DTYPE_CHOICES + tuple(d + TORCH_MATMUL for d in DTYPE_CHOICES)
+DTYPES = DTYPE_CHOICES
 MASKS = ("chain", "tree")
 REPORT_FORMAT = "spectree-verify-cost"
 REPORT_VERSION = 1
@@ -200,7 +194,7 @@ def summarize(samples: Mapping[Case, Sequence[float]]) -> list[dict[str, Any]]:
 # time is attention too: the row-invariant CPU kernel runs inside it (a ctypes call, no profiled child op); on the SDPA
 # route it is the op's input checks and mask.
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
-              "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise", stream_matmul.PROFILED_NAME)
+              "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_cudnn_attention", "spectree::tree_attention")
@@ -256,14 +250,11 @@ def run_verify_cost(config: VerifyCostConfig,
     device = torch.device(config.device)
     path = checkpoint_path(config)
     with torch_threads(config.resolved_threads()):
-        # label (the dtype that runs, + TORCH_MATMUL where torch's matmul replaces the kernel) -> model; a dtype's
-        # model is loaded once and shared by its labels
-        loaded, models = {}, {}
+        # the dtype that runs (`auto` as what it chose) -> model; a dtype asked for twice is measured once
+        models = {}
         for d in config.dtypes:
-            asked, torch_matmul = d.removesuffix(TORCH_MATMUL), d.endswith(TORCH_MATMUL)
-            model = TargetModel.from_pretrained(path, dtype=asked, device=device)
-            model = loaded.setdefault(model.config.dtype, model)
-            models.setdefault(model.config.dtype + (TORCH_MATMUL if torch_matmul else ""), model)
+            model = TargetModel.from_pretrained(path, dtype=d, device=device)
+            models.setdefault(model.config.dtype, model)
         labels = list(models)
         c = next(iter(models.values())).config
         need = config.context + max(config.sizes)
@@ -279,16 +270,13 @@ def run_verify_cost(config: VerifyCostConfig,
         for d, model in models.items():
             caches[d] = model.new_cache(need)
             model.prefill(prefix.to(device), caches[d])
-        torch_matmul = {d: stream_matmul.disabled if d.endswith(TORCH_MATMUL) else contextlib.nullcontext
-                        for d in labels}
         for key, inp in inputs.items():
             on_device[key] = (inp.tokens.to(device), inp.positions.to(device), inp.mask.to(device))
         sync = _sync(device)
 
         def call(case: Case) -> None:
             tokens, positions, mask = on_device[(case.mask, case.size)]
-            with torch_matmul[case.dtype]():
-                models[case.dtype].forward(tokens, positions, caches[case.dtype], mask)
+            models[case.dtype].forward(tokens, positions, caches[case.dtype], mask)
             sync()
 
         cases = [Case(d, m, n) for d in labels for m in MASKS for n in sorted(config.sizes)]

@@ -33,7 +33,6 @@ from torch import nn
 
 import plugins.tree_attention.op  # noqa: F401  (registers torch.ops.spectree.tree_attention)
 from plugins import cpu
-from plugins.matmul import native as stream_matmul
 from plugins.rowwise import native as rowwise
 from plugins.tree_attention import native as native_attention
 from plugins.tree_attention.mask import mask_words, pack_mask
@@ -476,9 +475,7 @@ def linear(
     if torch.compiler.is_compiling():
         return F.linear(x, plain, bias)
     if not batch_invariant(plain.dtype, plain.device):
-        # float32 on CPU: the weight-streaming kernel, row-invariant by construction (plugins/matmul/native.py)
-        out = None if isinstance(weight, PackedWeight) else stream_matmul.linear(x, plain, bias)
-        return _matmul(x, weight, bias) if out is None else out
+        return _matmul(x, weight, bias)
     if pads_rows(plain.device):
         return _padded_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
@@ -768,8 +765,6 @@ class TargetModel(nn.Module):
         if rowwise.covers(self.dtype, self.device):
             # built (or read from the cache) now rather than inside the first request; None: torch's ops run
             rowwise.load()
-        if stream_matmul.covers(self.lm_head_weight):
-            stream_matmul.load()
 
     def pack_weights(self) -> None:
         """Keep oneDNN-packed copies of every weight the forward multiplies by (`PackedWeight`: faster matmuls, the

@@ -167,17 +167,16 @@ def test_cuda_device_without_cuda_names_the_setting(ckpt, tmp_path, capsys):
     assert "device: got 'cuda', but torch sees no CUDA device here" in capsys.readouterr().err
 
 
-def test_auto_and_the_torch_matmul_are_measured_side_by_side(ckpt, tmp_path):
-    """`auto` is reported as the dtype it chose (once, where it chose one already asked for), `float32+torch` runs
-    the same model with torch's matmul instead of the streaming kernel."""
+def test_auto_is_measured_as_the_dtype_it_chose(ckpt, tmp_path):
+    """`auto` is reported as the dtype it chose, once where it chose one already asked for."""
     from plugins import cpu
 
     out = tmp_path / "out"
-    code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "float32,float32+torch,auto", "--sizes",
+    code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "float32,auto", "--sizes",
                  "1,2", "--context", "8", "--repeats", "1", "--warmup", "0", "--threads", "1", "--out", str(out),
                  "--quiet"])
     assert code == 0
     report = json.loads((out / "verify_cost.json").read_text())
     auto = "bfloat16" if cpu.features().native_bf16 else "float32"
     ran = [r["dtype"] for r in report["results"] if r["mask"] == "chain" and r["size"] == 1]
-    assert sorted(ran) == sorted({"float32", "float32+torch", auto})
+    assert sorted(ran) == sorted({"float32", auto})

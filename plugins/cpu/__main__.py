@@ -26,14 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.build:  # the kernels only now: --env runs before torch should load
         from plugins import native_build
         from plugins.draft_layer import native as draft_layer
-        from plugins.matmul import native as matmul
         from plugins.rowwise import native as rowwise
         from plugins.tree_attention import native as attention
 
         for name, module, fallback in (
             ("attention kernel", attention, "bf16 models on CPU attend in float64 (slower)"),
             ("RMSNorm / RoPE kernel", rowwise, "torch's ops run instead (slower)"),
-            ("float32 matmul kernel", matmul, "float32 linears run through torch (slower, not row-invariant)"),
             ("draft layer kernel", draft_layer, "int8 EAGLE heads draft through torch (slower)"),
         ):
             lib = module.load()

@@ -1,1 +1,0 @@
-"""The weight-streaming CPU matmul (stream.c, native.py)."""
