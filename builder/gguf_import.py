@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.config import RopeScaling
+from runtime.config import DTYPES, RopeScaling
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import remove_stale_work_dirs, work_dir
 from runtime.rope import inverse_frequencies
@@ -45,7 +45,6 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The most bytes of tensors one safetensors file holds. A file's tensors are in memory together while it is written
 # (twice, as safetensors serialises them), so this bounds the import's memory whatever the model's size.
 MAX_SHARD_BYTES = 2 * 1024**3
