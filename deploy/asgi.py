@@ -6,9 +6,11 @@ non-streaming request cancels its generation as a dropped stream does."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 from runtime.errors import ConfigError, SpectreeError
@@ -46,6 +48,22 @@ async def unless_disconnected(request: Any, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientGone("the client disconnected")
     return task.result()
+
+
+def grpc_client_lifespan(url: str, state: dict[str, Any]) -> Callable[[Any], AbstractAsyncContextManager[None]]:
+    """An ASGI lifespan that opens one tritonclient.aio gRPC client to `url` as `state["client"]` for the app's life
+    and closes it after."""
+    import tritonclient.grpc.aio as grpcclient
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        state["client"] = grpcclient.InferenceServerClient(url=url)
+        try:
+            yield
+        finally:
+            await state["client"].close()
+
+    return lifespan
 
 
 class AppServer:

@@ -285,28 +285,20 @@ class HttpFront:
 
 def create_app(front: HttpFront) -> Any:
     """The Starlette app (one gRPC channel to tritonserver, opened at startup)."""
-    import contextlib
     import http.client
 
-    import tritonclient.grpc.aio as grpcclient
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    from deploy.asgi import ClientGone, unless_disconnected
+    from deploy.asgi import ClientGone, grpc_client_lifespan, unless_disconnected
 
     config = front.config
     state: dict[str, Any] = {}
     specs: dict[str, ModelSpec] = {}
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        state["client"] = grpcclient.InferenceServerClient(url=config.grpc_url)
-        try:
-            yield
-        finally:
-            await state["client"].close()
+    lifespan = grpc_client_lifespan(config.grpc_url, state)
 
     def error(message: str, status: int) -> Response:
         return Response(error_json(message), status_code=status, media_type="application/json")

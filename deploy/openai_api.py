@@ -512,27 +512,18 @@ def _sse(obj: Any) -> bytes:
 
 def create_app(config: OpenAIConfig, served: ServedModel) -> Any:
     """The Starlette app: one shared gRPC channel to tritonserver, opened at startup."""
-    import contextlib
-
-    import tritonclient.grpc.aio as grpcclient
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    from deploy.asgi import ClientGone, unless_disconnected
+    from deploy.asgi import ClientGone, grpc_client_lifespan, unless_disconnected
 
     import runtime.sampling  # noqa: F401  (requests are checked by SamplingParams: torch loads now, not on the first)
 
     state: dict[str, Any] = {}
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        state["client"] = grpcclient.InferenceServerClient(url=config.grpc_url)
-        try:
-            yield
-        finally:
-            await state["client"].close()
+    lifespan = grpc_client_lifespan(config.grpc_url, state)
 
     def error_response(exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
