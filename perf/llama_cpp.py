@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 from runtime import schema
 from runtime.errors import ConfigError, SpectreeError
-from runtime.files import shown_path
+from runtime.files import read_json_object, shown_path
 from runtime.schema import setting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,8 +198,8 @@ def gguf_for(precision: str, source: Path, binaries: Binaries, cache_dir: Path,
     digest = _sha256(source)
     if out.is_file() and meta.is_file():
         try:
-            recorded = json.loads(meta.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
+            recorded = read_json_object(meta, LlamaCppConfigError)
+        except LlamaCppConfigError:  # unreadable: made again below
             recorded = {}
         if recorded.get("source_sha256") == digest and recorded.get("bytes") == out.stat().st_size:
             return out

@@ -5,6 +5,7 @@
     perf/results/<kind>/      its record: bench.json (`python -m perf bench`) with bench.md and the speedup plot, or
                               gpu_check.json (`python -m perf gpu-check`) with its .md / .png, and a sub-run of it
                               (e.g. float32/gpu_check.json, the e2e section in another dtype)
+    perf/results/serving-*/   serving records (`python -m perf.soak`): not table rows; docs/serving.md reads them
 
 The JSON files are the records; the README table between START and END is generated from them (`table`,
 `update_readme`; `check_readme` says whether it is current), and `record` makes a run directory a kind's record.
@@ -26,6 +27,7 @@ from runtime.files import read_json_object, shown_path, work_dir
 
 PERF_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = PERF_DIR / "results"
+SERVING_PREFIX = "serving-"  # perf/results/serving-*/: serving records beside the kinds' (not table rows)
 README = PERF_DIR.parent / "README.md"
 INDEX_FILE = "index.json"
 INDEX_FORMAT = "spectree-results-index"
@@ -332,5 +334,5 @@ def summary(results: Path = RESULTS_DIR) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["END", "INDEX_FILE", "START", "Index", "Kind", "Row", "check_readme", "load_index", "readme_table",
+__all__ = ["END", "INDEX_FILE", "SERVING_PREFIX", "START", "Index", "Kind", "Row", "check_readme", "load_index", "readme_table",
            "record", "record_file", "record_rows", "summary", "table", "update_readme", "write_index"]
