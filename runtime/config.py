@@ -157,20 +157,13 @@ class DtypeChoice:
     dtype: str  # a key of DTYPES
     requested: str | None  # a DTYPE_CHOICES name; None: the checkpoint's own
     reason: str  # one line
-
-    @property
-    def demoted(self) -> bool:
-        """A default (the checkpoint's bfloat16) that this CPU runs as float32 instead."""
-        return self.requested is None and self.reason.startswith(_DEMOTED)
+    demoted: bool = False  # a default (the checkpoint's bfloat16) that this CPU runs as float32 instead
 
     def warn_if_demoted(self, source: str) -> None:
         """One line (a RuntimeWarning) where a default dtype was demoted: the user should know why it is float32."""
         if self.demoted:
             warnings.warn(f"{source}: {self.reason} (dtype 'auto' chooses so without this warning)", RuntimeWarning,
                           stacklevel=3)
-
-
-_DEMOTED = "the checkpoint's bfloat16 runs as float32"
 
 
 def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
@@ -193,9 +186,8 @@ def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
     stored = dtype_name(stored)
     if requested == AUTO:
         if on_cpu:
-            if features.native_bf16:
-                return DtypeChoice("bfloat16", AUTO, f"auto: {features.row} multiplies bf16 natively")
-            return DtypeChoice("float32", AUTO, f"auto: {features.missing_bf16()}")
+            why = f"{features.row} multiplies bf16 natively" if features.native_bf16 else features.missing_bf16()
+            return DtypeChoice(features.auto_dtype, AUTO, f"auto: {why}")
         if device.type == "cuda":
             if torch.cuda.is_bf16_supported():
                 return DtypeChoice("bfloat16", AUTO, "auto: the GPU has bf16")
@@ -203,7 +195,8 @@ def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
         return DtypeChoice("float32", AUTO, f"auto: float32 on {device.type}")
     if requested is None:
         if runs_here and on_cpu and stored == "bfloat16" and not features.native_bf16:
-            return DtypeChoice("float32", None, f"{_DEMOTED}: {features.missing_bf16()}")
+            return DtypeChoice("float32", None, f"the checkpoint's bfloat16 runs as float32: {features.missing_bf16()}",
+                               demoted=True)
         return DtypeChoice(stored, None, "the checkpoint's dtype")
     name = dtype_name(requested)
     if runs_here and on_cpu and name == "bfloat16" and not features.native_bf16:

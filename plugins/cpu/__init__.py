@@ -77,6 +77,11 @@ class CpuFeatures:
         return self.has("avx512_bf16") or self.has("amx_bf16")
 
     @property
+    def auto_dtype(self) -> str:
+        """What `dtype: auto` runs on this CPU (runtime/config.py `choose_dtype`): bfloat16 only where it is native."""
+        return "bfloat16" if self.native_bf16 else "float32"
+
+    @property
     def onednn_bf16(self) -> bool:
         """What torch's oneDNN asks of a CPU before it takes bf16 weights."""
         return self.avx512 or self.has("avx_ne_convert")
@@ -99,16 +104,17 @@ class CpuFeatures:
             return "AVX2"
         return "x86-64 (no AVX2)" if self.machine in ("x86_64", "AMD64") else self.machine
 
+    @property
+    def _forced(self) -> str:
+        return f", forced by {self.why_forced}" if self.forced else ""
+
     def missing_bf16(self) -> str:
         """Why bfloat16 is not native here, in one line."""
-        why = f", forced by {self.why_forced}" if self.forced else ""
-        return f"this CPU ({self.row}{why}) has neither AVX512_BF16 nor AMX-BF16"
+        return f"this CPU ({self.row}{self._forced}) has neither AVX512_BF16 nor AMX-BF16"
 
     def describe(self) -> str:
         """One line: the row, what forced it, the dtype `auto` picks and the kernels' target."""
-        forced = f", forced by {self.why_forced}" if self.forced else ""
-        dtype = "bfloat16" if self.native_bf16 else "float32"
-        return (f"CPU: {self.row}{forced}; dtype auto -> {dtype}"
+        return (f"CPU: {self.row}{self._forced}; dtype auto -> {self.auto_dtype}"
                 f"{'' if self.native_bf16 else ' (no AVX512_BF16 / AMX-BF16)'}; C kernels -march={self.march}")
 
 
