@@ -194,6 +194,17 @@ def check_equal(events: list, ref) -> None:
     assert last.tau == pytest.approx(ref.stats.tau)
 
 
+def assert_nothing_left(pids: Sequence[int], ports: Sequence[int], regions: Sequence[str]) -> None:
+    """After a server stopped: none of its processes alive, none of its ports bound, none of its stubs' shared
+    memory regions left."""
+    for pid in pids:
+        assert not pid_alive(pid), f"process {pid} outlived the server"
+    for port in ports:
+        assert port_is_free(port), f"port {port} still bound"
+    for region in regions:
+        assert not Path("/dev/shm", region).exists(), f"shared memory {region} left behind"
+
+
 def is_ready(served: Served) -> bool:
     try:
         with urllib.request.urlopen(f"{served.http}/v2/health/ready", timeout=5) as r:
@@ -595,9 +606,4 @@ def test_shutdown_is_clean(served):
     out = "".join(served.output)
     assert "shutting down (SIGTERM)" in out
     assert re.search(r"stopped \((tritonserver exit status 0|every request finished; tritonserver 2\.51)", out), out
-    for pid in [served.server_pid, *served.stub_pids]:
-        assert not pid_alive(pid), f"process {pid} outlived the server"
-    for port in served.ports:
-        assert port_is_free(port), f"port {port} still bound"
-    for region in regions:
-        assert not Path("/dev/shm", region).exists(), f"shared memory {region} left behind"
+    assert_nothing_left([served.server_pid, *served.stub_pids], served.ports, regions)

@@ -32,6 +32,7 @@ from tests.test_serving import (  # the server helpers (this module is skipped w
     MAX_CONTEXT,
     PROMPTS,
     _build_engine,
+    assert_nothing_left,
     check_equal,
     is_ready,
     offline,
@@ -42,7 +43,7 @@ from tests.test_serving import (  # the server helpers (this module is skipped w
     stream,
 )
 from deploy.client import ClientError, build_inputs, generate_stream
-from deploy.server import child_pids, free_ports, pid_alive, port_is_free, python_stubs
+from deploy.server import child_pids, free_ports, python_stubs
 
 SLOTS, QUEUE = 2, 2
 CONTEXT = 8192
@@ -461,12 +462,7 @@ def test_sigterm_after_disconnects_is_prompt_and_clean(faulty):
     assert re.search(r"stopped \((tritonserver exit status 0|every request finished; tritonserver 2\.51 kept a model "
                      r"loaded)", "".join(faulty.output)), faulty.output
     assert not board.exists(), f"{board} left behind"
-    for pid in [faulty.server_pid, *faulty.stub_pids]:
-        assert not pid_alive(pid), f"process {pid} outlived the server"
-    for port in faulty.ports:
-        assert port_is_free(port), f"port {port} still bound"
-    for region in regions:
-        assert not Path("/dev/shm", region).exists(), f"shared memory {region} left behind"
+    assert_nothing_left([faulty.server_pid, *faulty.stub_pids], faulty.ports, regions)
 
 
 # ---- a killed generation process ---------------------------------------------------------------------------------
@@ -551,12 +547,7 @@ def test_a_killed_generation_process_takes_the_server_down_fast(doomed):
     assert time.monotonic() - killed_at < 15
     out = "".join(doomed.output)
     assert "spec_decode_0_0" in out and "died" in out and "exit status 3" in out, out
-    for pid in [doomed.server_pid, *stubs]:
-        assert not pid_alive(pid), f"process {pid} outlived the server"
-    for port in doomed.ports:
-        assert port_is_free(port), f"port {port} still bound"
-    for region in regions:
-        assert not Path("/dev/shm", region).exists(), f"shared memory {region} left behind"
+    assert_nothing_left([doomed.server_pid, *stubs], doomed.ports, regions)
     assert not (Path(tempfile.gettempdir()) / f"spectree-cancel-{os.getuid()}-{doomed.server_pid}").exists()
 
 
