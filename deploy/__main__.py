@@ -5,10 +5,11 @@
             down cleanly on SIGINT / SIGTERM (exit status 0 after a clean shutdown). --http-port is served by the
             HTTP front (deploy/http_front.py: generate requests validated, and cancelled when their client
             leaves; tritonserver's own HTTP endpoint behind it on a loopback port; --no-http-front: tritonserver's
-            own). It watches the server: when tritonserver exits, or a model's python backend process dies
-            (tritonserver 2.51 would keep reporting that model ready while its requests hang), it says so, answers
-            503 on readiness at once, stops everything within a second (every open stream ends with an error) and
-            exits with status 3, for a supervisor (Kubernetes, systemd, compose) to restart it. The shared-memory,
+            own). It watches the server: when tritonserver exits or crashes (its log's "Signal (N) received."
+            and backtrace are shown), or a model's python backend process dies (tritonserver 2.51 would keep
+            reporting that model ready while its requests hang), it says so, answers 503 on readiness at once,
+            stops everything within a second (every open stream ends with an error) and exits with status 3, for
+            a supervisor (Kubernetes, systemd, compose) to restart it. The shared-memory,
             model-repository, trace and logging APIs need the header spectree-admin: TOKEN (--admin-token-file, or
             $SPECTREE_ADMIN_TOKEN; neither: those APIs are off; the token is never on a command line).
             --openai-port PORT also serves an OpenAI-compatible API (/v1/models, /v1/completions,
@@ -57,18 +58,23 @@ ADMIN_TOKEN_ENV = "SPECTREE_ADMIN_TOKEN"
 
 
 def _server_lost(server: TritonServer) -> str | None:
-    """Why a running server can serve no more (None: it still can): tritonserver exited, or a python
-    backend process died (its model would stay "ready" while its requests hang). Both can happen within one watch
-    interval (a killed stub can take tritonserver down with it), so an exit also names the stubs gone with it."""
+    """Why a running server can serve no more (None: it still can): tritonserver exited or crashed (its log reports
+    a fatal signal: the process may hang in its exit with every listener closed), or a python backend process died
+    (its model would stay "ready" while its requests hang). Several can happen within one watch interval (a killed
+    stub can take tritonserver down with it), so the message names all of them."""
     dead = server.dead_stubs()
     stubs = ", ".join(f"{d.instance} (pid {d.pid})" for d in dead)
-    if server.process.poll() is not None:
-        return (f"tritonserver exited on its own with status {server.process.returncode}"
-                + (f"; the python backend processes that died with it: {stubs}" if dead else ""))
-    if dead:
-        return (f"the python backend process of {stubs} died; tritonserver 2.51 would keep reporting it ready while "
-                "its requests hang")
-    return None
+    crash = server.crash_report()
+    code = server.process.poll()
+    if code is None and crash is None and not dead:
+        return None
+    if code is not None or crash is not None:
+        why = (f"tritonserver exited on its own with status {code}" if code is not None
+               else "tritonserver crashed and is not serving")
+        return (why + (f"; the python backend processes that died with it: {stubs}" if dead else "")
+                + (f"; its log:\n{crash}" if crash is not None else ""))
+    return (f"the python backend process of {stubs} died; tritonserver 2.51 would keep reporting it ready while "
+            "its requests hang")
 
 
 def _default(cls: type, name: str) -> Any:

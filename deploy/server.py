@@ -195,6 +195,10 @@ def prepare_backends(install: Installation, into: Path) -> Path | None:
 # tritonserver 2.51's log line once every in-flight inference has finished at shutdown (server.cc), and how long
 # the models then get to unload before the server is killed (TritonServer.stop).
 DRAINED_LOG_LINE = "All models are stopped, unloading models"
+# tritonserver's handler of a fatal signal logs this line and a backtrace, then exits; the exit can hang with every
+# listener already closed (seen in CI: gRPC and metrics refused connections while the process lived on).
+CRASH_LOG_LINE = re.compile(rb"^Signal \((\d+)\) received\.$", re.M)
+CRASH_REPORT_LINES = 12  # of the backtrace that follows
 UNLOAD_GRACE_S = 3.0
 RESTRICTED_APIS = ("shared-memory", "model-repository", "trace", "logging")
 ADMIN_HEADER = "spectree-admin"
@@ -357,6 +361,7 @@ class TritonServer:
     warning: str | None = field(default=None, init=False)  # set by start when the admin token had to go on argv
     killed_after_drain: bool = field(default=False, init=False)  # set by stop (see there)
     _log_start: int = field(default=0, init=False)
+    _crash_scanned: int = field(default=0, init=False)  # the log's bytes already searched for CRASH_LOG_LINE
 
     def start(self) -> TritonServer:
         if self.process is not None:
@@ -374,6 +379,7 @@ class TritonServer:
             self.log_path = self._tmp / "tritonserver.log"
         self._log_file = open(self.log_path, "ab")
         self._log_start = self._log_file.tell()  # a --log-file may hold earlier runs' lines
+        self._crash_scanned = self._log_start
         # No token configured: a random one, never shown (the restricted APIs are then unreachable).
         token = self.config.admin_token or secrets.token_urlsafe(24)
         env = server_environment(self.install)
@@ -410,6 +416,25 @@ class TritonServer:
                 return text.encode() in f.read()
         except OSError:
             return False
+
+    def crash_report(self) -> str | None:
+        """tritonserver's report of a fatal signal since this start ("Signal (11) received." and the backtrace's
+        first lines), or None. Reads only what the log gained since the last call, so a watcher can call it often."""
+        if self.log_path is None:
+            return None
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._crash_scanned)
+                chunk = f.read()
+        except OSError:
+            return None
+        found = CRASH_LOG_LINE.search(chunk)
+        if found is None:
+            # The last line may be incomplete: search it again next time.
+            self._crash_scanned += chunk.rfind(b"\n") + 1
+            return None
+        lines = chunk[found.start():].decode(errors="replace").splitlines()
+        return "\n".join(lines[:1 + CRASH_REPORT_LINES])
 
     def dead_stubs(self) -> list[Stub]:
         """The python stubs seen at start that are gone now (their models cannot answer any more)."""

@@ -128,7 +128,13 @@ pytest.importorskip("uvicorn", reason="the OpenAI API needs uvicorn and starlett
 
 from deploy.server import free_ports  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
-from tests.test_serving import PROMPTS, offline, scrape, served  # noqa: E402,F401  (served: the fixture)
+from tests.test_serving import (  # noqa: E402,F401  (served and the autouse restart: fixtures)
+    PROMPTS,
+    _a_lost_server_is_restarted,
+    offline,
+    scrape,
+    served,
+)
 
 _PORT: list[int] = []
 

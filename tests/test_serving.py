@@ -20,7 +20,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ class Served:
     ports: list[int]
     output: list[str]
     openai: str | None = None  # the OpenAI API's base URL (http://HOST:PORT/v1) when served with --openai-port
+    restart: Callable[[], Served] | None = None  # a new server like this one (module fixtures set it)
 
 
 def _build_engine(root: Path, max_context: int = MAX_CONTEXT) -> Path:
@@ -162,9 +164,33 @@ def serve_repo(root: Path, engine: Path, extra_serve_args: Sequence[str] = (), *
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, extra_serve_args):
     root = tmp_path_factory.mktemp("serving")
-    with serve_repo(root, _build_engine(root), extra_serve_args, max_concurrent_requests=SLOTS,
-                    max_tokens_limit=MAX_TOKENS_LIMIT) as s:
-        yield s
+    engine = _build_engine(root)
+    with contextlib.ExitStack() as running:
+        def start(n: int) -> Served:
+            (root / f"run{n}").mkdir()
+            s = running.enter_context(serve_repo(root / f"run{n}", engine, extra_serve_args,
+                                                 max_concurrent_requests=SLOTS, max_tokens_limit=MAX_TOKENS_LIMIT))
+            s.restart = lambda: start(n + 1)
+            return s
+
+        yield start(0)
+
+
+@pytest.fixture(autouse=True)
+def _a_lost_server_is_restarted(request):
+    """tritonserver 2.51 has crashes of its own (gRPC races fixed upstream in later releases); `deploy serve` then
+    shows the crash report and exits (test_serving_faults checks that). A server lost between two tests is reported
+    as a warning with what `deploy serve` said, and a new one serves the module's remaining tests; a test whose own
+    requests met the crash still fails."""
+    if "served" not in request.fixturenames:
+        yield
+        return
+    served = request.getfixturevalue("served")
+    if served.cli.poll() is not None and served.restart is not None:
+        warnings.warn(f"the test server was lost before {request.node.name}; restarted. It said:\n"
+                      + "".join(served.output[-20:]), stacklevel=1)
+        vars(served).update(vars(served.restart()))
+    yield
 
 
 # ---- helpers --------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient
 
 from tests.test_serving import (  # noqa: E402
     PROMPTS,
+    _a_lost_server_is_restarted,  # noqa: F401  (the autouse fixture)
     f32,
     offline,
     post,

@@ -551,6 +551,42 @@ def test_a_killed_generation_process_takes_the_server_down_fast(doomed):
     assert not (Path(tempfile.gettempdir()) / f"spectree-cancel-{os.getuid()}-{doomed.server_pid}").exists()
 
 
+@pytest.fixture(scope="module")
+def crashing(tmp_path_factory, engine):
+    root = tmp_path_factory.mktemp("crashing")
+    with serve_repo(root, engine, (), **LIMITS) as s:
+        yield s
+
+
+def test_a_crashed_tritonserver_is_reported_with_its_backtrace(crashing):
+    """SIGSEGV to tritonserver itself while a stream is open: the stream ends with an error, `deploy serve` shows
+    tritonserver's own crash report ("Signal (11) received." and its backtrace) and exits with status 3 within a
+    few seconds, and nothing is left."""
+    stubs = python_stubs(child_pids(crashing.server_pid))
+    regions = [s.region for s in stubs.values()]
+    ended: list[object] = []
+
+    def client() -> None:
+        try:
+            stream(crashing, "spec_decode", PROMPTS[1], 800, **IGNORE_EOS)
+            ended.append("completed")
+        except ClientError as exc:
+            ended.append(exc)
+
+    t = threading.Thread(target=client)
+    t.start()
+    wait_for(lambda: house(crashing) == (1, 0), "the stream never started")
+    crashed_at = time.monotonic()
+    os.kill(crashing.server_pid, signal.SIGSEGV)
+    assert crashing.cli.wait(timeout=15) == 3
+    assert time.monotonic() - crashed_at < 5, time.monotonic() - crashed_at
+    t.join(timeout=20)
+    assert not t.is_alive() and isinstance(ended[0], ClientError), ended
+    out = "".join(crashing.output)
+    assert "Signal (11) received." in out and "exit status 3" in out, out
+    assert_nothing_left([crashing.server_pid, *stubs], crashing.ports, regions)
+
+
 # ---- soak (slow) ----------------------------------------------------------------------------------------
 
 
