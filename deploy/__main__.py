@@ -58,19 +58,21 @@ ADMIN_TOKEN_ENV = "SPECTREE_ADMIN_TOKEN"
 
 
 def _server_lost(server: TritonServer) -> str | None:
-    """Why a running server can serve no more (None: it still can): tritonserver exited or crashed (its log reports
-    a fatal signal: the process may hang in its exit with every listener closed), or a python backend process died
-    (its model would stay "ready" while its requests hang). Several can happen within one watch interval (a killed
-    stub can take tritonserver down with it), so the message names all of them."""
+    """Why a running server can serve no more (None: it still can): tritonserver exited, crashed (its log reports
+    a fatal signal: the process may hang in its exit with every listener closed) or refuses connections, or a
+    python backend process died (its model would stay "ready" while its requests hang). Several can happen within
+    one watch interval (a killed stub can take tritonserver down with it), so the message names all of them."""
     dead = server.dead_stubs()
     stubs = ", ".join(f"{d.instance} (pid {d.pid})" for d in dead)
     crash = server.crash_report()
     code = server.process.poll()
-    if code is None and crash is None and not dead:
+    deaf = code is None and not server.listening()
+    if code is None and crash is None and not dead and not deaf:
         return None
-    if code is not None or crash is not None:
+    if code is not None or crash is not None or deaf:
         why = (f"tritonserver exited on its own with status {code}" if code is not None
-               else "tritonserver crashed and is not serving")
+               else "tritonserver crashed and is not serving" if crash is not None
+               else "tritonserver closed its gRPC listener (connections are refused) but did not exit")
         return (why + (f"; the python backend processes that died with it: {stubs}" if dead else "")
                 + (f"; its log:\n{crash}" if crash is not None else ""))
     return (f"the python backend process of {stubs} died; tritonserver 2.51 would keep reporting it ready while "

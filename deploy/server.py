@@ -436,6 +436,18 @@ class TritonServer:
         lines = chunk[found.start():].decode(errors="replace").splitlines()
         return "\n".join(lines[:1 + CRASH_REPORT_LINES])
 
+    def listening(self) -> bool:
+        """Whether tritonserver's gRPC listener takes connections (a refused connection: it closed its listeners,
+        as a crashed server tearing itself down does; any other failure, such as a slow accept, counts as
+        listening)."""
+        try:
+            socket.create_connection((self.config.client_host, self.config.grpc_port), timeout=1).close()
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True
+        return True
+
     def dead_stubs(self) -> list[Stub]:
         """The python stubs seen at start that are gone now (their models cannot answer any more)."""
         return [stub for pid, stub in self.stubs.items() if not pid_alive(pid)]
