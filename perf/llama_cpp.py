@@ -108,6 +108,9 @@ class LlamaCppConfig:
     gguf: Path | None = None  # the GGUF the target was imported from; None: the shipped SmolLM2 Q4_1 file
     cache_dir: Path | None = None  # requantised GGUF files; None: .llama.cpp/models/ beside the binaries
     draft_max: int = setting(8, ge=1)  # llama-lookup --spec-draft-n-max: draft tokens per step at most
+    # also our decoding with llama.cpp as the target executor (plugins/llama_cpp) at each precision: plain, prompt
+    # lookup and the configured drafter, each speculative one checked to equal that executor's plain decoding
+    target: bool = False
     timeout_s: float = setting(600.0, gt=0)  # one llama.cpp process at most
 
     def __post_init__(self) -> None:

@@ -234,6 +234,17 @@ def _llama_cpp_section(report: dict[str, Any]) -> list[str]:
         lines.append(f"| {v['name']} | `{Path(v['gguf']).name}` | {f['prompt_tokens_equal']} of {f['prompts']} | {ids} "
                      f"| {f['generated']} | {f['prefill_s']:.2f} | {f['decode_s']:.2f} | {f['load_s_mean']:.2f} "
                      f"| {f.get('drafted', '—')} | {f.get('accepted', '—')} | {_pct(f.get('acceptance'))} |")
+    ours = [v for v in report["variants"] if "speedup_vs_llama_cpp_plain_same_precision" in v]
+    if ours:
+        lines += ["", "Our decoding with llama.cpp as the target (plugins/llama_cpp: its forward on the same GGUF, our "
+                  "drafters and verification), against llama.cpp's own decoding at the same precision; each "
+                  "speculative variant's output must equal our plain decoding on that target.", "",
+                  "| variant | precision | tau | tokens/s | vs llama.cpp plain | vs llama.cpp lookup | identical |",
+                  "|---|---|---:|---:|---:|---:|:---:|"]
+        lines += [f"| {v['name']} | {v['precision']} | {_num(v.get('tau'))} | {_num(v['tokens_per_s'], '.1f')} "
+                  f"| {_num(v['speedup_vs_llama_cpp_plain_same_precision'], '.2f', 'x')} "
+                  f"| {_num(v['speedup_vs_llama_cpp_lookup_same_precision'], '.2f', 'x')} | {_identical_cell(v)} |"
+                  for v in ours]
     lines += ["", "llama.cpp's tokens/s is its generated tokens over its own prefill + decode time (process start and "
               "model load excluded), as ours is over the call from prompt ids to output ids; llama-lookup may "
               "generate up to its draft length past max_tokens (counted). Its tau: tokens per verification step."]

