@@ -88,9 +88,7 @@ class RequestField:
         """`value` as the field holds it (converted: an int for a float is a float, a list a tuple, a single value
         of a `one_or_list` field a tuple of one); RequestError.invalid when its type or bounds are not the field's.
         `values`: the request's other fields, for a bound that is one of them (checked before this one)."""
-        given = value
-        if self.wire.one_or_list and not isinstance(value, (list, tuple)):
-            value = [value]
+        given, value = value, self.listing(value)
         try:
             value = schema.convert(self.type, value, self.bounds, _Refused)
         except _Refused:
@@ -98,6 +96,13 @@ class RequestField:
         if self.at_most and values is not None and value is not None and value > getattr(values, self.at_most):
             raise RequestError.invalid(self.name, self.expected(values), given)
         return value
+
+    def listing(self, value: Any) -> Any:
+        """A single item of a `one_or_list` field (a string for stop) as the list of one it stands for; any other
+        value as it is."""
+        if not self.wire.one_or_list or not isinstance(value, typing.get_args(_plain(self.type))[0]):
+            return value
+        return [value]
 
     def refuses(self, value: Any) -> bool:
         """Whether this server refuses `value` of a one-value field (n, best_of, beam_width)."""
@@ -154,7 +159,7 @@ class SamplingParams:
         1.0, gt=0, le=1, note="1 = off", doc="sample among the likeliest tokens of this much probability",
         wire=Wire(("top_p",), "FP32", openai=OPENAI_ENDPOINTS, trtllm="runtime_top_p"))
     seed: int | None = request_field(
-        None, ge=0, le=_UINT64_MAX, what="None or an integer in [0, 2**64 - 1]", doc="None: nondeterministic",
+        None, ge=0, le=_UINT64_MAX, what="None or an integer in [0, 2**64 - 1]", doc="random seed (unset: nondeterministic)",
         # random_seed: tensorrtllm_backend's older name
         wire=Wire(("seed", "random_seed"), "UINT64", openai=OPENAI_ENDPOINTS, trtllm="seed"))
     max_tokens: int = request_field(
@@ -255,23 +260,30 @@ def vllm_values(data: Mapping[str, Any], source: str = "", text: bool = False) -
         field = FIELDS[key]
         if text and isinstance(value, str) and field.scalar_type is not None:
             value = _parsed(field, value, source)
-        if field.wire.one_or_list and isinstance(value, str):
-            value = [value]
+        value = field.listing(value)
         for sent, meant in field.wire.spellings:
             if type(value) is type(sent) and value == sent:
                 value = meant
         if field.only is None:
             out[key] = value
             continue
+        name = f"{source}.{key}" if source else key
         if value is not None:
             try:
                 value = field.check(value)
             except RequestError as exc:
-                raise RequestError(exc.restated({key: f"{source}.{key}" if source else key})[1]) from None
+                raise _named(exc.restated({key: name})[1], name) from None
         if field.refuses(value):
             where = f"{source}: {key} = " if source else f"{key}: "
-            raise RequestError(f"{where}{value!r}; this server returns one sequence per request ({_ADVICE})")
+            raise _named(f"{where}{value!r}; this server returns one sequence per request ({_ADVICE})", name)
     return out
+
+
+def _named(message: str, name: str) -> RequestError:
+    """A RequestError about the request's field `name` (its `name`: what a front end reports as the field)."""
+    err = RequestError(message)
+    err.name = name
+    return err
 
 
 def _parsed(field: RequestField, value: str, source: str) -> Any:
@@ -296,10 +308,7 @@ def sampling_params(values: Mapping[str, Any], origin: Mapping[str, str]) -> Sam
     except RequestError as exc:
         if exc.field is None:
             raise
-        name, message = exc.restated(origin)
-        err = RequestError(message)
-        err.name = name
-        raise err from exc
+        raise _named(*reversed(exc.restated(origin))) from exc
 
 
 __all__ = [

@@ -25,7 +25,6 @@ penalised target at every position, and verification stays exact against it (gre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
