@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.errors import SpectreeError
-from runtime.request_fields import FIELDS
+from runtime.request_fields import add_flags
 
 if TYPE_CHECKING:
     from deploy.server import TritonServer
@@ -119,9 +119,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="with --chat: a system message before the user message")
     c.add_argument("--model", default="ensemble",
                    help="ensemble (default) or spec_decode; Ctrl-C stops the server-side generation on either")
-    c.add_argument("--max-tokens", type=int, default=FIELDS["max_tokens"].default)
-    for name in CLIENT_SAMPLING:  # unset: the server's default
-        c.add_argument("--" + name.replace("_", "-"), type=FIELDS[name].scalar_type, help=FIELDS[name].doc)
+    add_flags(c, ("max_tokens",))
+    add_flags(c, CLIENT_SAMPLING, defaults=False)  # unset: the server's default
     c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     c.add_argument("--no-stream", action="store_true", help="one response with the whole text")
     c.add_argument("--stats", action="store_true", help="print the speculation stats to stderr at the end")

@@ -249,6 +249,19 @@ def openai_fields(endpoint: str) -> tuple[RequestField, ...]:
     return tuple(f for f in REQUEST_FIELDS if endpoint in f.wire.openai)
 
 
+def add_flags(parser: Any, names: tuple[str, ...], defaults: bool = True) -> None:
+    """argparse flags --NAME for scalar request fields, typed and documented by the declaration; `defaults`: each
+    the field's default (else unset, the server's)."""
+    for name in names:
+        field = FIELDS[name]
+        flag = "--" + name.replace("_", "-")
+        if field.scalar_type is bool:
+            parser.add_argument(flag, action="store_true", default=field.default, help=field.doc)
+        else:
+            parser.add_argument(flag, type=field.scalar_type, default=field.default if defaults else None,
+                                help=field.doc)
+
+
 def vllm_values(data: Mapping[str, Any], source: str = "", text: bool = False) -> dict[str, Any]:
     """Values of vLLM's sampling keys (`VLLM_KEYS`; the caller refuses others) -> SamplingParams values: with `text`,
     a string is parsed by its field's type (vllm_backend's clients send every value as a string, and vllm_backend
@@ -324,6 +337,7 @@ __all__ = [
     "VLLM_DEFAULTS",
     "VLLM_KEYS",
     "Wire",
+    "add_flags",
     "openai_fields",
     "request_field",
     "sampling_params",
