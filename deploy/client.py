@@ -183,7 +183,8 @@ def model_batches(url: str, model: str) -> bool:
         client.close()
 
 
-def _text(result: Any, name: str) -> str | None:
+def output_text(result: Any, name: str) -> str | None:
+    """A response's STRING output `name` as text (its elements' UTF-8 joined), or None when it is absent."""
     arr = result.as_numpy(name)
     if arr is None:
         return None
@@ -196,11 +197,11 @@ def event_of(result: Any) -> StreamEvent:
     acc = result.as_numpy("accepted_per_step")
     final = result.get_response().parameters["triton_final_response"].bool_param
     return StreamEvent(
-        text=_text(result, "text_output") or "",
+        text=output_text(result, "text_output") or "",
         token_ids=() if ids is None else tuple(int(t) for t in ids.reshape(-1)),
         final=final,
-        finish_reason=_text(result, "finish_reason"),
-        verification=_text(result, "verification"),
+        finish_reason=output_text(result, "finish_reason"),
+        verification=output_text(result, "verification"),
         tau=None if tau is None else float(tau.reshape(-1)[0]),
         accepted_per_step=None if acc is None else tuple(int(a) for a in acc.reshape(-1)),
     )
@@ -267,4 +268,4 @@ def generate_stream(url: str, model: str, prompt: PromptLike, max_tokens: int, t
 
 
 __all__ = ["ClientError", "PromptLike", "StreamEvent", "build_inputs", "check_sampling", "event_of",
-           "generate_stream", "model_batches", "stream_infer"]
+           "generate_stream", "model_batches", "output_text", "stream_infer"]

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from deploy.client import output_text
 from deploy.server import tcp_port
 from deploy.triton_stream import StreamError, stream_request
 from model_repo.errors import OVERLOADED, ErrorCode
@@ -329,12 +330,6 @@ def _np(result: Any, name: str) -> np.ndarray | None:
 
 
 def piece_of(result: Any) -> Piece:
-    def text(name: str) -> str | None:
-        arr = _np(result, name)
-        if arr is None:
-            return None
-        return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in arr.reshape(-1)).decode("utf-8")
-
     ids = _np(result, "output_ids")
     lps = _np(result, "output_log_probs")
     top_ids, top_lps = _np(result, "top_log_probs_ids"), _np(result, "top_log_probs")
@@ -343,9 +338,10 @@ def piece_of(result: Any) -> Piece:
         for row_ids, row_lps in zip(top_ids.tolist(), top_lps.tolist()):
             top.append([(t, lp) for t, lp in zip(row_ids, row_lps) if t >= 0])
     prompt = _np(result, "num_input_tokens")
-    piece = Piece(text=text("text_output") or "", token_ids=[] if ids is None else ids.reshape(-1).tolist(),
+    piece = Piece(text=output_text(result, "text_output") or "",
+                  token_ids=[] if ids is None else ids.reshape(-1).tolist(),
                   log_probs=[] if lps is None else lps.reshape(-1).tolist(), top=top,
-                  finish_reason=text("finish_reason"),
+                  finish_reason=output_text(result, "finish_reason"),
                   prompt_tokens=None if prompt is None else int(prompt.reshape(-1)[0]))
     if piece.finish_reason is not None:
         steps = _np(result, "accepted_per_step")
@@ -362,7 +358,7 @@ def piece_of(result: Any) -> Piece:
             "acceptance_rate": 0.0 if rate is None else float(rate.reshape(-1)[0]),
             "mean_accepted_length": 1.0 + n_acc / n_steps if n_steps else 1.0,
             "tau": None if tau is None else float(tau.reshape(-1)[0]),
-            "verification": text("verification"),
+            "verification": output_text(result, "verification"),
         }
     return piece
 

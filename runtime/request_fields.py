@@ -159,7 +159,8 @@ class SamplingParams:
         1.0, gt=0, le=1, note="1 = off", doc="sample among the likeliest tokens of this much probability",
         wire=Wire(("top_p",), "FP32", openai=OPENAI_ENDPOINTS, trtllm="runtime_top_p"))
     seed: int | None = request_field(
-        None, ge=0, le=_UINT64_MAX, what="None or an integer in [0, 2**64 - 1]", doc="random seed (unset: nondeterministic)",
+        None, ge=0, le=_UINT64_MAX, what="None or an integer in [0, 2**64 - 1]",
+        doc="random seed (unset: nondeterministic)",
         # random_seed: tensorrtllm_backend's older name
         wire=Wire(("seed", "random_seed"), "UINT64", openai=OPENAI_ENDPOINTS, trtllm="seed"))
     max_tokens: int = request_field(
