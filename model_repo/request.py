@@ -279,7 +279,9 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
     not this parser's: Triton's, the pipeline's own).
 
     A vllm_backend-shaped request (sampling settings as vLLM's sampling_parameters JSON, or as request parameters)
-    gets vLLM's defaults for what it leaves out (runtime.request_fields.VLLM_DEFAULTS: 16 tokens, temperature 1.0)."""
+    gets vLLM's defaults for what it leaves out (runtime.request_fields.VLLM_DEFAULTS: 16 tokens, temperature 1.0);
+    a request of tensors alone (tensorrtllm_backend's shape) must give max_tokens, and is greedy unless it gives a
+    temperature (SamplingParams' defaults)."""
     unknown = sorted(set(inputs) - set(_SPEC))
     if unknown:
         raise RequestError(f"unknown input(s) {unknown}; this model takes {sorted(_SPEC)}")
