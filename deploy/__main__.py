@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.errors import SpectreeError
+from runtime.request_fields import add_flags
 
 if TYPE_CHECKING:
     from deploy.server import TritonServer
@@ -55,6 +56,7 @@ WATCH_INTERVAL_S = 0.25  # how often serve checks the server and its stubs
 LOST_STUB_GRACE_S = 0.5
 FRONT_DRAIN_S = 0.5  # after the server is gone, how long the fronts get to write their streams' error events
 ADMIN_TOKEN_ENV = "SPECTREE_ADMIN_TOKEN"
+CLIENT_SAMPLING = ("temperature", "top_k", "top_p", "seed")  # the client's sampling flags (request contract fields)
 
 
 def _server_lost(server: TritonServer) -> str | None:
@@ -125,11 +127,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="with --chat: a system message before the user message")
     c.add_argument("--model", default="ensemble",
                    help="ensemble (default) or spec_decode; Ctrl-C stops the server-side generation on either")
-    c.add_argument("--max-tokens", type=int, default=64)
-    c.add_argument("--temperature", type=float)
-    c.add_argument("--top-k", type=int)
-    c.add_argument("--top-p", type=float)
-    c.add_argument("--seed", type=int)
+    add_flags(c, ("max_tokens",))
+    add_flags(c, CLIENT_SAMPLING, defaults=False)  # unset: the server's default
     c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     c.add_argument("--no-stream", action="store_true", help="one response with the whole text")
     c.add_argument("--stats", action="store_true", help="print the speculation stats to stderr at the end")
@@ -264,8 +263,7 @@ def _client(ns: argparse.Namespace) -> int:
         print("error: --system needs --chat (it is a chat message)", file=sys.stderr)
         return 2
     prompt: Any = single_turn(ns.prompt, ns.system) if ns.chat else ns.prompt
-    options = {"stream": not ns.no_stream, "temperature": ns.temperature, "top_k": ns.top_k, "top_p": ns.top_p,
-               "seed": ns.seed, "stop": tuple(ns.stop)}
+    options = {"stream": not ns.no_stream, "stop": tuple(ns.stop), **{k: getattr(ns, k) for k in CLIENT_SAMPLING}}
     last = None
     try:
         for event in generate_stream(ns.url, ns.model, prompt, ns.max_tokens, timeout_s=ns.timeout_s, **options):

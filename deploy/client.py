@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import SpectreeError
+from runtime.errors import RequestError, SpectreeError
+from runtime.request_fields import FIELDS, REQUEST_FIELDS, sampling_params
 
 
 class ClientError(SpectreeError, RuntimeError):
@@ -81,44 +82,41 @@ def build_inputs(
     max_tokens: int,
     *,
     stream: bool = True,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
     end_id: int | None = None,
     exclude_input_in_output: bool | None = None,
     sampling_parameters: dict[str, Any] | None = None,
     extra: Mapping[str, np.ndarray] | None = None,
     batched: bool = False,
+    **sampling: Any,
 ) -> list[Any]:
     """tritonclient InferInputs in the Triton LLM conventions (only the options given are sent). A text prompt
     goes as text_input; chat messages ([{"role": ..., "content": ...}, ...]) as the JSON `messages` input, which
-    the server validates and renders with the model's chat template. extra: more inputs, name -> [1]-shaped array
-    (e.g. {"min_tokens": np.array([4], np.int32)}). batched: for a model with max_batch_size > 0 (the ensemble,
-    tensorrtllm_backend's shapes), every input gets a leading batch dimension of 1 ([[prompt]])."""
+    the server validates and renders with the model's chat template. sampling: fields of the request contract
+    that Triton inputs carry (runtime.request_fields: temperature, top_k, top_p, seed, stop, min_tokens, the
+    penalties, ...; None or an empty list: not sent), each as its input (tensorrtllm_backend's current name and
+    type). extra: more inputs, name -> [1]-shaped array (e.g. {"parse_special_tokens": np.array([True])}). batched:
+    for a model with max_batch_size > 0 (the ensemble, tensorrtllm_backend's shapes), every input gets a leading
+    batch dimension of 1 ([[prompt]])."""
     if isinstance(prompt, str):
         name, raw = "text_input", prompt.encode("utf-8")
     else:
         name, raw = "messages", json.dumps([dict(m) for m in prompt], ensure_ascii=False).encode("utf-8")
     inputs = [
         _tensor(name, np.array([raw], dtype=np.object_), "BYTES"),
-        _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+        _field_tensor("max_tokens", max_tokens),
         _tensor("stream", np.array([stream], dtype=np.bool_), "BOOL"),
     ]
-    optional = (
-        ("temperature", temperature, np.float32, "FP32"),
-        ("top_k", top_k, np.int32, "INT32"),
-        ("top_p", top_p, np.float32, "FP32"),
-        ("random_seed", seed, np.uint64, "UINT64"),
-        ("end_id", end_id, np.int32, "INT32"),
-        ("exclude_input_in_output", exclude_input_in_output, np.bool_, "BOOL"),
-    )
-    for name, value, dtype, wire in optional:
+    for key, value in sampling.items():
+        field = FIELDS.get(key)
+        if field is None or not field.wire.tensors or key == "max_tokens":
+            raise TypeError(f"build_inputs() got an unexpected keyword argument {key!r} (the request contract's "
+                            f"fields sent as inputs: {', '.join(_TENSOR_FIELDS)})")
+        if value is not None and (not field.listed or len(field.listing(value))):
+            inputs.append(_field_tensor(key, value))
+    for name, value, dtype, wire in (("end_id", end_id, np.int32, "INT32"),
+                                     ("exclude_input_in_output", exclude_input_in_output, np.bool_, "BOOL")):
         if value is not None:
             inputs.append(_tensor(name, np.array([value], dtype=dtype), wire))
-    if stop:
-        inputs.append(_tensor("stop_words", np.array([s.encode("utf-8") for s in stop], dtype=np.object_), "BYTES"))
     if sampling_parameters is not None:
         raw = json.dumps(sampling_parameters).encode("utf-8")
         inputs.append(_tensor("sampling_parameters", np.array([raw], dtype=np.object_), "BYTES"))
@@ -132,6 +130,43 @@ def build_inputs(
         for t in inputs:
             t.set_shape([1, *t.shape()])
     return inputs
+
+
+_TENSOR_FIELDS = tuple(f.name for f in REQUEST_FIELDS if f.wire.tensors and f.name != "max_tokens")
+
+
+def _wire_array(key: str, value: Any) -> np.ndarray:
+    """A request contract field's value as its Triton input carries it ([1], or [n] texts for a list field)."""
+    field = FIELDS[key]
+    if field.wire.tensor_type == "BYTES":
+        return np.array([str(v).encode("utf-8") for v in field.listing(value)], dtype=np.object_)
+    from tritonclient.utils import triton_to_np_dtype
+
+    return np.array([value], dtype=triton_to_np_dtype(field.wire.tensor_type))
+
+
+def _field_tensor(key: str, value: Any) -> Any:
+    field = FIELDS[key]
+    return _tensor(field.wire.tensors[0], _wire_array(key, value), field.wire.tensor_type)
+
+
+def check_sampling(max_tokens: int, **sampling: Any) -> None:
+    """The request contract's check of the scalar fields `build_inputs` would send (max_tokens and the sampling
+    settings, as their inputs carry them: an FP32 input's value is a float32), before anything is sent: a
+    ClientError with code INVALID_ARG and the message the server's own check gives. The lists (stop words, bad
+    words: the server drops empty entries as padding and encodes bad words) and the one-value fields are the
+    server's to check."""
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in {"max_tokens": max_tokens, **sampling}.items():
+        field = FIELDS.get(key)
+        if field is None or value is None or not field.wire.tensors or field.listed or field.only is not None:
+            continue
+        values[key], origin[key] = _wire_array(key, value).item(), field.wire.tensors[0]
+    try:
+        sampling_params(values, origin)
+    except RequestError as exc:
+        raise ClientError(str(exc), "INVALID_ARG") from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -148,7 +183,8 @@ def model_batches(url: str, model: str) -> bool:
         client.close()
 
 
-def _text(result: Any, name: str) -> str | None:
+def output_text(result: Any, name: str) -> str | None:
+    """A response's STRING output `name` as text (its elements' UTF-8 joined), or None when it is absent."""
     arr = result.as_numpy(name)
     if arr is None:
         return None
@@ -161,11 +197,11 @@ def event_of(result: Any) -> StreamEvent:
     acc = result.as_numpy("accepted_per_step")
     final = result.get_response().parameters["triton_final_response"].bool_param
     return StreamEvent(
-        text=_text(result, "text_output") or "",
+        text=output_text(result, "text_output") or "",
         token_ids=() if ids is None else tuple(int(t) for t in ids.reshape(-1)),
         final=final,
-        finish_reason=_text(result, "finish_reason"),
-        verification=_text(result, "verification"),
+        finish_reason=output_text(result, "finish_reason"),
+        verification=output_text(result, "verification"),
         tau=None if tau is None else float(tau.reshape(-1)[0]),
         accepted_per_step=None if acc is None else tuple(int(a) for a in acc.reshape(-1)),
     )
@@ -224,10 +260,12 @@ def stream_infer(url: str, model: str, inputs: list[Any], timeout_s: float = 120
 def generate_stream(url: str, model: str, prompt: PromptLike, max_tokens: int, timeout_s: float = 120.0,
                     **options: Any) -> Iterator[StreamEvent]:
     """Stream a generation (text deltas as they arrive); prompt and options as in `build_inputs` (batched is
-    read from the model's config unless given)."""
+    read from the model's config unless given). Sampling options out of the request contract's bounds are refused
+    here (`check_sampling`), as the server would refuse them, before the server is asked anything."""
+    check_sampling(max_tokens, **{k: v for k, v in options.items() if k in FIELDS})
     options.setdefault("batched", model_batches(url, model))
     return stream_infer(url, model, build_inputs(prompt, max_tokens, **options), timeout_s)
 
 
-__all__ = ["ClientError", "PromptLike", "StreamEvent", "build_inputs", "event_of", "generate_stream",
-           "model_batches", "stream_infer"]
+__all__ = ["ClientError", "PromptLike", "StreamEvent", "build_inputs", "check_sampling", "event_of",
+           "generate_stream", "model_batches", "output_text", "stream_infer"]

@@ -10,11 +10,12 @@ What goes to Triton: the prompt (completions: text_input, or input_ids for a tok
 rendered by the engine's chat template server-side, the same `Tokenizer.apply_chat_template` as
 `python -m runtime generate --chat`, so greedy text is identical), sampling settings as vllm_backend's
 sampling_parameters JSON, always streamed (a whole response is the streamed deltas joined). The sampling fields are
-checked here by `runtime.sampling.SamplingParams`, the one check of every sampling field (as the server's request
-parser does), its error restated with the request's field name. Supported request
-fields: model, prompt / messages, max_tokens (chat: also max_completion_tokens), temperature, top_p, n (1), stream,
+those of the request contract (runtime.request_fields: the fields an endpoint takes under their own names), read
+as the server reads vLLM's sampling keys (`vllm_values`) and checked here by the contract (as the server's request
+parser checks them), its error restated with the request's field name. Supported request fields: model, prompt /
+messages, max_tokens (chat: also max_completion_tokens), temperature, top_p, n (1), stream,
 stream_options.include_usage, stop, seed, presence_penalty, frequency_penalty, logprobs (completions: the number
-of alternatives; chat: a bool, with top_logprobs), echo (completions, text prompts), user; vLLM's extra fields
+of alternatives; chat: a bool, with top_logprobs), echo and best_of (1) (completions), user; vLLM's extra fields
 top_k, min_tokens, repetition_penalty, ignore_eos. Anything else that changes the output (tools, logit_bias,
 response_format other than text, suffix, best_of > 1) is refused with a 400 naming the field, never ignored.
 
@@ -41,15 +42,17 @@ from typing import Any
 
 import numpy as np
 
+from deploy.client import output_text
 from deploy.server import tcp_port
 from deploy.triton_stream import StreamError, stream_request
 from model_repo.errors import OVERLOADED, ErrorCode
 from runtime import schema
-from runtime.errors import ConfigError, SpectreeError
+from runtime.errors import ConfigError, RequestError, SpectreeError
 from runtime.files import read_json_object
+from runtime.request_fields import VLLM_DEFAULTS, openai_fields, sampling_params, vllm_values
 from runtime.schema import setting
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+COMPLETIONS_DEFAULT_MAX_TOKENS = VLLM_DEFAULTS["max_tokens"]  # OpenAI's default for /v1/completions (vLLM's too)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,6 @@ def _get(body: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: str, 
 
 
 def _check_common(body: Any, known: tuple[str, ...]) -> None:
-    from runtime.errors import RequestError
     from runtime.tokenizer import check_unicode
 
     if not isinstance(body, dict):
@@ -159,50 +161,34 @@ def _check_common(body: Any, known: tuple[str, ...]) -> None:
     unknown = sorted(set(body) - set(known) - set(_UNSUPPORTED) - set(_IGNORED))
     if unknown:
         raise APIError(f"unknown field(s) {unknown}; this server takes {sorted(known)}", param=unknown[0])
-    n = _get(body, "n", (int,), "an integer", 1)
-    if n != 1:
-        raise APIError(f"n: {n}; this server returns one choice per request (send the request again, with another "
-                       "seed, for more)", param="n")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise APIError("response_format: only {\"type\": \"text\"} is supported", param="response_format")
 
 
-# OpenAI / vLLM request fields that are runtime.sampling.SamplingParams fields of the same name (and keys of
-# vllm_backend's sampling_parameters JSON); besides them: max_tokens, stop and logprobs (`_sampling`).
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "min_tokens", "ignore_eos")
-_COMMON_KEYS = ("model", "n", "stream", "stream_options", "stop", "max_tokens", "response_format", *_SAMPLING)
+def _known(endpoint: str, *own: str) -> tuple[str, ...]:
+    """The fields an endpoint takes: the request contract's under their own names, and its `own`."""
+    return ("model", "stream", "stream_options", "response_format", *(f.name for f in openai_fields(endpoint)), *own)
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: tuple[str, Any],
+def _sampling(body: Mapping[str, Any], endpoint: str, max_tokens: tuple[str, Any],
               logprobs: tuple[str, Any] | None) -> dict[str, Any]:
-    """The request's sampling fields as vllm_backend's sampling_parameters JSON (the values as sent), checked by
-    SamplingParams (the one check of every sampling field) with its error restated under the request's field name;
-    `max_tokens` / `logprobs`: (the request field that gave it, its value)."""
-    from runtime.errors import RequestError
-    from runtime.sampling import SamplingParams
-
+    """The request's sampling fields as vllm_backend's sampling_parameters JSON (the values as sent, and vLLM's
+    defaults for what it leaves out), read as the server reads them and checked by the contract, its error restated
+    under the request's field name; `max_tokens` / `logprobs`: (the request field that gave it, its value)."""
     origin = {"max_tokens": max_tokens[0]}  # SamplingParams field -> the request field it came from
     sp: dict[str, Any] = {"max_tokens": max_tokens[1]}
-    if body.get("temperature") is None:
-        sp["temperature"] = 1.0  # OpenAI's default
-    for key in _SAMPLING:
-        if body.get(key) is not None:
-            sp[key], origin[key] = body[key], key
-    stop = body.get("stop")
-    if stop is not None and stop != []:
-        sp["stop"] = [stop] if isinstance(stop, str) else stop
-        origin["stop"] = "stop"
+    for f in openai_fields(endpoint):
+        if f.name != "max_tokens" and body.get(f.name) is not None:
+            sp[f.name], origin[f.name] = f.listing(body[f.name]), f.name
+    for key, default in VLLM_DEFAULTS.items():
+        sp.setdefault(key, default)
     if logprobs is not None:
         origin["logprobs"], sp["logprobs"] = logprobs
     try:
-        SamplingParams(**(sp if sp.get("top_k") != -1 else {**sp, "top_k": 0}))  # vLLM spells "top-k off" -1
+        sampling_params(vllm_values(sp), origin)
     except RequestError as exc:
-        if exc.field is None:
-            raise APIError(str(exc)) from exc
-        name, message = exc.restated(origin)
-        raise APIError(message, param=name) from exc
+        raise APIError(str(exc), param=exc.name) from exc
     return sp
 
 
@@ -241,14 +227,11 @@ def _model(body: Mapping[str, Any], served: ServedModel) -> str:
 
 def completion_call(body: Any, served: ServedModel) -> GenerationCall:
     """POST /v1/completions body -> a GenerationCall."""
-    _check_common(body, (*_COMMON_KEYS, "prompt", "logprobs", "echo", "best_of"))
+    _check_common(body, _known("completions", "prompt", "logprobs", "echo"))
     model = _model(body, served)
-    best_of = _get(body, "best_of", (int,), "an integer", 1)
-    if best_of != 1:
-        raise APIError(f"best_of: {best_of}; this server returns one sequence per request", param="best_of")
     stream = _get(body, "stream", (bool,), "a boolean", False)
     logprobs = body.get("logprobs")
-    sp = _sampling(body, _max_tokens(body, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"),
+    sp = _sampling(body, "completions", _max_tokens(body, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"),
                    None if logprobs is None else ("logprobs", logprobs))
     echo = _get(body, "echo", (bool,), "a boolean", False)
     prompt = body.get("prompt")
@@ -289,7 +272,7 @@ def _message_text(content: Any, where: str) -> str:
 
 def chat_call(body: Any, served: ServedModel) -> GenerationCall:
     """POST /v1/chat/completions body -> a GenerationCall (the messages go to the server's chat template)."""
-    _check_common(body, (*_COMMON_KEYS, "messages", "logprobs", "top_logprobs", "max_completion_tokens"))
+    _check_common(body, _known("chat", "messages", "logprobs", "top_logprobs", "max_completion_tokens"))
     model = _model(body, served)
     stream = _get(body, "stream", (bool,), "a boolean", False)
     messages = body.get("messages")
@@ -308,7 +291,7 @@ def chat_call(body: Any, served: ServedModel) -> GenerationCall:
     if top is not None and not want:
         raise APIError(f"top_logprobs: needs logprobs: true (got top_logprobs {top!r} without it)",
                        param="top_logprobs")
-    sp = _sampling(body, _max_tokens(body, served.max_tokens_limit, "max_completion_tokens", "max_tokens"),
+    sp = _sampling(body, "chat", _max_tokens(body, served.max_tokens_limit, "max_completion_tokens", "max_tokens"),
                    ("top_logprobs", 0 if top is None else top) if want else None)
     inputs = {"messages": _bytes(json.dumps(plain, ensure_ascii=False))}
     return _call("chat", model, inputs, sp, stream, _stream_options(body, stream), want, top or 0)
@@ -347,12 +330,6 @@ def _np(result: Any, name: str) -> np.ndarray | None:
 
 
 def piece_of(result: Any) -> Piece:
-    def text(name: str) -> str | None:
-        arr = _np(result, name)
-        if arr is None:
-            return None
-        return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in arr.reshape(-1)).decode("utf-8")
-
     ids = _np(result, "output_ids")
     lps = _np(result, "output_log_probs")
     top_ids, top_lps = _np(result, "top_log_probs_ids"), _np(result, "top_log_probs")
@@ -361,9 +338,10 @@ def piece_of(result: Any) -> Piece:
         for row_ids, row_lps in zip(top_ids.tolist(), top_lps.tolist()):
             top.append([(t, lp) for t, lp in zip(row_ids, row_lps) if t >= 0])
     prompt = _np(result, "num_input_tokens")
-    piece = Piece(text=text("text_output") or "", token_ids=[] if ids is None else ids.reshape(-1).tolist(),
+    piece = Piece(text=output_text(result, "text_output") or "",
+                  token_ids=[] if ids is None else ids.reshape(-1).tolist(),
                   log_probs=[] if lps is None else lps.reshape(-1).tolist(), top=top,
-                  finish_reason=text("finish_reason"),
+                  finish_reason=output_text(result, "finish_reason"),
                   prompt_tokens=None if prompt is None else int(prompt.reshape(-1)[0]))
     if piece.finish_reason is not None:
         steps = _np(result, "accepted_per_step")
@@ -380,7 +358,7 @@ def piece_of(result: Any) -> Piece:
             "acceptance_rate": 0.0 if rate is None else float(rate.reshape(-1)[0]),
             "mean_accepted_length": 1.0 + n_acc / n_steps if n_steps else 1.0,
             "tau": None if tau is None else float(tau.reshape(-1)[0]),
-            "verification": text("verification"),
+            "verification": output_text(result, "verification"),
         }
     return piece
 
@@ -518,8 +496,6 @@ def create_app(config: OpenAIConfig, served: ServedModel) -> Any:
     from starlette.routing import Route
 
     from deploy.asgi import ClientGone, grpc_client_lifespan, unless_disconnected
-
-    import runtime.sampling  # noqa: F401  (requests are checked by SamplingParams: torch loads now, not on the first)
 
     state: dict[str, Any] = {}
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from deploy.client import output_text
 from model_repo.errors import ErrorCode, decode_error_message
 from runtime.errors import SpectreeError
 
@@ -31,13 +32,6 @@ class StreamError(SpectreeError, RuntimeError):
     def of_message(cls, message: str) -> StreamError:
         """From a Triton error message ("[CODE] message" when coded; anything else is INTERNAL)."""
         return cls(*decode_error_message(message))
-
-
-def _text(result: Any, name: str) -> str | None:
-    arr = result.as_numpy(name)
-    if arr is None:
-        return None
-    return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in arr.reshape(-1)).decode("utf-8")
 
 
 def _is_final(result: Any) -> bool:
@@ -76,8 +70,8 @@ async def stream_request(client: Any, model: str, inputs: Mapping[str, np.ndarra
                 if error is not None:
                     raise StreamError.of_message(error.message() if hasattr(error, "message") else str(error))
                 final = _is_final(result)
-                if final and _text(result, "finish_reason") == ERROR_FINISH_REASON:  # spec_decode's coded error
-                    raise StreamError.of_message(_text(result, "text_output") or "")
+                if final and output_text(result, "finish_reason") == ERROR_FINISH_REASON:  # spec_decode's coded error
+                    raise StreamError.of_message(output_text(result, "text_output") or "")
                 if final:
                     # Let the server close the stream (it does after the final response: the request side is
                     # already closed) rather than cancel it: a cancelled stream keeps the model's request alive in

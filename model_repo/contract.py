@@ -1,21 +1,20 @@
 """The served models' I/O contract: every input and output of preprocessing, spec_decode and the ensemble (entry)
 model, declared once (model_repo.model_config types; model_repo.render writes them into config.pbtxt, model_repo.request
-reads requests by them, model_repo.responses writes responses by them).
+reads requests by them, model_repo.responses writes responses by them). The inputs of the request contract's fields
+(max_tokens, the sampling settings) are made from its declaration, runtime.request_fields.
 
 The interface follows the Triton LLM conventions of tensorrtllm_backend / vllm_backend (reference-facts section 8),
 so their clients work unchanged:
 
     inputs   text_input STRING [1] or messages STRING [1] (a JSON array of {role, content}, OpenAI chat form,
              rendered by the model's chat template; exactly one of the two), max_tokens INT32 [1] (required);
-             optional stream BOOL, temperature FP32,
-             top_k INT32, top_p FP32, random_seed UINT64, stop_words / bad_words STRING [-1], end_id INT32,
-             exclude_input_in_output BOOL, sampling_parameters STRING (vLLM-style JSON), parse_special_tokens BOOL
-             (special-token text in text_input or in message content becomes special tokens; default: literal
-             text); tensorrtllm_backend's seed, min_tokens, repetition / presence / frequency penalties, pad_id,
-             beam_width and
-             num_return_sequences (1), return_log_probs, return_num_input_tokens / ..._output_tokens
-             (COMPAT_INPUTS). The entry model adds a batch dimension (request.split_batch /
-             responses.batch_row_outputs).
+             optional stream BOOL, temperature FP32, top_k INT32, top_p FP32, seed / random_seed UINT64,
+             stop_words / bad_words STRING [-1], end_id INT32, exclude_input_in_output BOOL, sampling_parameters
+             STRING (vLLM-style JSON), parse_special_tokens BOOL (special-token text in text_input or in message
+             content becomes special tokens; default: literal text); tensorrtllm_backend's min_tokens, repetition /
+             presence / frequency penalties, pad_id, beam_width and num_return_sequences (1), return_log_probs,
+             return_num_input_tokens / ..._output_tokens. The entry model adds a batch dimension
+             (request.split_batch / responses.batch_row_outputs).
     outputs  text_output STRING [-1]: the DELTA text of each streamed response (the whole text when not
              streaming); optional output_ids INT32 [-1] (the delta's token ids) and, on the final response,
              finish_reason, verification (the lossless verification mode this request ran: "greedy" at
@@ -31,6 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from model_repo.model_config import DataType, ModelInput, ModelOutput
+from runtime.request_fields import REQUEST_FIELDS, RequestField
 
 # Every input is declared optional, text_input and max_tokens included, and the models enforce what is
 # required with an error naming the input. Measured on tritonserver 2.51: the gRPC streaming path does not
@@ -39,40 +39,35 @@ from model_repo.model_config import DataType, ModelInput, ModelOutput
 TEXT_INPUT = ModelInput("text_input", DataType.TYPE_STRING, (1,), optional=True)
 MESSAGES = ModelInput("messages", DataType.TYPE_STRING, (1,), optional=True)  # JSON [{"role", "content"}, ...]
 INPUT_IDS = ModelInput("input_ids", DataType.TYPE_INT32, (-1,), optional=True)
-MAX_TOKENS = ModelInput("max_tokens", DataType.TYPE_INT32, (1,), optional=True)
 # Special-token text typed in a prompt ("<s>", "</s>", "<|im_start|>"), in text_input or in a message's content, is
 # literal text unless the request sets this true (a chat template's own special tokens are always parsed).
 PARSE_SPECIAL_TOKENS = ModelInput("parse_special_tokens", DataType.TYPE_BOOL, (1,), optional=True)
-# tensorrtllm_backend's ensemble inputs beyond the basic ones (its names, types and dims: `seed` is its current
-# name for `random_seed`, which stays for older clients), and `num_top_log_probs` (ours: the likeliest
-# alternatives of every emitted token, as the OpenAI frontend's logprobs need).
-COMPAT_INPUTS: tuple[ModelInput, ...] = (
-    ModelInput("seed", DataType.TYPE_UINT64, (1,), optional=True),
-    ModelInput("min_tokens", DataType.TYPE_INT32, (1,), optional=True),
-    ModelInput("repetition_penalty", DataType.TYPE_FP32, (1,), optional=True),
-    ModelInput("presence_penalty", DataType.TYPE_FP32, (1,), optional=True),
-    ModelInput("frequency_penalty", DataType.TYPE_FP32, (1,), optional=True),
-    ModelInput("pad_id", DataType.TYPE_INT32, (1,), optional=True),
-    ModelInput("num_return_sequences", DataType.TYPE_INT32, (1,), optional=True),
-    ModelInput("beam_width", DataType.TYPE_INT32, (1,), optional=True),
-    ModelInput("return_log_probs", DataType.TYPE_BOOL, (1,), optional=True),
-    ModelInput("return_num_input_tokens", DataType.TYPE_BOOL, (1,), optional=True),
-    ModelInput("return_num_output_tokens", DataType.TYPE_BOOL, (1,), optional=True),
-    ModelInput("num_top_log_probs", DataType.TYPE_INT32, (1,), optional=True),
-)
+
+
+def field_inputs(field: RequestField) -> tuple[ModelInput, ...]:
+    """The Triton inputs that carry a field of the request contract (runtime.request_fields)."""
+    dims = (-1,) if field.listed else (1,)
+    return tuple(ModelInput(name, DataType(field.wire.tensor_type), dims, optional=True) for name in field.wire.tensors)
+
+
+# The request contract's fields as Triton inputs (tensorrtllm_backend's names, types and dims; `random_seed`, its
+# older name for `seed`, stays for older clients): max_tokens, the sampling settings, num_return_sequences and
+# beam_width (1), and num_top_log_probs (ours: the likeliest alternatives of every emitted token, as the OpenAI
+# frontend's logprobs need).
+REQUEST_INPUTS: tuple[ModelInput, ...] = tuple(i for f in REQUEST_FIELDS for i in field_inputs(f))
+MAX_TOKENS = next(i for i in REQUEST_INPUTS if i.name == "max_tokens")
 OPTIONAL_INPUTS: tuple[ModelInput, ...] = (
     ModelInput("stream", DataType.TYPE_BOOL, (1,), optional=True),
-    ModelInput("temperature", DataType.TYPE_FP32, (1,), optional=True),
-    ModelInput("top_k", DataType.TYPE_INT32, (1,), optional=True),
-    ModelInput("top_p", DataType.TYPE_FP32, (1,), optional=True),
-    ModelInput("random_seed", DataType.TYPE_UINT64, (1,), optional=True),
-    ModelInput("stop_words", DataType.TYPE_STRING, (-1,), optional=True),
-    ModelInput("bad_words", DataType.TYPE_STRING, (-1,), optional=True),
+    *(i for i in REQUEST_INPUTS if i is not MAX_TOKENS),
     ModelInput("end_id", DataType.TYPE_INT32, (1,), optional=True),
     ModelInput("exclude_input_in_output", DataType.TYPE_BOOL, (1,), optional=True),
     ModelInput("sampling_parameters", DataType.TYPE_STRING, (1,), optional=True),
     PARSE_SPECIAL_TOKENS,
-    *COMPAT_INPUTS,
+    # tensorrtllm_backend's ensemble inputs beyond the request contract's (its names, types and dims)
+    ModelInput("pad_id", DataType.TYPE_INT32, (1,), optional=True),
+    ModelInput("return_log_probs", DataType.TYPE_BOOL, (1,), optional=True),
+    ModelInput("return_num_input_tokens", DataType.TYPE_BOOL, (1,), optional=True),
+    ModelInput("return_num_output_tokens", DataType.TYPE_BOOL, (1,), optional=True),
 )
 # What the ensemble takes from clients.
 ENSEMBLE_INPUTS: tuple[ModelInput, ...] = (TEXT_INPUT, MAX_TOKENS, MESSAGES, *OPTIONAL_INPUTS)
@@ -148,7 +143,7 @@ __all__ = [
     "INPUT_IDS",
     "MAX_TOKENS",
     "PARSE_SPECIAL_TOKENS",
-    "COMPAT_INPUTS",
+    "REQUEST_INPUTS",
     "OPTIONAL_INPUTS",
     "ENSEMBLE_INPUTS",
     "SPEC_DECODE_INPUTS",
@@ -160,6 +155,7 @@ __all__ = [
     "VERIFICATION_SAMPLED",
     "NUMPY_DTYPES",
     "Inputs",
+    "field_inputs",
     "BATCH_INDEX",
     "SEQUENCE_INDEX",
     "ENSEMBLE_OUTPUTS",

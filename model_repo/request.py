@@ -1,8 +1,8 @@
 """A request's inputs, read and validated before it costs anything: `parse_generate_request` (spec_decode's
-inputs -> a GenerateRequest: it maps wire names and types onto runtime.sampling.SamplingParams, whose checks are
-the one check of every sampling field; every error a runtime.errors.RequestError naming the input), `RequestLimits`
-(the server's limits), `split_batch` (the ensemble's batch rows), and the tokenizer stage (`preprocess`,
-`prompt_ids`)."""
+inputs -> a GenerateRequest: it reads the request contract's fields, runtime.request_fields, from their tensors or
+from vLLM's sampling keys, and the contract checks them, every error a runtime.errors.RequestError naming the
+input), `RequestLimits` (the server's limits), `split_batch` (the ensemble's batch rows), and the tokenizer stage
+(`preprocess`, `prompt_ids`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,16 @@ from model_repo.contract import (
 )
 from model_repo.model_config import DataType, ModelInput
 from runtime.errors import ConfigError, RequestError
-from runtime.sampling import SamplingParams
+from runtime.request_fields import (
+    FIELDS,
+    REQUEST_FIELDS,
+    VLLM_DEFAULTS,
+    VLLM_KEYS,
+    RequestField,
+    SamplingParams,
+    sampling_params,
+    vllm_values,
+)
 from runtime.tokenizer import ChatMessage, chat_messages, check_unicode
 
 # ---- reading inputs -------------------------------------------------------------------------------------
@@ -194,42 +203,6 @@ class GenerateRequest:
     timing: RequestTiming = field(default_factory=RequestTiming, compare=False)  # starts at parsing (arrival)
 
 
-# sampling_parameters (vLLM's JSON) keys -> SamplingParams fields; a key may not repeat a tensor input.
-_JSON_KEYS = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "seed": "seed",
-    "max_tokens": "max_tokens",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "min_tokens": "min_tokens",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "bad_words": "bad_words",
-    "logprobs": "logprobs",
-    "n": "n",
-    "best_of": "best_of",
-}
-_TENSOR_FOR_FIELD = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed / random_seed",
-                     "max_tokens": "max_tokens", "stop": "stop_words", "min_tokens": "min_tokens",
-                     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                     "frequency_penalty": "frequency_penalty", "bad_words": "bad_words",
-                     "logprobs": "num_top_log_probs"}
-# vLLM's sample client sends every value as a string ({"temperature": "0.1", "max_tokens": "100"}); vllm_backend
-# converts them by the field's type, and so do we.
-_JSON_TYPES: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "max_tokens": int,
-                                "min_tokens": int, "repetition_penalty": float, "presence_penalty": float,
-                                "frequency_penalty": float, "logprobs": int, "n": int, "best_of": int,
-                                "ignore_eos": bool}
-
-
-# vLLM's SamplingParams defaults for what a vllm_backend-shaped request leaves out (those requests are read as
-# vllm_backend reads them); a request of tensors alone (tensorrtllm_backend's shape) must give max_tokens, and is
-# greedy unless it gives a temperature.
-VLLM_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}
 REQUEST_PARAMETERS = "parameters"  # the source name of sampling fields read from the request's parameters
 
 
@@ -242,39 +215,39 @@ def _sampling_json(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RequestError(f"{name}: expected a JSON object, got {type(data).__name__}")
     check_unicode(data, name)
-    unknown = sorted(set(data) - set(_JSON_KEYS))
+    unknown = sorted(set(data) - set(VLLM_KEYS))
     if unknown:
-        raise RequestError(f"{name}: unknown key(s) {unknown}; accepted: {sorted(_JSON_KEYS)}")
-    return _vllm_fields(data, name)
+        raise RequestError(f"{name}: unknown key(s) {unknown}; accepted: {sorted(VLLM_KEYS)}")
+    return vllm_values(data, name, text=True)
 
 
-def _vllm_fields(data: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """vLLM's sampling keys (`_JSON_KEYS`, values possibly strings) -> SamplingParams fields."""
-    out = {_JSON_KEYS[k]: _json_value(k, v, name) for k, v in data.items()}
-    for key in ("n", "best_of"):
-        if out.pop(key, 1) not in (1, None):
-            raise RequestError(f"{name}: {key} = {data[key]!r}; this server returns one sequence per request "
-                             "(send the request again, with another seed, for more)")
-    if out.get("top_k") == -1:  # vLLM spells "top-k off" as -1
-        out["top_k"] = 0
-    if isinstance(out.get("stop"), str):
-        out["stop"] = [out["stop"]]
-    return out
-
-
-def _json_value(key: str, value: Any, name: str) -> Any:
-    kind = _JSON_TYPES.get(key)
-    if kind is None or not isinstance(value, str):
-        return value
-    try:
-        if kind is bool:
-            if value.strip().lower() not in ("true", "false", "1", "0"):
-                raise ValueError(value)
-            return value.strip().lower() in ("true", "1")
-        return kind(value)
-    except ValueError:
-        raise RequestError(f"{name}: {key} = {value!r} is not {'an' if kind is int else 'a'} "
-                         f"{kind.__name__}") from None
+def tensor_values(inputs: Inputs,
+                  fields: tuple[RequestField, ...] = REQUEST_FIELDS) -> tuple[dict[str, Any], dict[str, str]]:
+    """The values of the request contract's scalar fields that the request's tensors carry (each field from one of
+    its tensors: tensorrtllm_backend's current name or an older one), and the tensor each came from; a one-value
+    field (num_return_sequences, beam_width) is refused unless 1. The list fields (stop_words, bad_words) are the
+    caller's."""
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for field in fields:
+        if field.listed:
+            continue
+        for name in field.wire.tensors:
+            value = _scalar(inputs, _SPEC[name])
+            if value is None:
+                continue
+            if field.refuses(value):
+                raise RequestError(f"{name}: {value}; this server generates one sequence per request (tree "
+                                   "speculative decoding with lossless verification has no beam search): send 1, "
+                                   "or send the request again with another seed")
+            if field.only is not None:
+                continue
+            if field.name in values:
+                current, *older = field.wire.tensors
+                raise RequestError(f"{' and '.join(field.wire.tensors)}: both given; give one ({current} is "
+                                   f"tensorrtllm_backend's current name, {', '.join(older)} its older one)")
+            values[field.name], origin[field.name] = value, name
+    return values, origin
 
 
 def _bad_words(words: Any, source: str, tokenizer: Any, limits: RequestLimits) -> tuple[tuple[int, ...], ...]:
@@ -298,14 +271,6 @@ def _bad_words(words: Any, source: str, tokenizer: Any, limits: RequestLimits) -
                  if ids)
 
 
-def _one_sequence(inputs: Inputs, name: str) -> None:
-    value = _scalar(inputs, _SPEC[name])
-    if value is not None and value != 1:
-        raise RequestError(f"{name}: {value}; this server generates one sequence per request (tree speculative "
-                         "decoding with lossless verification has no beam search): send 1, or send the request "
-                         "again with another seed")
-
-
 def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any = None,
                            parameters: Mapping[str, Any] | None = None) -> GenerateRequest:
     """Triton-style inputs (name -> numpy array) -> a validated GenerateRequest; RequestError names the input.
@@ -314,7 +279,9 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
     not this parser's: Triton's, the pipeline's own).
 
     A vllm_backend-shaped request (sampling settings as vLLM's sampling_parameters JSON, or as request parameters)
-    gets vLLM's defaults for what it leaves out (`VLLM_DEFAULTS`: 16 tokens, temperature 1.0)."""
+    gets vLLM's defaults for what it leaves out (runtime.request_fields.VLLM_DEFAULTS: 16 tokens, temperature 1.0);
+    a request of tensors alone (tensorrtllm_backend's shape) must give max_tokens, and is greedy unless it gives a
+    temperature (SamplingParams' defaults)."""
     unknown = sorted(set(inputs) - set(_SPEC))
     if unknown:
         raise RequestError(f"unknown input(s) {unknown}; this model takes {sorted(_SPEC)}")
@@ -335,20 +302,14 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
     else:
         prompt, source = text, "text_input"
 
-    # SamplingParams fields, each with the input it came from: SamplingParams checks them (the one check), and its
+    # SamplingParams fields, each with the input it came from: the contract checks them (the one check), and its
     # error is restated here in the input's name.
-    fields: dict[str, Any] = {}
-    origin: dict[str, str] = {}
+    fields, origin = tensor_values(inputs)
 
     def given(key: str, value: Any, wire: str) -> None:
         fields[key] = value
         origin[key] = wire
 
-    for name, key in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_k", "top_k"),
-                      ("top_p", "top_p"), ("random_seed", "seed")):
-        value = _scalar(inputs, _SPEC[name])
-        if value is not None:
-            given(key, value, name)
     stop_arr = _array(inputs, _SPEC["stop_words"])
     if stop_arr is not None:  # counted before decoding (empty entries are padding, as in trtllm, but count here)
         _check_stop(list(stop_arr.reshape(-1)), "stop_words", limits)
@@ -364,24 +325,9 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
         bad = _bad_words(list(_texts(inputs, _SPEC["bad_words"])), "bad_words", tokenizer, limits)
         if bad:
             given("bad_words", bad, "bad_words")
-    seed = _scalar(inputs, _SPEC["seed"])
-    if seed is not None:
-        if "seed" in fields:
-            raise RequestError("seed and random_seed: both given; give one (seed is tensorrtllm_backend's current "
-                             "name, random_seed its older one)")
-        given("seed", seed, "seed")
-    for name in ("min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value = _scalar(inputs, _SPEC[name])
-        if value is not None:
-            given(name, value, name)
-    top = _scalar(inputs, _SPEC["num_top_log_probs"])
-    if top is not None:
-        given("logprobs", top, "num_top_log_probs")
     pad_id = _scalar(inputs, _SPEC["pad_id"])
     if pad_id is not None and not 0 <= pad_id < limits.vocab_size:  # accepted: responses are never padded
         raise RequestError(f"pad_id: expected a token id in [0, {limits.vocab_size}), got {pad_id}")
-    for name in ("num_return_sequences", "beam_width"):
-        _one_sequence(inputs, name)
     end_id = _scalar(inputs, _SPEC["end_id"])
     if end_id is not None:
         if not 0 <= end_id < limits.vocab_size:
@@ -393,10 +339,11 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
     vllm_source = None  # where a vllm_backend-shaped request's sampling settings came from
     if sp_text is not None and sp_text.strip():
         vllm_source, json_fields = "sampling_parameters", _sampling_json(sp_text)
-    elif parameters and set(parameters) & set(_JSON_KEYS):
+    elif parameters and set(parameters) & set(VLLM_KEYS):
         check_unicode(dict(parameters), REQUEST_PARAMETERS)
         vllm_source = REQUEST_PARAMETERS
-        json_fields = _vllm_fields({k: v for k, v in parameters.items() if k in _JSON_KEYS}, REQUEST_PARAMETERS)
+        json_fields = vllm_values({k: v for k, v in parameters.items() if k in VLLM_KEYS}, REQUEST_PARAMETERS,
+                                  text=True)
     if vllm_source is not None:
         _check_stop(json_fields.get("stop"), f"{vllm_source}.stop", limits)
         if "bad_words" in json_fields:
@@ -404,7 +351,7 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
                                                   tokenizer, limits)
         for key, value in json_fields.items():
             if key in fields:
-                tensor = _TENSOR_FOR_FIELD.get(key, "end_id")
+                tensor = " / ".join(FIELDS[key].wire.tensors) or origin[key]
                 raise RequestError(f"{vllm_source}: {key!r} is also given as the input {tensor!r}; give it once")
             given(key, value, f"{vllm_source}.{key}")
         for key, default in VLLM_DEFAULTS.items():
@@ -420,12 +367,7 @@ def parse_generate_request(inputs: Inputs, limits: RequestLimits, tokenizer: Any
     return_log_probs = bool(_scalar(inputs, _SPEC["return_log_probs"])) or fields.get("logprobs") is not None
     if return_log_probs and fields.get("logprobs") is None:
         given("logprobs", 0, "return_log_probs")
-    try:
-        params = SamplingParams(**fields)
-    except RequestError as exc:
-        if exc.field is None:
-            raise
-        raise RequestError(exc.restated(origin)[1]) from exc
+    params = sampling_params(fields, origin)
     if params.max_tokens > limits.max_tokens:
         raise RequestError(f"{origin['max_tokens']}: {params.max_tokens} is above this server's limit of "
                          f"{limits.max_tokens}")
@@ -541,7 +483,6 @@ def prompt_ids(decoder: Any, request: GenerateRequest) -> list[int]:
 
 
 __all__ = [
-    "VLLM_DEFAULTS",
     "GenerateRequest",
     "RequestLimits",
     "RequestTiming",
@@ -551,5 +492,6 @@ __all__ = [
     "preprocess",
     "prompt_ids",
     "split_batch",
+    "tensor_values",
     "text_value",
 ]

@@ -46,8 +46,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from model_repo.contract import field_inputs
 from model_repo.pbtxt import loads
 from model_repo.render import adapter_module, write_repo
+from model_repo.request import tensor_values
 from model_repo.model_config import (
     DataType,
     DynamicBatching,
@@ -67,6 +69,7 @@ from builder.drafters import builder_kind, builder_kinds
 from runtime import schema
 from runtime.draft_spec import DraftSpec
 from runtime.errors import ConfigError, RequestError
+from runtime.request_fields import FIELDS, REQUEST_FIELDS, sampling_params
 from runtime.schema import setting
 
 PREPROCESSING = "preprocessing"
@@ -156,7 +159,7 @@ def parse_choices_parameter(text: str) -> tuple[tuple[int, ...], ...]:
 
 # ---- the tensors ------------------------------------------------------------------------------------------
 
-S, I32, U64 = DataType.TYPE_STRING, DataType.TYPE_INT32, DataType.TYPE_UINT64
+S, I32 = DataType.TYPE_STRING, DataType.TYPE_INT32
 F32, B = DataType.TYPE_FP32, DataType.TYPE_BOOL
 SCALAR = Reshape(())
 
@@ -185,12 +188,10 @@ PREPROCESSING_OUTPUTS = (
     ModelOutput("OUT_END_ID", I32, (1,)),
     ModelOutput("OUT_PAD_ID", I32, (1,)),
 )
-SAMPLING_TRTLLM_INPUTS = (
-    _in("temperature", F32, (1,), optional=True, scalar=True),
-    _in("runtime_top_k", I32, (1,), optional=True, scalar=True),
-    _in("runtime_top_p", F32, (1,), optional=True, scalar=True),
-    _in("seed", U64, (1,), optional=True, scalar=True),
-)
+# The request contract's fields the tensorrt_llm model samples by (runtime.request_fields: Wire.trtllm names its input)
+TRTLLM_FIELDS = tuple(f for f in REQUEST_FIELDS if f.wire.trtllm)
+SAMPLING_TRTLLM_INPUTS = tuple(_in(f.wire.trtllm, DataType(f.wire.tensor_type), (1,), optional=True, scalar=True)
+                               for f in TRTLLM_FIELDS)
 TENSORRT_LLM_INPUTS = (
     _in("input_ids", I32, (-1,), optional=True, ragged=True),
     _in("input_lengths", I32, (1,), scalar=True),
@@ -212,12 +213,8 @@ TENSORRT_LLM_OUTPUTS = (
 )
 POSTPROCESSING_INPUTS = (_in("TOKENS_BATCH", I32, (-1, -1)), _in("SEQUENCE_LENGTH", I32, (-1,)))
 POSTPROCESSING_OUTPUTS = (ModelOutput("OUTPUT", S, (-1,)),)
-SAMPLING_CLIENT_INPUTS = (
-    _in("temperature", F32, (1,), optional=True),
-    _in("top_k", I32, (1,), optional=True),
-    _in("top_p", F32, (1,), optional=True),
-    _in("seed", U64, (1,), optional=True),
-)
+# ... as the ensemble and BLS take them from clients (tensorrtllm_backend's current names)
+SAMPLING_CLIENT_INPUTS = tuple(field_inputs(f)[0] for f in TRTLLM_FIELDS)
 CLIENT_INPUTS = (
     _in("text_input", S, (1,)),
     _in("max_tokens", I32, (1,)),
@@ -236,8 +233,8 @@ SPEC_OUTPUTS = (
 # client input -> the preprocessing / tensorrt_llm input it feeds (the templates' ensemble wiring)
 TO_PREPROCESSING = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
                     "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
-TO_TENSORRT_LLM = {"stream": "streaming", "temperature": "temperature", "top_k": "runtime_top_k",
-                   "top_p": "runtime_top_p", "seed": "seed"}
+TO_TENSORRT_LLM = {"stream": "streaming", **{i.name: f.wire.trtllm for i, f in zip(SAMPLING_CLIENT_INPUTS,
+                                                                                    TRTLLM_FIELDS)}}
 PREPROCESSED = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
                 "REQUEST_OUTPUT_LEN": "request_output_len", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
                 "STOP_WORDS_IDS": "stop_words_list",
@@ -248,10 +245,7 @@ VERIFY_INPUTS = (
     ModelInput("draft_tokens", I32, (-1,)),  # [num_nodes]: node 0 is the root (the last committed token)
     ModelInput("tree_parents", I32, (-1,), optional=True),  # [num_nodes]: parent of each node (-1 for the root);
     # absent: the engine's static tree
-    ModelInput("temperature", F32, (1,), optional=True),
-    ModelInput("top_k", I32, (1,), optional=True),
-    ModelInput("top_p", F32, (1,), optional=True),
-    ModelInput("random_seed", U64, (1,), optional=True),
+    *(i for f in TRTLLM_FIELDS for i in field_inputs(f)),  # the sampling settings, as spec_decode takes them
 )
 VERIFY_OUTPUTS = (
     ModelOutput("accepted_path", I32, (-1,)),  # node indices, root first
@@ -545,8 +539,9 @@ def _scalar(inputs: Mapping[str, np.ndarray], name: str, default: Any) -> Any:
 def check_sampling(inputs: Mapping[str, np.ndarray], decoding_mode: str) -> None:
     """RequestError for a sampled request on a tree engine: TensorRT-LLM runs Medusa greedily only and accepts EAGLE
     drafts by typical acceptance when sampling, so neither samples from the target's distribution."""
-    temperature = float(_scalar(inputs, "temperature", 0.0))
-    top_k = int(_scalar(inputs, "top_k", 0))
+    values, _ = tensor_values(inputs, (FIELDS["temperature"], FIELDS["top_k"]))
+    temperature = float(values.get("temperature", FIELDS["temperature"].default))
+    top_k = int(values.get("top_k", FIELDS["top_k"].default))
     if decoding_mode in tree_decoding_modes() and temperature > 0 and top_k != 1:
         raise RequestError(
             f"temperature {temperature:g}: this {decoding_mode} engine decodes losslessly only greedily under "
@@ -611,7 +606,6 @@ def verify_tree_logits(inputs: Mapping[str, np.ndarray], settings: VerifySetting
     (node 0: the root), optional tree_parents [num_nodes] (else the engine's static tree).
     """
     from runtime.protocol import Draft, Proposal
-    from runtime.sampling import SamplingParams
     from runtime.tree import Tree
     from runtime.verify import verify
 
@@ -628,16 +622,9 @@ def verify_tree_logits(inputs: Mapping[str, np.ndarray], settings: VerifySetting
     if tokens.shape[0] != tree.num_nodes or logits.ndim != 2 or logits.shape[0] != tree.num_nodes:
         raise RequestError(f"draft_tokens {tuple(tokens.shape)} and tree_logits {tuple(logits.shape)} must both have "
                            f"the tree's {tree.num_nodes} nodes")
-    seed = inputs.get("random_seed")
-    params = SamplingParams(temperature=float(_scalar(inputs, "temperature", 0.0)),
-                            top_k=int(_scalar(inputs, "top_k", 0)), top_p=float(_scalar(inputs, "top_p", 1.0)),
-                            seed=None if seed is None else int(seed.reshape(-1)[0]))
-    generator = torch.Generator()
-    if params.seed is not None:
-        generator.manual_seed(params.seed)
-    else:
-        generator.seed()
-    verdict = verify(Draft(tree=tree, tokens=tokens, proposal=Proposal.DETERMINISTIC), logits, params, generator)
+    params = sampling_params(*tensor_values(inputs, TRTLLM_FIELDS))
+    verdict = verify(Draft(tree=tree, tokens=tokens, proposal=Proposal.DETERMINISTIC), logits, params,
+                     params.new_generator())
     mode = "greedy" if params.greedy else f"rejection_sampling/{Proposal.DETERMINISTIC.value}"
     return {"accepted_path": verdict.path.numpy().astype(np.int32),
             "output_ids": verdict.tokens.numpy().astype(np.int32),

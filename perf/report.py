@@ -339,7 +339,7 @@ def batch_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
         f"- **Machine**: {machine_line(m, s['threads'])}",
         (f"- **Run**: N requests of {s['max_tokens']} tokens each (greedy, EOS ignored) over {len(report['prompts'])} "
          f"prompts (cycled); sequential = one after another through the batch-1 loop; batched = all N submitted at "
-         f"once to a Scheduler(max_batch_size=N, prefill_chunk={s['prefill_chunk']}"
+         f"once to a Scheduler(max_concurrent_requests=N, prefill_chunk={s['prefill_chunk']}"
          + (f", tree_budget={s['tree_budget']}" if s.get("tree_budget") else "")
          + f"); warm-up {s['warmup']} "
          f"round(s), median of {s['repeats']} ({report['measure_seconds']:.0f} s measuring)"),

@@ -14,8 +14,11 @@ from runtime.api import LoadConfig, build
 from runtime.config import DTYPE_CHOICES
 from runtime.draft_spec import QUANTIZATIONS, kind_names, option_value
 from runtime.errors import SpectreeError
-from runtime.sampling import SamplingParams
+from runtime.request_fields import SamplingParams, add_flags
 from runtime.tokenizer import single_turn
+
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")  # request contract fields
 
 
 def _default(cls, name: str):
@@ -50,13 +53,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="send --prompt as one user message through the model's chat template")
     g.add_argument("--system", help="with --chat: a system message before the user message")
-    g.add_argument("--max-tokens", type=int, default=_default(SamplingParams, "max_tokens"))
-    g.add_argument("--temperature", type=float, default=_default(SamplingParams, "temperature"))
-    g.add_argument("--top-k", type=int, default=_default(SamplingParams, "top_k"))
-    g.add_argument("--top-p", type=float, default=_default(SamplingParams, "top_p"))
-    g.add_argument("--seed", type=int, default=_default(SamplingParams, "seed"))
+    add_flags(g, SAMPLING_FLAGS)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", default=_default(SamplingParams, "ignore_eos"))
     g.add_argument("--draft", choices=kind_names(), default=_default(LoadConfig, "draft"),
                    help="drafter (default: an engine's own, else inferred from --draft-model, else none)")
     g.add_argument("--draft-model", default=_default(LoadConfig, "draft_model"), help="Medusa/EAGLE head directory")
@@ -87,10 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.system is not None and not args.chat:
         p.error("--system needs --chat (it is a chat message)")
     try:
-        params = SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-        )
+        params = SamplingParams(stop=tuple(args.stop), **{name: getattr(args, name) for name in SAMPLING_FLAGS})
         decoder = build(
             LoadConfig(
                 model=args.model, draft=args.draft, draft_model=args.draft_model, tree=args.tree, dtype=args.dtype,

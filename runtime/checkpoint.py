@@ -30,7 +30,8 @@ _MAX_LISTED = 8
 
 def read_head_state(path: Path, files: tuple[str, ...], what: str) -> tuple[Path, dict[str, torch.Tensor]]:
     """A draft head directory's weights: the first of `files` in `path` that exists, a safetensors file or a torch
-    state dict read weights-only (a pickle that would run code is refused, as a corrupt file is). `what` names the
+    state dict read weights-only (a pickle that would run code is refused, as a corrupt file is); weights stored as
+    int8 are read back in float32 (`dequantized`: the loaders cast them to the target's dtype). `what` names the
     head in errors ("EAGLE", "Medusa")."""
     for name in files:
         file = path / name
@@ -38,7 +39,7 @@ def read_head_state(path: Path, files: tuple[str, ...], what: str) -> tuple[Path
             continue
         if name.endswith(".safetensors"):
             try:
-                return file, load_file(str(file), device="cpu")
+                return file, dequantized(load_file(str(file), device="cpu"), file)
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"cannot read {what} weights {file}: {exc}") from exc
         try:
@@ -47,8 +48,33 @@ def read_head_state(path: Path, files: tuple[str, ...], what: str) -> tuple[Path
             raise CheckpointError(f"cannot read {what} weights {file} (weights-only torch.load): {exc}") from exc
         if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{file} must hold a state dict of tensors, got {type(state).__name__}")
-        return file, dict(state)
+        return file, dequantized(dict(state), file)
     raise CheckpointError(f"{what} head directory {path} has neither {' nor '.join(files)}")
+
+
+# A draft head's weights file may store a weight [out, in] as int8 with one scale per output row (symmetric,
+# weight-only: runtime.model.Int8Weight's rule, written by `python -m builder convert-head --storage int8`): the int8
+# tensor under the weight's name and its scales [out] under the name + INT8_SCALE_SUFFIX. Drafts are proposals, so
+# the rounding changes what is drafted (slightly), never what is emitted.
+INT8_SCALE_SUFFIX = ".int8_scale"
+
+
+def dequantized(state: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
+    """`state` with every int8-stored weight as float32 (q * its row's scale) and the scales gone; an int8 weight
+    without scales, or scales without an int8 weight of their rows, is a CheckpointError naming the tensor."""
+    scales = {k[:-len(INT8_SCALE_SUFFIX)]: state.pop(k) for k in list(state) if k.endswith(INT8_SCALE_SUFFIX)}
+    for name, scale in scales.items():  # scale [out]
+        q = state.get(name)  # [out, in] int8
+        if q is None or q.dtype != torch.int8 or q.ndim != 2 or tuple(scale.shape) != (q.shape[0],):
+            found = "nothing" if q is None else f"{q.dtype} {tuple(q.shape)}"
+            raise CheckpointError(f"{file}: {name}{INT8_SCALE_SUFFIX} {tuple(scale.shape)} scales {found} under "
+                                  f"{name}; expected an int8 weight [out, in] with one scale per row")
+        state[name] = q.float() * scale.float()[:, None]
+    unscaled = sorted(k for k, v in state.items() if v.dtype == torch.int8)
+    if unscaled:
+        raise CheckpointError(f"{file}: {unscaled[:4]} are int8 without scales ({unscaled[0]}{INT8_SCALE_SUFFIX}); "
+                              "expected floating-point weights, or int8 ones with their per-row scales")
+    return state
 
 
 def weight_files(path: str | Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -193,4 +219,5 @@ def load_checkpoint(
     return config, validate_tensors(config, tensors, source=str(root))
 
 
-__all__ = ["weight_files", "load_tensors", "expected_shapes", "validate_tensors", "load_checkpoint"]
+__all__ = ["INT8_SCALE_SUFFIX", "dequantized", "expected_shapes", "load_checkpoint", "load_tensors", "read_head_state",
+           "validate_tensors", "weight_files"]

@@ -39,6 +39,7 @@ class RequestError(SpectreeError, ValueError):
     field: str | None = None  # the SamplingParams field (None: the error is not about one field)
     expected: str = ""
     value: Any = None
+    name: str | None = None  # the request's own name for that field, once restated in it (its input, its key)
 
     @classmethod
     def invalid(cls, field: str, expected: str, value: Any) -> RequestError:

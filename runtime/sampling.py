@@ -1,4 +1,5 @@
-"""Sampling parameters and the target distribution p that verification is lossless against.
+"""The target distribution p that verification is lossless against, for a request's SamplingParams (declared, with
+every sampling field's bounds and wire names, in runtime.request_fields, the one request contract).
 
 p = softmax of the logits after temperature, then top-k, then top-p, with the semantics of transformers'
 `TemperatureLogitsWarper` / `TopKLogitsWarper` / `TopPLogitsWarper` (and vLLM's sampler):
@@ -24,106 +25,10 @@ penalised target at every position, and verification stays exact against it (gre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import RequestError
-
-_UINT64_MAX = 2**64 - 1
-MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's top_logprobs limit)
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy (temperature 0)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings; validated on construction (the one check of every field: a bad one raises
-    `RequestError.invalid(field, expected, value)`), never mutated afterwards."""
-
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None  # None = nondeterministic
-    max_tokens: int = 64
-    stop: tuple[str, ...] = ()  # stop strings (not included in the output)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and output tokens)
-    presence_penalty: float = 0.0  # [-2, 2]; 0 = off (output tokens)
-    frequency_penalty: float = 0.0  # [-2, 2]; 0 = off (output tokens)
-    min_tokens: int = 0  # end tokens are impossible before this many tokens
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences never generated
-    logprobs: int | None = None  # None = off; k >= 0: each emitted token's log-probability and the k likeliest
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise RequestError.invalid("temperature", "a finite number >= 0 (0 = greedy)", t)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise RequestError.invalid("top_k", "an integer >= 0 (0 = off)", self.top_k)
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise RequestError.invalid("top_p", "a number in (0, 1] (1 = off)", p)
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _UINT64_MAX):
-            raise RequestError.invalid("seed", "None or an integer in [0, 2**64 - 1]", self.seed)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError.invalid("max_tokens", "an integer >= 1", self.max_tokens)
-        # Normalise list/str inputs into tuples while the object is being built (it is frozen afterwards).
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError.invalid("stop", "a list of non-empty strings", self.stop)
-        object.__setattr__(self, "stop", tuple(stop))
-        ids = self.stop_token_ids
-        if not isinstance(ids, (tuple, list)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise RequestError.invalid("stop_token_ids", "a list of integers >= 0", ids)
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise RequestError.invalid("ignore_eos", "a bool", self.ignore_eos)
-        r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-            raise RequestError.invalid("repetition_penalty", "a finite number > 0 (1 = off)", r)
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                raise RequestError.invalid(name, "a number in [-2, 2] (0 = off)", v)
-            object.__setattr__(self, name, float(v))
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise RequestError.invalid("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]",
-                                       self.min_tokens)
-        words = self.bad_words
-        if not isinstance(words, (tuple, list)) or not all(
-            isinstance(w, (tuple, list)) and w and all(_is_int(t) and t >= 0 for t in w) for w in words
-        ):
-            raise RequestError.invalid("bad_words", "a list of non-empty token-id lists", words)
-        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in words))
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError.invalid("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
-        object.__setattr__(self, "repetition_penalty", float(r))
-        object.__setattr__(self, "temperature", 0.0 if t < GREEDY_BELOW else float(t))
-        object.__setattr__(self, "top_p", float(p))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalised(self) -> bool:
-        """Whether any setting changes the logits before temperature (see the module docstring)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or bool(self.bad_words))
-
-    def new_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A fresh generator seeded with `seed` (or from OS entropy when seed is None)."""
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+from runtime.request_fields import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

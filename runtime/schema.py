@@ -15,8 +15,10 @@ frozen dataclass, every key and type checked, bounds declared on the fields, err
 
 Field types: bool, int, float (an int is taken), str, Path (relative ones resolve from `base_dir`), Literal[...],
 X | None, tuple[X, ...], dict[str, X], Any, and nested dataclasses. A bool is never an int. `setting` declares a
-field's bounds: ge / gt / le / lt, choices, nonempty, pattern (`what`: the expectation in words); `key` reads the
-field from another key of the source; `parsed=False` keeps a field out of sources (the caller sets it).
+field's bounds: ge / gt / le / lt, finite, choices, nonempty, pattern, items (the bounds of each item of a tuple;
+`what`: the expectation in words); `key` reads the field from another key of the source; `parsed=False` keeps a
+field out of sources (the caller sets it). `convert` checks one value against a type and bounds (the request
+contract, runtime.request_fields, checks its fields with it).
 
 `strings=True` reads a source whose values are all text (Triton `parameters`): ints, floats and bools ("true" /
 "false") are parsed from it, tuples, dicts and dataclasses from JSON text, with the same errors.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -54,9 +57,11 @@ class Bounds:
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
+    finite: bool = False  # numbers: not NaN, not infinite
     choices: tuple[Any, ...] | None = None
     nonempty: bool = False  # strings, tuples, dicts: at least one character / item
     pattern: str | None = None  # strings: re.fullmatch
+    items: Bounds | None = None  # tuples: the bounds of every item
     what: str | None = None  # the expectation in words, instead of the one written from the type and bounds
     key: str | None = None  # the source's key, when it is not the field's name
     parsed: bool = True  # False: never read from a source (the caller sets it)
@@ -67,12 +72,15 @@ _UNBOUNDED = Bounds()
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-            choices: tuple[Any, ...] | None = None, nonempty: bool = False, pattern: str | None = None,
-            what: str | None = None, key: str | None = None, parsed: bool = True) -> Any:
-    """A dataclass field with declared bounds: `tp_size: int = setting(1, ge=1)`; `setting()`: required."""
-    bounds = Bounds(ge=ge, gt=gt, le=le, lt=lt, choices=None if choices is None else tuple(choices),
-                    nonempty=nonempty, pattern=pattern, what=what, key=key, parsed=parsed)
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={_METADATA: bounds})
+            finite: bool = False, choices: tuple[Any, ...] | None = None, nonempty: bool = False,
+            pattern: str | None = None, items: Bounds | None = None, what: str | None = None, key: str | None = None,
+            parsed: bool = True, metadata: Mapping[str, Any] | None = None) -> Any:
+    """A dataclass field with declared bounds: `tp_size: int = setting(1, ge=1)`; `setting()`: required.
+    `metadata`: more of the field's metadata (another layer's declaration beside the bounds)."""
+    bounds = Bounds(ge=ge, gt=gt, le=le, lt=lt, finite=finite, choices=None if choices is None else tuple(choices),
+                    nonempty=nonempty, pattern=pattern, items=items, what=what, key=key, parsed=parsed)
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={**(metadata or {}), _METADATA: bounds})
 
 
 def bounds_of(f: dataclasses.Field) -> Bounds:
@@ -260,7 +268,8 @@ def _convert(tp: Any, value: Any, key: str, src: _Source) -> Any:
 # ---- bounds ----------------------------------------------------------------------------------------------------
 
 
-def _interval(b: Bounds) -> str:
+def interval(b: Bounds) -> str:
+    """The numeric bounds in words: "in [0, 1)", ">= 1", "" (none)."""
     low = f"[{b.ge:g}" if b.ge is not None else f"({b.gt:g}" if b.gt is not None else None
     high = f"{b.le:g}]" if b.le is not None else f"{b.lt:g})" if b.lt is not None else None
     if low and high:
@@ -279,15 +288,21 @@ def expectation(tp: Any, b: Bounds) -> str:
     if b.choices is not None:
         return "one of " + ", ".join(repr(c) for c in b.choices)
     base = describe(_without_none(tp))
+    if b.finite:
+        base = {"a number": "a finite number"}.get(base, f"{base}, finite")
     if b.nonempty:
         base = {"a string": "a non-empty string"}.get(base, f"{base}, not empty")
-    bound = _interval(b)
+    bound = interval(b)
     return f"{base} {bound}" if bound else base
 
 
 def _check_bounds(tp: Any, b: Bounds, value: Any, key: str, src: _Source) -> None:
     if value is None or b is _UNBOUNDED:
         return
+    if b.items is not None and isinstance(value, tuple):
+        args = typing.get_args(_without_none(tp))
+        for i, item in enumerate(value):
+            _check_bounds(args[0] if args else Any, b.items, item, key_path(key, i), src)
     ok = True
     if b.choices is not None:
         ok = value in b.choices
@@ -300,9 +315,20 @@ def _check_bounds(tp: Any, b: Bounds, value: Any, key: str, src: _Source) -> Non
         ok = ok and not any((
             b.ge is not None and not value >= b.ge, b.gt is not None and not value > b.gt,
             b.le is not None and not value <= b.le, b.lt is not None and not value < b.lt,
+            b.finite and not math.isfinite(value),
         ))
     if not ok:
         raise src.fail(key, value, expectation(tp, b))
+
+
+def convert(tp: Any, value: Any, bounds: Bounds = _UNBOUNDED, error: type[Exception] = ConfigError,
+            key: str = "") -> Any:
+    """One value as a field of type `tp` with `bounds` takes it (converted as `load` converts: an int for a float
+    is a float, a list for a tuple a tuple); a wrong type or a value out of bounds raises `error` naming `key`."""
+    src = _Source(error, "", None, False)
+    value = _convert(tp, value, key, src)
+    _check_bounds(tp, bounds, value, key, src)
+    return value
 
 
 def check(obj: Any, error: type[Exception] = ConfigError, prefix: str = "") -> None:
@@ -377,8 +403,10 @@ __all__ = [
     "Bounds",
     "bounds_of",
     "check",
+    "convert",
     "describe",
     "expectation",
+    "interval",
     "jsonable",
     "key_path",
     "load",
