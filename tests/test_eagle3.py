@@ -311,12 +311,13 @@ def test_bad_configs_name_the_field(tmp_path, target_dir, target, changes, match
 
 @pytest.mark.parametrize("hook,match", [
     (lambda st: {k: v for k, v in st.items() if k != "fc.weight"}, r"has no fc.weight: not an EAGLE-3 head"),
-    (lambda st: {**st, "fc.weight": st["fc.weight"][:, :128]}, r"fc.weight has shape \(64, 128\), expected \[64, 192\]"),
+    (lambda st: {**st, "fc.weight": st["fc.weight"][:, :128].contiguous()},
+     r"fc.weight has shape \(64, 128\), expected \[64, 192\]"),
     (lambda st: {**st, "lm_head.weight": st["lm_head.weight"][:100]}, r"lm_head.weight has 100 rows, expected 420"),
     (lambda st: {k: v for k, v in st.items() if k != "midlayer.hidden_norm.weight"},
      r"missing 1 key\(s\) \['midlayer.hidden_norm.weight'\]"),
     (lambda st: {**st, "midlayer.extra.weight": torch.zeros(2)}, r"unexpected 1 key\(s\) \['midlayer.extra.weight'\]"),
-    (lambda st: {**st, "midlayer.self_attn.q_proj.weight": st["midlayer.self_attn.q_proj.weight"][:, :64]},
+    (lambda st: {**st, "midlayer.self_attn.q_proj.weight": st["midlayer.self_attn.q_proj.weight"][:, :64].contiguous()},
      r"midlayer.self_attn.q_proj.weight has shape \(64, 64\), expected \(64, 128\)"),
     (lambda st: {**st, "d2t": st["d2t"].float()}, r"d2t must be a 1-D integer tensor"),
 ])
