@@ -153,6 +153,25 @@ def eagle_layer_config(target_dir: str | Path, **overrides: Any):
     return cfg
 
 
+def _write_head(out: Path, config: dict[str, Any], overrides: dict[str, Any] | None, state: dict[str, torch.Tensor],
+                fmt: str) -> Path:
+    """config.json (`overrides` set, None: removed) and the weights as pytorch_model.bin (fmt "bin") or
+    model.safetensors into `out`; returns it."""
+    for key, v in (overrides or {}).items():
+        if v is None:
+            config.pop(key, None)
+        else:
+            config[key] = v
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    if fmt == "bin":
+        torch.save(state, out / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, str(out / "model.safetensors"))
+    return out
+
+
 def write_eagle_head(
     dir: str | Path,
     target_dir: str | Path,
@@ -226,19 +245,7 @@ def write_eagle_head(
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
     }
-    for k, v in (config_overrides or {}).items():
-        if v is None:
-            config.pop(k, None)
-        else:
-            config[k] = v
-    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    if fmt == "bin":
-        torch.save(state, out / "pytorch_model.bin")
-    else:
-        from safetensors.torch import save_file
-
-        save_file(state, str(out / "model.safetensors"))
-    return out
+    return _write_head(out, config, config_overrides, state, fmt)
 
 
 class Eagle3Attention(nn.Module):
@@ -412,19 +419,7 @@ def write_eagle3_head(
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": k,
     }
-    for key, v in (config_overrides or {}).items():
-        if v is None:
-            config.pop(key, None)
-        else:
-            config[key] = v
-    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    if fmt == "bin":
-        torch.save(state, out / "pytorch_model.bin")
-    else:
-        from safetensors.torch import save_file
-
-        save_file(state, str(out / "model.safetensors"))
-    return out
+    return _write_head(out, config, config_overrides, state, fmt)
 
 
 def load_eagle3_reference(dir: str | Path, target_dir: str | Path) -> Eagle3Reference:
