@@ -195,6 +195,14 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
             draft_path = _write_draft(tmp / DRAFT_DIR, plan, drafter)
         record("draft", "done", f"{DRAFT_DIR}/ ({plan.draft.kind})", t0)
 
+    t0 = time.perf_counter()
+    deploy = builder_kind(plan.draft.kind).deploy_files(plan, drafter)
+    for rel, text in deploy.items():  # what serves the drafter on other engines (its kind's)
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_text(text, encoding="utf-8")
+    if deploy:
+        record("deploy", "done", ", ".join(sorted(deploy)), t0)
+
     onnx_record = _onnx_stage(tmp, plan, model, progress, record)
     trt_record = _tensorrt_stage(tmp, plan, onnx_record, progress, record)
 
@@ -203,7 +211,7 @@ def _build_into(tmp: Path, plan: BuildPlan, progress: Progress, record) -> dict[
 
     rel_files = list(iter_files(tmp))
     for rel in rel_files:  # readable by a server running as another user (safetensors writes 0600)
-        (tmp / rel).chmod(0o755 if rel == BUILD_SCRIPT else 0o644)
+        (tmp / rel).chmod(0o755 if rel == BUILD_SCRIPT or str(rel).endswith(".sh") else 0o644)
     total_bytes = sum((tmp / f).stat().st_size for f in rel_files)
     t0 = time.perf_counter()
     files: dict[str, dict[str, Any]] = {}

@@ -56,10 +56,16 @@ EVAL_TOPK = 5  # held-out metrics count top-1 and top-EVAL_TOPK agreement
 
 
 @torch.no_grad()
-def target_outputs(target: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids # [B, T] -> final-norm hidden # [B, T, H], logits # [B, T, V] float32 (the frozen target)."""
-    hidden = target.model(input_ids=ids).last_hidden_state
-    return hidden, target.lm_head(hidden).float()
+def target_outputs(target: nn.Module, ids: torch.Tensor,
+                   layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids # [B, T] -> final-norm hidden # [B, T, H] (with feature `layers`: followed by the streams entering them,
+    # [B, T, H * (1 + F)], as the runtime hands them to a drafter), logits # [B, T, V] float32 (the frozen target)."""
+    out = target.model(input_ids=ids, output_hidden_states=bool(layers))
+    hidden = out.last_hidden_state
+    logits = target.lm_head(hidden).float()
+    if layers:  # transformers' hidden_states[j] is the stream entering layer j
+        hidden = torch.cat([hidden, *(out.hidden_states[j] for j in layers)], dim=-1)
+    return hidden, logits
 
 
 def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -75,10 +81,10 @@ def cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, data: torch
     return F.cross_entropy(logits, data)
 
 
-def eval_batches(target: nn.Module, windows) -> Any:
+def eval_batches(target: nn.Module, windows, layers: tuple[int, ...] = ()) -> Any:
     """EvalBatches of id windows run through a transformers target (whole vocabulary)."""
     for ids in windows:
-        hidden, logits = target_outputs(target, ids)
+        hidden, logits = target_outputs(target, ids, layers)
         yield EvalBatch(ids, hidden, logits.argmax(-1), ids)
 
 
@@ -182,14 +188,15 @@ def train_heads(config: TrainConfig, only: str | None = None, fresh: bool = Fals
             raise BuildConfigError(f"heads.{kind}.init: {shown_path(section.init)} scores a reduced draft vocabulary; "
                                    "expected a full-vocabulary head unless corpus.source is 'chat'")
         module = hooks.train_module(section, tt, init)
+        layers = hooks.feature_layers(section, target.config)
 
-        def step_loss(ids, step, module=module, section=section, hooks=hooks):
-            hidden, logits = target_outputs(target, ids)
+        def step_loss(ids, step, module=module, section=section, hooks=hooks, layers=layers):
+            hidden, logits = target_outputs(target, ids, layers)
             return hooks.train_loss(module, section, tt, ids, hidden, logits, h.labels, step)
 
-        def evaluate(step: int, module=module, opt=opt, hooks=hooks) -> dict[str, list[float]]:
+        def evaluate(step: int, module=module, opt=opt, hooks=hooks, layers=layers) -> dict[str, list[float]]:
             windows = fixed_windows(data.held_out, opt.eval_batches, opt.seq_len)
-            return hooks.train_metrics(module, tt, eval_batches(target, windows))
+            return hooks.train_metrics(module, tt, eval_batches(target, windows, layers))
 
         log = work / f"{kind}_log.jsonl"
         steps, elapsed, loss, final = optimise(module, step_loss, evaluate, opt, data.train, opt.seq_len,
@@ -222,6 +229,8 @@ class FrozenTargetView(nn.Module):
 class ChatData:
     tokens: torch.Tensor  # [T] int64
     hidden: torch.Tensor  # [T, H] bfloat16
+    layers: tuple[int, ...]  # the feature layers cached (ascending; () none)
+    features: torch.Tensor | None  # [T, len(layers) * H] bfloat16: their streams
     train: np.ndarray  # positions of the training conversations, concatenated
     held_out: np.ndarray  # positions of the held-out conversations
     vocab: DraftVocab | None
@@ -272,9 +281,10 @@ def write_datastores(config: TrainConfig, only: str | None = None) -> list[tuple
 
 
 def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], quiet: bool,
-              vocab: DraftVocab | None = None) -> ChatData:
-    """Answers (generated once, resumable), cached features, the split by prompt id, the draft vocabulary (`vocab`
-    when given: an init head's, checked against heads.draft_vocab_size by the caller; else counted on the answers)."""
+              vocab: DraftVocab | None = None, layers: tuple[int, ...] = ()) -> ChatData:
+    """Answers (generated once, resumable), cached features (and the streams entering feature `layers`), the split
+    by prompt id, the draft vocabulary (`vocab` when given: an init head's, checked against heads.draft_vocab_size by
+    the caller; else counted on the answers)."""
     from builder.training.corpus import is_held_out
     from builder.training.distill import GenerateSettings, conversations, features, generate, prompt_of
     from runtime.prompts import load_prompt_file
@@ -286,7 +296,7 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
              GenerateSettings(max_new_tokens=c.max_new_tokens, batch_size=c.generate_batch, answers=c.answers,
                               temperature=c.answer_temperature), quiet=quiet)
     convs = conversations(data_dir)
-    cached = features(h.target, data_dir, convs, quiet=quiet)
+    cached = features(h.target, data_dir, convs, quiet=quiet, layers=layers)
     train_pos, held_pos, counts = [], [], torch.zeros(target_vocab, dtype=torch.int64)
     held_answer, train_answers = [], []
     for conv, start in zip(convs, cached.starts.tolist()):
@@ -313,7 +323,8 @@ def chat_data(config: TrainConfig, target_vocab: int, eos_ids: tuple[int, ...], 
         to_draft = vocab.draft_index()
     held = torch.tensor(held_answer, dtype=torch.int64)
     coverage = float((to_draft[held] >= 0).float().mean()) if held.numel() else 1.0
-    return ChatData(torch.from_numpy(cached.tokens.astype(np.int64)), cached.hidden, np.concatenate(train_pos),
+    return ChatData(torch.from_numpy(cached.tokens.astype(np.int64)), cached.hidden, layers, cached.features,
+                    np.concatenate(train_pos),
                     np.concatenate(held_pos), vocab, to_draft, coverage, train_answers)
 
 
@@ -351,7 +362,10 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
     embed = tensors["model.embed_tokens.weight"]
     lm_full = tensors.get("lm_head.weight", embed)  # [V, H]
     inits = {kind: builder_kind(kind).init_head(getattr(h, kind), ours.vocab_size) for kind in kinds}
-    data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet, _init_vocab(config, inits))
+    kind_layers = {kind: builder_kind(kind).feature_layers(getattr(h, kind), target_config) for kind in kinds}
+    all_layers = tuple(sorted({j for layers in kind_layers.values() for j in layers}))
+    data = chat_data(config, ours.vocab_size, tuple(ours.eos_token_ids), quiet, _init_vocab(config, inits),
+                     all_layers)
     lm_draft = lm_full if data.vocab is None else lm_full[data.vocab.target_ids].contiguous()  # [K, H]
     view = FrozenTargetView(embed, lm_draft)
     target_fp = target_digest(h.target)
@@ -360,14 +374,22 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
     data_fp = hashlib.sha256(json.dumps([str(config.corpus.prompts), h.draft_vocab_size,
                                          config.corpus.held_out]).encode()).hexdigest()[:16]
 
-    def gather(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions # [B, T] -> ids # [B, T] int64, hidden # [B, T, H] float32."""
-        return data.tokens[pos], data.hidden[pos].float()
+    h_size = embed.shape[1]
 
-    def held_batches(opt) -> Any:
+    def gather(pos: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions # [B, T] -> ids # [B, T] int64, hidden # [B, T, H] float32 (followed by the streams entering
+        feature `layers`: [B, T, H * (1 + F)])."""
+        hidden = data.hidden[pos].float()
+        if layers:
+            cols = [data.layers.index(j) * h_size + c for j in layers for c in range(h_size)]
+            hidden = torch.cat([hidden, data.features[pos][..., cols].float()], dim=-1)
+        return data.tokens[pos], hidden
+
+    def held_batches(opt, layers: tuple[int, ...]) -> Any:
         for pos in fixed_windows(data.held_out, opt.eval_batches, opt.seq_len):
-            ids, hidden = gather(pos)
-            greedy = data.to_draft[F.linear(hidden, lm_full).argmax(-1)]  # the target's greedy token, as a draft id
+            ids, hidden = gather(pos, layers)
+            # the target's greedy token, as a draft id
+            greedy = data.to_draft[F.linear(hidden[..., :h_size], lm_full).argmax(-1)]
             yield EvalBatch(ids, hidden, greedy, data.to_draft[ids])
 
     tt = TrainingTarget(view, target_config, lm_draft)
@@ -376,13 +398,15 @@ def _train_chat_heads(config: TrainConfig, kinds: list[str], quiet: bool) -> lis
         section, hooks = getattr(h, kind), builder_kind(kind)
         opt, fp = _prepare_kind(kind, h, section, data.train, data.held_out, "conversations", data_fp, target_fp)
         module = hooks.train_module(section, tt, inits[kind])
+        layers = kind_layers[kind]
 
-        def step_loss(pos, step, module=module, section=section, hooks=hooks):
-            ids, hidden = gather(pos)
-            return hooks.train_loss(module, section, tt, ids, hidden, view.lm_head(hidden), "target", step)
+        def step_loss(pos, step, module=module, section=section, hooks=hooks, layers=layers):
+            ids, hidden = gather(pos, layers)
+            logits = view.lm_head(hidden[..., :h_size])
+            return hooks.train_loss(module, section, tt, ids, hidden, logits, "target", step)
 
-        def evaluate(step: int, module=module, opt=opt, hooks=hooks) -> dict[str, list[float]]:
-            return hooks.train_metrics(module, tt, held_batches(opt))
+        def evaluate(step: int, module=module, opt=opt, hooks=hooks, layers=layers) -> dict[str, list[float]]:
+            return hooks.train_metrics(module, tt, held_batches(opt, layers))
 
         log = work / f"{kind}_log.jsonl"
         steps, elapsed, loss, final = optimise(module, step_loss, evaluate, opt, data.train, opt.seq_len,

@@ -43,7 +43,7 @@ from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.model import TargetModel
 from runtime.prompts import load_prompt_file
-from runtime.protocol import Draft
+from runtime.protocol import Draft, feature_layers_of
 from runtime.schema import setting
 from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
@@ -161,6 +161,7 @@ class RecordingDrafter:
     def __init__(self, inner, counts: AcceptanceCounts, max_tokens: int) -> None:
         self.inner, self.counts, self.max_tokens = inner, counts, max_tokens
         self.name = inner.name
+        self.feature_layers = feature_layers_of(inner)  # the target layers the wrapped drafter reads
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> _RecordingSession:
         return _RecordingSession(self.inner.start(prompt, hidden, max_nodes), self.counts, [1, self.max_tokens])

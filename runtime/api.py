@@ -125,9 +125,9 @@ def load(
     text, token ids or chat messages ([{"role": "user", "content": "..."}], rendered by the chat template).
 
     path         HF checkpoint directory (config.json, model.safetensors[.index.json], tokenizer.json)
-    draft        the drafter kind: medusa | eagle | lookup | none (default: an engine's own, else inferred from
+    draft        the drafter kind: medusa | eagle | eagle3 | lookup | none (default: an engine's own, else inferred from
                  draft_model, else none)
-    draft_model  Medusa heads (FasterDecoding format) or EAGLE-1 head (EAGLE repo layout) directory
+    draft_model  Medusa heads (FasterDecoding format), EAGLE-1 head (EAGLE repo layout) or EAGLE-3 head directory
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
     dtype        auto | float32 | bfloat16 | float16 (default: the checkpoint's; auto: bfloat16 on a CPU with
                  native bf16, else float32; bfloat16 is refused on a CPU without it: runtime.config.choose_dtype)

@@ -30,7 +30,7 @@ import torch
 from runtime.errors import RequestError
 from runtime.kv_cache import KVCache
 from runtime.model import Segment, TargetModel, causal_mask
-from runtime.protocol import Draft, Drafter, DraftSession, Verdict
+from runtime.protocol import Draft, Drafter, DraftSession, Verdict, feature_layers_of
 from runtime.sampling import Penalties, SamplingParams, greedy_tokens, sample, target_probs, token_logprobs
 from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
 from runtime.tree import Tree
@@ -196,6 +196,8 @@ class SpecDecoder:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.max_tree_nodes = max_tree_nodes
+        # the target layers whose features the drafter reads besides the final-norm state (its hidden states widen)
+        self.feature_layers = feature_layers_of(drafter)
         eos = model.config.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         self.eos_token_ids = frozenset(eos)
 
@@ -381,7 +383,8 @@ class RequestState:
             self._pending = n
             # Only the prompt's last row needs logits (the first generated token).
             return Segment(cache, self.prompt[a:b], torch.arange(a, b, device=self.device),
-                           causal_mask(n, 1, self.device)[0], logits_from=n - 1 if b == self.prompt_tokens else n)
+                           causal_mask(n, 1, self.device)[0], logits_from=n - 1 if b == self.prompt_tokens else n,
+                           feature_layers=self.decoder.feature_layers)
         if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1):
             raise RequestError(f"max_nodes must be None or an int >= 1 (the root counts), got {max_nodes!r}")
         t0 = time.perf_counter()
@@ -405,7 +408,8 @@ class RequestState:
         # Penalties and logprobs read other rows' logits: all of them then.
         lazy = tree.num_nodes > 1 and self.params.greedy and self._penalties is None and self.params.logprobs is None
         return Segment(cache, draft.tokens.to(self.device), (cache.length + tree.depth).to(self.device),
-                       tree.packed_mask.to(self.device), logit_rows=self._likely_rows if lazy else None)
+                       tree.packed_mask.to(self.device), logit_rows=self._likely_rows if lazy else None,
+                       feature_layers=self.decoder.feature_layers)
 
     def _likely_rows(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, H] -> node indices [M] int64
         """The pending tree's nodes whose argmax greedy verification will likely read (`runtime.verify.likely_path`),
@@ -422,7 +426,7 @@ class RequestState:
         self,
         logits: torch.Tensor,  # [M, V] float32: the target's logits for the last segment's rows (logits_from or
         #                        logit_rows)
-        hidden: torch.Tensor,  # [N, H]: its hidden states
+        hidden: torch.Tensor,  # [N, H]: its hidden states (wider with the drafter's feature layers: the segment's)
         forward_seconds: float,  # the target forward's time, charged to prefill / verify
     ) -> GenerationDelta | None:
         """Commit the target's output for the last `next_segment()`; the tokens it emits (None after a prompt
@@ -489,7 +493,7 @@ class RequestState:
         draft: Draft,
         rows: list[int],  # the nodes whose logits the forward computed
         logits: torch.Tensor,  # [len(rows), V] float32
-        hidden: torch.Tensor,  # [N, H]
+        hidden: torch.Tensor,  # [N, H] (or wider: its first H columns are the final-norm states)
     ) -> Verdict:
         """Greedy verification from the logits of some nodes: the lm_head runs on any other node the walk needs
         (a child whose token scored within rounding of a sibling's), the same rows' logits plain decoding gets."""
@@ -499,7 +503,8 @@ class RequestState:
 
         def argmax_of(nodes: list[int]) -> list[int]:
             index = torch.tensor(nodes, dtype=torch.int64, device=hidden.device)
-            return greedy_tokens(self.decoder.model.lm_head(hidden[index])).tolist()
+            final = hidden[index, : self.decoder.model.config.hidden_size]
+            return greedy_tokens(self.decoder.model.lm_head(final)).tolist()
 
         return greedy_walk_computing(draft, argmax, argmax_of)
 

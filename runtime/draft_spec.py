@@ -233,8 +233,10 @@ def option_names(kind: str) -> tuple[str, ...]:
 # ---- drafter kinds ------------------------------------------------------------------------------------------------
 
 PLAIN = "none"  # the kind of plain decoding (runtime/drafters/none.py), DraftSpec's default
-BUILTIN_KINDS = ("runtime.drafters.medusa", "runtime.drafters.eagle", "runtime.drafters.lookup",
-                 "runtime.drafters.none")  # the kind modules the registry loads, in the order kinds are listed
+# The kind modules the registry loads, in the order kinds are listed; eagle3 before eagle: `infer_draft_kind` takes
+# the first kind that recognizes a head directory, and an EAGLE-3 head is a one-layer head too.
+BUILTIN_KINDS = ("runtime.drafters.medusa", "runtime.drafters.eagle3", "runtime.drafters.eagle",
+                 "runtime.drafters.lookup", "runtime.drafters.none")
 
 
 class DrafterKind:

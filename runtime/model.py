@@ -16,6 +16,13 @@ own cache, prefix length and N_i new tokens (a draft tree or a prompt chunk), in
 layer (embedding, q/k/v, o, MLP, norms, lm_head: where the weights are read) runs over the packed rows
 [sum of N_i, H]; attention runs per sequence against its own cache with the unchanged tree-attention op (B = 1),
 as vLLM packs variable-length sequences.
+
+Feature layers (`Segment.feature_layers`, for drafters that read the target's inner layers, EAGLE-3): layer j's
+feature is the residual stream entering decoder layer j (the output of layer j - 1, before any norm; j = 0 the
+embedding, j = num_hidden_layers the last layer's output), as vLLM's and SGLang's EAGLE-3 capture it. A segment
+that asks for some gets, as its hidden states, the final-norm state followed by those layers' features, in
+ascending layer order: # [N, H * (1 + len(feature_layers))]. They are values the forward computes anyway, so
+asking for them changes no logit.
 """
 
 from __future__ import annotations
@@ -145,22 +152,24 @@ class Attention(_Fused):
     _fused_names = ("q_proj", "k_proj", "v_proj")
     _out_name = "o_proj"
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, in_features: int | None = None) -> None:
+        """in_features: what q/k/v read (None: hidden_size; EAGLE-3's draft layer reads 2 * hidden_size)."""
         super().__init__()
         h = config.hidden_size
+        i = h if in_features is None else in_features
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.q_proj = nn.Linear(h, config.q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
+        self.q_proj = nn.Linear(i, config.q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(i, config.kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(i, config.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
         self._setup_fusion()
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, N, H]
+        x: torch.Tensor,  # [B, N, in_features]
         cos: torch.Tensor,  # [B, N, D] (RotaryEmbedding's, in x's dtype)
         sin: torch.Tensor,  # [B, N, D]
         cache: KVCache,
@@ -591,6 +600,9 @@ class Segment:
     # Or the rows to run it on, chosen from the segment's hidden states once they exist: hidden # [N, H] -> row
     # indices # [M] int64 (a greedy tree step: the nodes verification will likely read, `runtime.verify.likely_path`)
     logit_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # target layers whose features (see the module docstring) follow the final-norm state in its hidden states;
+    # strictly increasing
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -893,19 +905,31 @@ class TargetModel(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any,
                       tree_mask: torch.Tensor | None) -> torch.Tensor:
         """The decoder stack up to the final norm: # [B, N, H] (tree_mask is None for SegmentCaches)."""
+        return self._stack(tokens, positions, cache, tree_mask)[0]
+
+    def _stack(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, tree_mask: torch.Tensor | None,
+               feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final-norm hidden states # [B, N, H] and the features of `feature_layers` (ascending) # [B, N, H]
+        each."""
         x = self.embed(tokens)
         cos_sin = self.rotary(positions, x.dtype)
+        features = []
         for i, layer in enumerate(self.model.layers):
+            if i in feature_layers:
+                features.append(x)
             x = layer(x, positions, cache, i, tree_mask, cos_sin)
-        return self.model.norm(x)
+        if len(self.model.layers) in feature_layers:
+            features.append(x)
+        return self.model.norm(x), features
 
     @torch.no_grad()
     def forward_segments(self, segments: Sequence[Segment],
                          check: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over several sequences (see the module docstring); per segment, in order,
-        (logits # [N - logits_from, V] float32, or [M, V] for the rows its `logit_rows` picked, hidden # [N, H]).
-        Writes each segment's K/V at [cache.length, +N) of its cache, advances none of them. check=False skips
-        `check_segment` (for a caller that ran it on each segment already)."""
+        (logits # [N - logits_from, V] float32, or [M, V] for the rows its `logit_rows` picked, hidden # [N, H], or
+        [N, H * (1 + F)] with its F `feature_layers`' features after the final-norm state). Writes each segment's K/V
+        at [cache.length, +N) of its cache, advances none of them. check=False skips `check_segment` (for a caller
+        that ran it on each segment already)."""
         if not segments:
             raise RequestError("forward_segments needs at least one segment")
         if check:
@@ -914,14 +938,19 @@ class TargetModel(nn.Module):
         tokens = torch.cat([seg.tokens for seg in segments])[None]  # [1, T]
         positions = torch.cat([seg.positions for seg in segments])[None]  # [1, T]
         caches = SegmentCaches(segments)
-        hidden = self.hidden_states(tokens, positions, caches, None)[0]  # [T, H]
+        layers = tuple(sorted({j for seg in segments for j in seg.feature_layers}))
+        hidden, features = self._stack(tokens, positions, caches, None, layers)
+        hidden = hidden[0]  # [T, H]
         rows = [hidden[a:b][seg.logit_rows(hidden[a:b])] if seg.logit_rows is not None
                 else hidden[a + seg.logits_from:b] for seg, (a, b) in zip(segments, caches.bounds)]
         wanted = [r.shape[0] for r in rows]
         whole = all(seg.logits_from == 0 and seg.logit_rows is None for seg in segments)
         picked = hidden if whole else torch.cat(rows)  # [sum wanted, H]
         logits = self.lm_head(picked).split(wanted)  # one matmul for every segment's rows
-        return [(lg, hidden[a:b]) for lg, (a, b) in zip(logits, caches.bounds)]
+        if not layers:
+            return [(lg, hidden[a:b]) for lg, (a, b) in zip(logits, caches.bounds)]
+        return [(lg, torch.cat([hidden[a:b], *(features[layers.index(j)][0, a:b] for j in seg.feature_layers)], -1))
+                for lg, seg, (a, b) in zip(logits, segments, caches.bounds)]
 
     def check_segment(self, seg: Segment) -> None:
         """RequestError / CacheError unless `seg` fits this model (the checks of `forward`, for one sequence)."""
@@ -936,6 +965,7 @@ class TargetModel(nn.Module):
         if seg.logit_rows is not None and (seg.logits_from != 0 or not callable(seg.logit_rows)):
             raise RequestError(f"segment logit_rows must be callable and logits_from 0 with it, got "
                                f"{type(seg.logit_rows).__name__} and logits_from {seg.logits_from}")
+        check_feature_layers(seg.feature_layers, self.config.num_hidden_layers, "segment feature_layers")
         self._check_inputs(seg.tokens[None], seg.positions[None], seg.cache, seg.tree_mask[None])
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -981,9 +1011,20 @@ class TargetModel(nn.Module):
         if lo < 0 or hi >= c.vocab_size:
             raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {c.vocab_size})")
 
+def check_feature_layers(layers: Any, num_layers: int, what: str,
+                         error: type[Exception] = RequestError) -> tuple[int, ...]:
+    """`layers` as a tuple of feature layers (see the module docstring) of a model with `num_layers` decoder layers:
+    strictly increasing integers in [0, num_layers]; `error` naming `what` otherwise."""
+    if not isinstance(layers, tuple) or any(isinstance(j, bool) or not isinstance(j, int) for j in layers) or \
+            any(not 0 <= j <= num_layers for j in layers) or list(layers) != sorted(set(layers)):
+        raise error(f"{what}: got {layers!r}, expected a tuple of strictly increasing layer indices in "
+                           f"[0, {num_layers}] (the model's num_hidden_layers)")
+    return layers
+
+
 __all__ = [
     "RMSNorm", "Attention", "MLP", "DecoderLayer", "Backbone", "TargetModel", "Segment", "AttendingCache",
     "SegmentCaches", "attend",
     "causal_mask", "kv_dtype", "batch_invariant", "pads_rows", "linear", "INVARIANT_ROWS", "PADDED_ROWS", "RowPlan",
-    "row_plan", "PackedWeight",
+    "row_plan", "PackedWeight", "check_feature_layers",
 ]

@@ -93,7 +93,8 @@ class DraftSession(Protocol):
         plain step: the scheduler's tree budget left the request its root alone): advance follows all the same.
 
         tokens  # [a] int64: x_L .. x_{L+a-1} (the previous root followed by the accepted draft tokens)
-        hidden  # [a, H]:    h_L .. h_{L+a-1}
+        hidden  # [a, H]:    h_L .. h_{L+a-1} ([a, H * (1 + F)] for a drafter with F `feature_layers`: each row
+                #            the final-norm state, then those target layers' features, `runtime.model`)
         """
         ...
 
@@ -103,11 +104,21 @@ class Drafter(Protocol):
 
     name: str  # its kind (runtime.draft_spec.kind_names())
     spec: DraftSpec  # what it drafts, every default resolved (load_drafter's drafters; the weights path is not kept)
+    # Optional: target layers whose features (`runtime.model`: the residual stream entering each) the drafter reads
+    # beside the final-norm state, strictly increasing (EAGLE-3's low / middle / high layers); absent or (): none.
+    # `feature_layers_of` reads it.
+    feature_layers: tuple[int, ...]
 
     def start(self, prompt: torch.Tensor, hidden: torch.Tensor, max_nodes: int) -> DraftSession:
-        """prompt # [P] int64 (x_0 .. x_{P-1}, all committed); hidden # [P, H] (h_0 .. h_{P-1}).
+        """prompt # [P] int64 (x_0 .. x_{P-1}, all committed); hidden # [P, H] (h_0 .. h_{P-1}; wider with
+        feature_layers, as in `DraftSession.advance`).
 
         max_nodes bounds the tree size (root included) the session may return.
         """
         ...
 
+
+
+def feature_layers_of(drafter: Drafter) -> tuple[int, ...]:
+    """The target layers whose features `drafter` reads (`Drafter.feature_layers`; () for most drafters)."""
+    return tuple(getattr(drafter, "feature_layers", ()))

@@ -5,6 +5,10 @@
     write_eagle_head(dir, target_dir, ...)                 SafeAILab EAGLE-1: config.json (Llama-style, one
                                                            layer) + pytorch_model.bin or model.safetensors
     write_eagle_config(path, target_dir, heads, ...)       a builder YAML drafting target_dir with that EAGLE head
+    Eagle3Reference(cfg, draft_vocab)                      the EAGLE-3 head's published module structure (SafeAILab
+                                                           EAGLE eagle/model/cnets.py `Model`), our own reference
+    write_eagle3_head(dir, target_dir, ...)                its state dict in the public layout: config.json
+                                                           (LlamaForCausalLMEagle3) + model.safetensors / .bin
     draft_paths(draft)                                     every node of a drafted tree as its token path
 
 The Medusa state dict is produced by the FasterDecoding module structure itself (nn.ModuleList of
@@ -149,6 +153,25 @@ def eagle_layer_config(target_dir: str | Path, **overrides: Any):
     return cfg
 
 
+def _write_head(out: Path, config: dict[str, Any], overrides: dict[str, Any] | None, state: dict[str, torch.Tensor],
+                fmt: str) -> Path:
+    """config.json (`overrides` set, None: removed) and the weights as pytorch_model.bin (fmt "bin") or
+    model.safetensors into `out`; returns it."""
+    for key, v in (overrides or {}).items():
+        if v is None:
+            config.pop(key, None)
+        else:
+            config[key] = v
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    if fmt == "bin":
+        torch.save(state, out / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, str(out / "model.safetensors"))
+    return out
+
+
 def write_eagle_head(
     dir: str | Path,
     target_dir: str | Path,
@@ -222,19 +245,193 @@ def write_eagle_head(
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
     }
-    for k, v in (config_overrides or {}).items():
-        if v is None:
-            config.pop(k, None)
-        else:
-            config[k] = v
-    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    if fmt == "bin":
-        torch.save(state, out / "pytorch_model.bin")
-    else:
-        from safetensors.torch import save_file
+    return _write_head(out, config, config_overrides, state, fmt)
 
-        save_file(state, str(out / "model.safetensors"))
-    return out
+
+class Eagle3Attention(nn.Module):
+    """cnets.py LlamaAttention of the EAGLE-3 layer: q/k/v read 2H features (the embedding, then the feature)."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+
+class Eagle3Layer(nn.Module):
+    """cnets.py LlamaDecoderLayeremb: hidden_norm, input_layernorm, self_attn, post_attention_layernorm, mlp."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class Eagle3Reference(nn.Module):
+    """The EAGLE-3 head as SafeAILab/EAGLE's eagle/model/cnets.py `Model` is built (read at
+    SafeAILab/EAGLE@148042c5fed07822194a49b027c897c9c5494b0e): fc Linear(3H -> H, no bias), midlayer, norm,
+    lm_head Linear(H -> draft_vocab_size), d2t / t2d buffers; the embedding is the target's. Its state-dict names are
+    the published ones. `forward` is written from that file's forward: a causal pass over a whole sequence (no cache),
+    fc applied to features wider than H, RoPE from transformers' Llama rotary embedding."""
+
+    def __init__(self, cfg: Any, draft_vocab_size: int) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(cfg)
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [T, 3H] target features or [T, H] the head's own outputs (per row, see `mixed`)
+        embeds: torch.Tensor,  # [T, H] the target's embeddings of the paired tokens
+        positions: torch.Tensor,  # [T] int64
+    ) -> torch.Tensor:  # [T, H] the layer's outputs (before norm)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        g = self.fc(features) if features.shape[-1] != embeds.shape[-1] else features
+        return self._layer(g, embeds, positions, apply_rotary_pos_emb)
+
+    def mixed(self, rows: list[torch.Tensor], embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """forward over rows that are each a target feature [3H] (fc applied) or a head output [H] (used as is)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        h = self.cfg.hidden_size
+        g = torch.stack([self.fc(r) if r.shape[-1] != h else r for r in rows])
+        return self._layer(g, embeds, positions, apply_rotary_pos_emb)
+
+    def _layer(self, g: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
+        m, a = self.midlayer, self.midlayer.self_attn
+        t = g.shape[0]
+        x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)[None]  # [1, T, 2H]
+        q = a.q_proj(x).view(1, t, a.num_heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(1, t, a.num_kv, a.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(1, t, a.num_kv, a.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(x, positions[None])
+        q, k = rope(q, k, cos, sin)
+        rep = a.num_heads // a.num_kv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = q @ k.transpose(2, 3) / a.head_dim**0.5
+        scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, t, -1)
+        h = g[None] + a.o_proj(out)  # the residual is the feature itself
+        return (h + m.mlp(m.post_attention_layernorm(h)))[0]
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's outputs # [..., H] -> logits over the draft vocabulary # [..., K]."""
+        return self.lm_head(self.norm(out))
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def eagle3_layer_config(target_dir: str | Path):
+    """transformers LlamaConfig of an EAGLE-3 head for the target at target_dir: one layer, the target's shapes and
+    RoPE (its scaling too)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig.from_pretrained(str(target_dir), num_hidden_layers=1, tie_word_embeddings=False,
+                                      attention_bias=False)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _rope_fields(cfg: Any) -> dict[str, Any]:
+    """rope_theta and rope_scaling as a published head's config.json spells them (transformers 4's keys)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = params.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return {"rope_theta": theta, "rope_scaling": params if params.get("rope_type", "default") != "default" else None}
+
+
+def write_eagle3_head(
+    dir: str | Path,
+    target_dir: str | Path,
+    fmt: str = "safetensors",
+    seed: int = 0,
+    vocab: Any = None,
+    layer_prefix: str = "midlayer.",
+    with_embedding: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+    state_hook: StateHook | None = None,
+) -> Path:
+    """Write a random EAGLE-3 head (`Eagle3Reference`'s state dict) for the target at target_dir; returns the
+    directory. vocab: a runtime.drafters.draft_vocab.DraftVocab (its K tokens; None: the whole vocabulary, d2t all
+    zeros, t2d all true, as the EAGLE repository writes a full one). layer_prefix "layers.0." writes the layer's keys
+    as TensorRT-LLM / vLLM also accept them. config_overrides: keys set (None: removed)."""
+    if fmt not in ("bin", "safetensors"):
+        raise ValueError(f"fmt must be 'bin' or 'safetensors', got {fmt!r}")
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = eagle3_layer_config(target_dir)
+    k = cfg.vocab_size if vocab is None else vocab.size
+    head = Eagle3Reference(cfg, k)
+    _randomize(head, seed, scale=0.15)
+    state = {(layer_prefix + n[len("midlayer."):] if n.startswith("midlayer.") else n): v.detach().contiguous()
+             for n, v in head.state_dict().items() if not n.startswith("rotary.")}
+    if vocab is None:
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    else:
+        state.update(vocab.state())
+    if with_embedding:
+        from safetensors.torch import load_file
+
+        emb = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"].float()
+        gen = torch.Generator().manual_seed(seed + 11)
+        state["embed_tokens.weight"] = (emb + 0.5 * torch.randn(emb.shape, generator=gen)).contiguous()
+    if state_hook is not None:
+        state = state_hook(state)
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hidden_act": "silu",
+        "hidden_size": cfg.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "model_type": "llama",
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "pad_token_id": 0,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        **_rope_fields(cfg),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "transformers_version": "4.28.1",
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": k,
+    }
+    return _write_head(out, config, config_overrides, state, fmt)
+
+
+def load_eagle3_reference(dir: str | Path, target_dir: str | Path) -> Eagle3Reference:
+    """The `Eagle3Reference` of a head `write_eagle3_head` wrote (float32)."""
+    from runtime.checkpoint import read_head_state
+
+    cfg = eagle3_layer_config(target_dir)
+    _, state = read_head_state(Path(dir), ("model.safetensors", "pytorch_model.bin"), "EAGLE-3")
+    state = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): v for n, v in state.items()}
+    head = Eagle3Reference(cfg, state["lm_head.weight"].shape[0])
+    head.load_state_dict({n: (v if n in ("d2t", "t2d") else v.float()) for n, v in state.items()}, strict=False)
+    return head.eval()
 
 
 def write_eagle_config(

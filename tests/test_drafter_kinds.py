@@ -117,7 +117,7 @@ def model_kind_literals() -> list[tuple[str, str]]:
     """(file, name) for every string constant spelling a built-in weighted kind's name (words with no other meaning
     here, unlike "lookup" and "none") in the project packages, outside the kind's own modules
     (runtime/drafters/<kind>.py, builder/drafters/<kind>.py)."""
-    names = {"medusa", "eagle"}
+    names = {"medusa", "eagle", "eagle3"}
     found = set()
     for package in ("plugins", "runtime", "builder", "model_repo", "deploy", "perf"):
         for file in sorted((ROOT / package).rglob("*.py")):

@@ -273,7 +273,7 @@ def test_heads_bf16_and_data_labels(corpus, tiny_target, tmp_path):
     (result,) = train_heads(parse_train_config(cfg), only="medusa", quiet=True)
     heads = load_medusa_heads(tmp_path / "medusa")
     assert result.kind == "medusa" and heads.lm_weight.dtype == torch.bfloat16
-    with pytest.raises(BuildConfigError, match="heads: neither medusa nor eagle"):
+    with pytest.raises(BuildConfigError, match="heads: none of medusa, eagle, eagle3 is configured"):
         parse_train_config({**cfg, "heads": {k: v for k, v in cfg["heads"].items() if k not in ("medusa", "eagle")}})
 
 

@@ -149,7 +149,7 @@ def test_cli_and_errors(setup, tmp_path):
 
     lookup = tmp_path / "lookup.yaml"
     lookup.write_text(f"model: {{checkpoint: {setup['target']}}}\ndraft: {{method: lookup}}\n")
-    with pytest.raises(BuildConfigError, match="draft.method: got 'lookup', expected 'medusa' or 'eagle'"):
+    with pytest.raises(BuildConfigError, match="draft.method: got 'lookup', expected 'medusa' or 'eagle3' or 'eagle'"):
         tune(load_config(lookup), ["x"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')

@@ -28,7 +28,8 @@ from runtime.drafters.draft_vocab import DraftVocab
 from runtime.engine import QKVLayout
 from runtime.registry import Registry
 
-BUILTIN_KINDS = ("builder.drafters.medusa", "builder.drafters.eagle", "builder.drafters.lookup")
+BUILTIN_KINDS = ("builder.drafters.medusa", "builder.drafters.eagle3", "builder.drafters.eagle",
+                 "builder.drafters.lookup")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class EvalBatch:
     when it is not reduced); a target token outside a reduced draft vocabulary is -1 (never matched)."""
 
     ids: torch.Tensor  # [1, T] int64 target ids (the head's inputs)
-    hidden: torch.Tensor  # [1, T, H] the target's final-norm hidden states
+    hidden: torch.Tensor  # [1, T, H] the target's final-norm hidden states (then its feature layers' streams, for a
+    #                       kind with `BuilderKind.feature_layers`: [1, T, H * (1 + F)])
     greedy: torch.Tensor  # [1, T] int64 the target's greedy next token at each position, as a draft id
     data: torch.Tensor  # [1, T] int64 ids as draft ids
 
@@ -79,6 +81,11 @@ class BuilderKind:
 
     def draft_config(self, drafter: Any) -> dict[str, Any]:
         """engine.json's "draft" "config": the head's shapes."""
+        return {}
+
+    def deploy_files(self, plan: BuildPlan, drafter: Any) -> dict[str, str]:
+        """Files that deploy the engine's drafter elsewhere (other engines' configs), {path relative to the engine
+        directory: text}; checksummed with the rest."""
         return {}
 
     # ---- TensorRT-LLM 1.2 (builder.trtllm) and the tensorrtllm backend (model_repo.tensorrtllm) ---------------
@@ -117,6 +124,11 @@ class BuilderKind:
     metrics_meaning: ClassVar[str] = ""  # what its held-out metrics' entries are
     metrics_rows: ClassVar[tuple[str, int]] = ("entry", 0)  # the report's row label and first index
     resume_ignores: ClassVar[tuple[str, ...]] = ()  # section keys a resumed run may change
+
+    def feature_layers(self, section: Any, target_config: Any) -> tuple[int, ...]:
+        """The target layers whose features (`runtime.model`) the head reads beside the final-norm state: its
+        training rows are then [final-norm state, those layers' streams] (() for most kinds)."""
+        return ()
 
     def init_head(self, section: Any, target_vocab: int) -> HeadInit | None:
         """The weights a run with no resumable state starts from (None: fresh ones)."""

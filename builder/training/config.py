@@ -18,6 +18,7 @@
       work_dir: ../out/train/heads
       medusa: {output: ../heads/medusa, num_heads: 4, num_layers: 1, train: {...}}
       eagle: {output: ../heads/eagle, init: null, train: {...}}   # init: a head to fine-tune
+      eagle3: {output: ../heads/eagle3, unroll: 7, feature_layers: null, train: {...}}
 
 Relative paths resolve from the config file's directory; errors name the key path, the value and what was
 expected (the parser is runtime.schema's, the bounds are declared on the fields).
@@ -150,6 +151,21 @@ class EagleSection:
 
 
 @dataclass(frozen=True)
+class Eagle3Section:
+    output: Path  # EAGLE-3 head directory, the published layout (config.json + model.safetensors)
+    # The target layers whose input streams the head reads (ascending); None: the engines' default (2, L // 2, L - 3)
+    feature_layers: tuple[int, ...] | None = None
+    # Training-time test: the head runs `unroll` times per window, run s reading run s-1's outputs under the mask of
+    # tree drafting, a token loss at each run weighted unroll_decay^s (EAGLE-3 trains 7 steps, 0.8^s)
+    unroll: int = setting(7, ge=1, le=16)
+    unroll_decay: float = setting(0.8, gt=0.0, le=1.0)
+    train: OptimSection = field(default_factory=OptimSection)
+
+    def __post_init__(self) -> None:
+        schema.check(self, BuildConfigError, "heads.eagle3")
+
+
+@dataclass(frozen=True)
 class HeadsSection:
     target: Path  # frozen target checkpoint
     work_dir: Path  # token cache + resumable state
@@ -162,10 +178,11 @@ class HeadsSection:
     draft_vocab_size: int | None = setting(None, ge=2)
     medusa: MedusaSection | None = None
     eagle: EagleSection | None = None
+    eagle3: Eagle3Section | None = None
 
     def __post_init__(self) -> None:
-        if self.medusa is None and self.eagle is None:
-            raise BuildConfigError("heads: neither medusa nor eagle is configured; nothing to train")
+        if self.medusa is None and self.eagle is None and self.eagle3 is None:
+            raise BuildConfigError("heads: none of medusa, eagle, eagle3 is configured; nothing to train")
         schema.check(self, BuildConfigError, "heads")
 
 
@@ -190,6 +207,7 @@ def parse_train_config(data: Any, base_dir: str | Path = ".", source: str = "con
 
 __all__ = [
     "CorpusSection",
+    "Eagle3Section",
     "EagleSection",
     "HeadsSection",
     "MedusaSection",

@@ -12,6 +12,8 @@ target will say, not what some corpus says. Two resumable stages, both under one
                starts.npy  # [C] int64   each conversation's first index into tokens
                hidden.pt   # [T, H]      the target's final-norm hidden state at every position (bfloat16), each
                                          conversation run on its own from its start, as the runtime would
+               features-J1-J2-J3.pt  # [T, 3H]  with feature layers (EAGLE-3): the residual streams entering
+                                         those layers (`runtime.model`'s feature layers), bfloat16
                Conversations appended since the last run (more prompts, more answers) are the only ones run then:
                the cached rows of the others are kept.
 
@@ -55,6 +57,7 @@ class DistillData:
     tokens: np.ndarray  # [T] int32
     starts: np.ndarray  # [C] int64
     hidden: torch.Tensor  # [T, H] bfloat16
+    features: torch.Tensor | None = None  # [T, F * H] bfloat16: the feature layers' streams (None: none asked)
 
     @property
     def num_tokens(self) -> int:
@@ -143,10 +146,16 @@ def conversations(data_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def features_file(layers: Sequence[int]) -> str:
+    """The cache file of the feature layers' streams."""
+    return "features-" + "-".join(str(j) for j in layers) + ".pt"
+
+
 def features(target_dir: str | Path, data_dir: str | Path, convs: Sequence[dict], dtype: str = "bfloat16",
-             chunk_tokens: int = 4096, quiet: bool = False) -> DistillData:
+             chunk_tokens: int = 4096, quiet: bool = False, layers: tuple[int, ...] = ()) -> DistillData:
     """Run the target over every conversation (`conversations(data_dir)`, each from its start) and cache tokens +
-    hidden states in data_dir."""
+    hidden states in data_dir, and the streams entering `layers` (ascending, each below the target's layer count)
+    when asked."""
     from tqdm import tqdm
 
     target_dir, data_dir = Path(target_dir), Path(data_dir)
@@ -155,25 +164,33 @@ def features(target_dir: str | Path, data_dir: str | Path, convs: Sequence[dict]
     seqs = [c["prompt_ids"] + c["response_ids"] for c in convs]
     starts = np.cumsum([0] + [len(s) for s in seqs[:-1]]).astype(np.int64)
     tokens = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs])
-    paths = [data_dir / n for n in (TOKENS, STARTS, HIDDEN)]
+    paths = [data_dir / n for n in (TOKENS, STARTS, HIDDEN)] + ([data_dir / features_file(layers)] if layers else [])
     done = 0  # conversations whose features are cached (the cache covers a prefix of them)
-    old_hidden = None
+    old: list[torch.Tensor] = []
     if all(p.is_file() for p in paths):
         cached, cached_starts = np.load(paths[0]), np.load(paths[1])
         n_cached = cached.shape[0]
         if cached.shape == tokens.shape and bool((cached == tokens).all()):
-            return DistillData(cached, cached_starts, torch.load(paths[2], weights_only=True))
+            kept = [torch.load(p, weights_only=True) for p in paths[2:]]
+            return DistillData(cached, cached_starts, kept[0], kept[1] if layers else None)
         k = cached_starts.shape[0]
         # Conversations appended since (more prompts or answers): only the new ones run through the target.
         if (0 < k < len(seqs) and int(starts[k]) == n_cached and bool((cached_starts == starts[:k]).all())
                 and bool((cached == tokens[:n_cached]).all())):
-            old_hidden = torch.load(paths[2], weights_only=True)
-            done = k if old_hidden.shape[0] == n_cached else 0
+            old = [torch.load(p, weights_only=True) for p in paths[2:]]
+            done = k if all(t.shape[0] == n_cached for t in old) else 0
     _, model = _load_hf(target_dir, dtype)
-    hidden = torch.empty(tokens.shape[0], model.config.hidden_size, dtype=torch.bfloat16)
+    h_size, n_layers = model.config.hidden_size, model.config.num_hidden_layers
+    if any(not 0 <= j < n_layers for j in layers):
+        raise ConfigError(f"feature layers {list(layers)}: expected layers in [0, {n_layers}) of the target (the "
+                          f"streams entering them)")
+    hidden = torch.empty(tokens.shape[0], h_size, dtype=torch.bfloat16)
+    feats = torch.empty(tokens.shape[0], len(layers) * h_size, dtype=torch.bfloat16) if layers else None
     if done:
-        hidden[:old_hidden.shape[0]] = old_hidden
-    del old_hidden
+        hidden[:old[0].shape[0]] = old[0]
+        if feats is not None:
+            feats[:old[1].shape[0]] = old[1]
+    del old
     # Batch conversations of similar length together, padded on the right (causal: padding never reaches a real row).
     order = sorted(range(done, len(seqs)), key=lambda i: len(seqs[i]))
     bar = tqdm(total=int(tokens.shape[0] - starts[done]), desc="target features", unit="tok", disable=quiet)
@@ -186,18 +203,25 @@ def features(target_dir: str | Path, data_dir: str | Path, convs: Sequence[dict]
         width = max(len(seqs[g]) for g in group)
         ids = torch.tensor([seqs[g] + [0] * (width - len(seqs[g])) for g in group])
         with torch.no_grad():
-            h = model.model(input_ids=ids).last_hidden_state  # [b, width, H]
+            out = model.model(input_ids=ids, output_hidden_states=bool(layers))
+        h = out.last_hidden_state  # [b, width, H]
+        # transformers' hidden_states[j] (j < layers) is the stream entering layer j
+        f = torch.cat([out.hidden_states[j] for j in layers], dim=-1) if layers else None  # [b, width, F * H]
         for row, g in enumerate(group):
             n = len(seqs[g])
             hidden[starts[g]:starts[g] + n] = h[row, :n].to(torch.bfloat16)
+            if f is not None:
+                feats[starts[g]:starts[g] + n] = f[row, :n].to(torch.bfloat16)
             bar.update(n)
         i = j
     bar.close()
     np.save(paths[0], tokens)
     np.save(paths[1], starts)
     torch.save(hidden, paths[2])
-    return DistillData(tokens, starts, hidden)
+    if feats is not None:
+        torch.save(feats, paths[3])
+    return DistillData(tokens, starts, hidden, feats)
 
 
-__all__ = ["DistillData", "GenerateSettings", "answer_id", "conversations", "generate", "features", "prompt_of",
-           "CONVERSATIONS"]
+__all__ = ["DistillData", "GenerateSettings", "answer_id", "conversations", "generate", "features", "features_file",
+           "prompt_of", "CONVERSATIONS"]

@@ -4,6 +4,7 @@
                                    by its kind's loader (`DrafterKind.load`); the built-in kinds:
         medusa   FasterDecoding Medusa-1 heads, static tree                              (medusa.py)
         eagle    EAGLE-1 head; static tree, or EAGLE-2's dynamic tree                    (eagle.py)
+        eagle3   EAGLE-3 head (three target layers' features), eagle's trees             (eagle3.py)
         lookup   prompt lookup (n-gram copy), no weights                                 (lookup.py)
         none     root-only trees: plain autoregressive decoding                          (none.py)
     a weighted kind with lookup options: prompt-lookup continuations merged into each tree  (merged.py), and with

@@ -150,6 +150,12 @@ class EagleHead(nn.Module):
         self._drop_copies()
         return super()._apply(fn, recurse)
 
+    def output_weight(self, model: Any) -> torch.Tensor:
+        """The draft output layer # [K, H]: the target's lm_head, or its rows of the reduced draft vocabulary (a copy,
+        so each drafting step reads K x H instead of V x H)."""
+        weight = model.lm_head_weight
+        return weight if self.vocab is None else weight[self.vocab.target_ids.to(weight.device)].contiguous()
+
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config
         return KVCache(len(self.layers), c.num_key_value_heads, c.head_dim, max_len, 1, self.fc.weight.dtype,
@@ -246,7 +252,8 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
     if "fc.weight" not in state:
         raise CheckpointError(f"{file} has no fc.weight: not an EAGLE head (keys: {sorted(state)[:_MAX_LISTED]})")
     if state["fc.weight"].ndim != 2 or state["fc.weight"].shape[1] != 2 * state["fc.weight"].shape[0]:
-        raise CheckpointError(f"{file}: fc.weight has shape {tuple(state['fc.weight'].shape)}, expected [H, 2H]")
+        raise CheckpointError(f"{file}: fc.weight has shape {tuple(state['fc.weight'].shape)}, expected [H, 2H] "
+                              f"(an EAGLE-1 head{_other_kind(path)})")
     head_hidden = int(state["fc.weight"].shape[0])
     if head_hidden != target.hidden_size:
         raise CheckpointError(
@@ -264,7 +271,7 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
     if "layers.0.input_layernorm.weight" in state:
         raise CheckpointError(
             f"{file} has layers.0.input_layernorm.weight: EAGLE-1 heads have no input norm in layer 0 "
-            f"(this looks like an EAGLE-3 or full-model checkpoint)"
+            f"(this looks like an EAGLE-3 or full-model checkpoint{_other_kind(path)})"
         )
 
     config = _parse_config(raw, path / CONFIG_FILE, target)
@@ -296,6 +303,15 @@ def load_eagle_head(path: str | Path, model: Any) -> EagleHead:
     head.requires_grad_(False)
     head.eval()
     return head
+
+
+def _other_kind(path: Path) -> str:
+    """"; drafter kind K recognizes this directory" for the first other kind that does (the message of a head of
+    another kind given as an EAGLE-1 one), else ""."""
+    from runtime.draft_spec import kinds
+
+    other = next((kind.name for kind in kinds() if kind.name != NAME and kind.recognizes(path)), None)
+    return "" if other is None else f"; drafter kind {other!r} recognizes this directory: load it with that kind"
 
 
 # ---- drafting -------------------------------------------------------------------------------------------
@@ -463,10 +479,8 @@ class EagleDrafter:
             raise ConfigError(f"pruning must be PruneOptions or None, got {pruning!r}")
         self.pruning = pruning
         self.min_score = None if pruning is None else pruning.min_score  # None: every node is verified
-        # The draft output layer: the target's lm_head, or its rows for the reduced draft vocabulary (a copy, so
-        # each drafting step reads K x H instead of V x H).
         weight = model.lm_head_weight
-        self.lm_weight = weight if head.vocab is None else weight[head.vocab.target_ids.to(weight.device)].contiguous()
+        self.lm_weight = head.output_weight(model)  # [K, H] the draft output layer
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         self.lm_quantized: QuantizedWeight | None = None
@@ -505,8 +519,18 @@ class EagleDrafter:
     @property
     def spec(self) -> DraftSpec:
         """What it drafts: its static tree, or the dynamic tree and its options (the weights path is not kept)."""
-        return DraftSpec(NAME, tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic,
+        return DraftSpec(self.name, tree=self.tree if self.tree is not None else DYNAMIC, dynamic=self.dynamic,
                          quantization=self.quantization, pruning=self.pruning)
+
+    @property
+    def input_width(self) -> int:
+        """The width of the target's hidden-state rows a session reads (`DraftSession.advance`)."""
+        return self.model.config.hidden_size
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden-state rows # [n, input_width] -> the head's input features f_t # [n, H]: EAGLE-1
+        reads the final-norm state itself."""
+        return hidden
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""
@@ -546,7 +570,7 @@ class EagleSession:
         self.model = drafter.model
         self.tree = tree
         self.dynamic = dynamic
-        h = self.head.config.hidden_size
+        h = drafter.input_width
         if prompt.ndim != 1 or prompt.shape[0] == 0:
             raise ConfigError(f"prompt must be a non-empty 1-D token tensor, got shape {tuple(prompt.shape)}")
         if hidden.ndim != 2 or hidden.shape != (prompt.shape[0], h):
@@ -555,10 +579,11 @@ class EagleSession:
             )
         device = self.model.device
         self.cache = self.head.new_cache(prompt.shape[0] + _MIN_CACHE)
-        # Pending pairs (f_t, x_{t+1}) not yet in the head cache, and the last hidden state awaiting its root.
-        self.pending_features: list[torch.Tensor] = [hidden[:-1].to(device, self.model.dtype)]  # [n, H] each
+        feats = drafter.features(hidden.to(device, self.model.dtype))  # [P, H]: f_0 .. f_{P-1}
+        # Pending pairs (f_t, x_{t+1}) not yet in the head cache, and the last feature awaiting its root.
+        self.pending_features: list[torch.Tensor] = [feats[:-1]]  # [n, H] each
         self.pending_tokens: list[torch.Tensor] = [prompt[1:].to(device)]  # [n] each
-        self.last_hidden = hidden[-1].to(device, self.model.dtype)  # [H]
+        self.last_hidden = feats[-1]  # [H]
         self.drafted_root: int | None = None  # root whose pair is in the cache, until advance() arrives
         # the static tree's per-step index work, per node budget (None: the whole tree), built on first use
         self._plans: dict[int | None, tuple[Tree, StaticPlan | None]] = {}
@@ -637,8 +662,8 @@ class EagleSession:
         return opts
 
     def advance(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """tokens # [a] int64: x_L .. x_{L+a-1} (previous root first); hidden # [a, H]: h_L .. h_{L+a-1}."""
-        h = self.head.config.hidden_size
+        """tokens # [a] int64: x_L .. x_{L+a-1} (previous root first); hidden # [a, input_width]: h_L .. h_{L+a-1}."""
+        h = self.drafter.input_width
         if tokens.ndim != 1 or tokens.shape[0] == 0 or hidden.shape != (tokens.shape[0], h):
             raise ConfigError(
                 f"advance needs tokens [a >= 1] and hidden [a, {h}], "
@@ -646,7 +671,7 @@ class EagleSession:
             )
         device = self.last_hidden.device
         tokens = tokens.to(device)
-        hidden = hidden.to(device, self.last_hidden.dtype)
+        hidden = self.drafter.features(hidden.to(device, self.last_hidden.dtype))  # [a, H]
         first = int(tokens[0])
         if self.drafted_root is None:
             # No draft since the last hidden state arrived: its pair with x_L is still pending.
@@ -821,7 +846,7 @@ class EagleKind(DrafterKind):
 
     def with_tree(self, drafter: EagleDrafter, model: Any, tree: Tree,
                   pruning: PruneOptions | None = None) -> EagleDrafter:
-        return EagleDrafter(drafter.head, model, tree=tree, quantization=drafter.quantization, pruning=pruning)
+        return type(drafter)(drafter.head, model, tree=tree, quantization=drafter.quantization, pruning=pruning)
 
 
 KIND = EagleKind()
