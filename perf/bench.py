@@ -453,7 +453,7 @@ def llama_cpp_target_variants(executor: Any, precision: str, target: Target, spe
         return Run(variant="", prompt="", repeat=0, prompt_tokens=len(ids), token_ids=result.token_ids, wall_s=wall,
                    target_forwards=s.decodes + 1, steps=s.decodes, drafted_tokens=0,
                    accepted_per_step=tuple(e - 1 for e in s.emitted_per_decode), time_prefill=s.prefill_s,
-                   time_draft=0.0, time_verify=s.decode_s, time_other=0.0)
+                   time_draft=s.draft_s, time_verify=s.decode_s - s.draft_s, time_other=0.0)
 
     def plain(ids: list[int], max_tokens: int) -> Run:
         t0 = time.perf_counter()

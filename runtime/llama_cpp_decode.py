@@ -44,7 +44,8 @@ class ExternalStats:
     emitted_per_decode: tuple[int, ...]  # tokens confirmed by each of those calls
     corrections: int  # believed tokens that exact logits replaced
     prefill_s: float
-    decode_s: float
+    decode_s: float  # everything after the prefill: drafting included
+    draft_s: float = 0.0  # the drafter's share of decode_s (its draft and advance calls)
 
     @property
     def tau(self) -> float:
@@ -154,10 +155,13 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
     believed: list[int] = []  # u_1 .. u_m
     per_decode: list[int] = []
     corrections = 0
+    drafting = 0.0
     while len(emitted) < max_tokens:
         run = [r, *believed]
         P = len(history)
+        t_draft = time.perf_counter()
         draft = prune_draft(session.draft(run[-1], GREEDY, None, max_nodes), ex.n_ctx, max_nodes)
+        drafting += time.perf_counter() - t_draft
         node_seqs = _leaf_sequences(draft)
         leaves = sorted({s for seqs in node_seqs for s in seqs})
         for s in leaves:
@@ -197,8 +201,10 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
         # from the tree rows); the bonus / residual token is the next draft's root.
         new_run = list(range(len(run) - (len(history) - fed), len(run)))
         accepted_rows = [len(run) - 1 + node for node in path[1:]]
+        t_draft = time.perf_counter()
         session.advance(torch.tensor([tokens[i] for i in new_run + accepted_rows], dtype=torch.long),
                         _rows(hidden, new_run + accepted_rows, hidden_dtype))
+        drafting += time.perf_counter() - t_draft
         fed = len(history) + len(path) - 1
         new = verdict.tokens.tolist()  # accepted tokens, then the bonus / residual token
         r, believed = new[0], new[1:]
@@ -206,7 +212,8 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
         per_decode.append(len(run))
     t2 = time.perf_counter()
     return ExternalResult(tuple(emitted[:max_tokens]),
-                          ExternalStats(len(per_decode), tuple(per_decode), corrections, t1 - t0, t2 - t1))
+                          ExternalStats(len(per_decode), tuple(per_decode), corrections, t1 - t0, t2 - t1,
+                                        drafting))
 
 
 __all__ = ["ExternalResult", "ExternalStats", "argmax", "plain_greedy", "prefill", "speculative_greedy"]
