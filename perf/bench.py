@@ -451,7 +451,7 @@ def llama_cpp_target_variants(executor: Any, precision: str, target: Target, spe
     def run_of(result: Any, ids: list[int], wall: float) -> Run:
         s = result.stats
         return Run(variant="", prompt="", repeat=0, prompt_tokens=len(ids), token_ids=result.token_ids, wall_s=wall,
-                   target_forwards=s.decodes + 1, steps=s.decodes, drafted_tokens=0,
+                   target_forwards=s.decodes + 1, steps=s.decodes, drafted_tokens=s.drafted,
                    accepted_per_step=tuple(e - 1 for e in s.emitted_per_decode), time_prefill=s.prefill_s,
                    time_draft=s.draft_s, time_verify=s.decode_s - s.draft_s, time_other=0.0)
 

@@ -142,6 +142,8 @@ class Row:
     vs_best_hf: float | None
     best_hf: str | None
     identical: str
+    vs_llama_cpp: float | None = None  # against llama.cpp's plain decoding at the target's precision, when measured
+    llama_cpp: str | None = None  # that variant's name
 
 
 def _machine(m: dict[str, Any]) -> str:
@@ -171,7 +173,9 @@ def bench_row(report: dict[str, Any], where: str) -> Row:
                plain_tok_s=plain["tokens_per_s"], spec_tok_s=spec["tokens_per_s"], tau=spec.get("tau"),
                speedup=spec["speedup_vs_plain"], speedup_ci95=tuple(ci) if ci else None,
                vs_best_hf=spec.get("speedup_vs_best_hf") if report.get("best_hf") else None,
-               best_hf=report.get("best_hf"), identical=f"{ok} of {spec['prompts']}")
+               best_hf=report.get("best_hf"), identical=f"{ok} of {spec['prompts']}",
+               vs_llama_cpp=spec.get("speedup_vs_llama_cpp"),
+               llama_cpp=(report.get("llama_cpp") or {}).get("reference"))
 
 
 def gpu_check_row(report: dict[str, Any], where: str) -> Row | None:
@@ -214,19 +218,21 @@ def table(results: Path = RESULTS_DIR, readme_dir: Path = README.parent) -> str:
     """The Markdown table of the index's kinds (links relative to readme_dir)."""
     index = load_index(results)
     lines = ["| machine kind | machine | date, tool | dtype | drafter | prompts x tokens | plain tok/s | spectree tok/s "
-             "| tau | vs plain | vs best transformers | identical to plain |",
-             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|:---:|"]
+             "| tau | vs plain | vs best transformers | vs llama.cpp plain | identical to plain |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
     rel = Path(os.path.relpath(results.resolve(), readme_dir.resolve()))
     for k in index.kinds:
         if k.source is None:
-            lines.append(f"| {k.label} | not recorded yet |" + " |" * 10)
+            lines.append(f"| {k.label} | not recorded yet |" + " |" * 11)
             continue
         for r in record_rows(results / k.kind):
             ci = f" ({r.speedup_ci95[0]:.2f}-{r.speedup_ci95[1]:.2f})" if r.speedup_ci95 else ""
             hf = f"{r.vs_best_hf:.2f}x ({r.best_hf})" if r.vs_best_hf is not None else "—"
+            llama = (f"{r.vs_llama_cpp:.2f}x ({r.llama_cpp.removeprefix('llama.cpp plain ')})"
+                     if r.vs_llama_cpp is not None else "—")
             lines.append(f"| [{k.label}]({(rel / k.kind).as_posix()}/) | {r.machine} | {r.date}, `{r.tool}` "
                          f"| {r.dtype} | {r.drafter} | {r.prompts} | {r.plain_tok_s:.1f} | {r.spec_tok_s:.1f} "
-                         f"| {_cell(r.tau, '.2f')} | **{r.speedup:.2f}x**{ci} | {hf} | {r.identical} |")
+                         f"| {_cell(r.tau, '.2f')} | **{r.speedup:.2f}x**{ci} | {hf} | {llama} | {r.identical} |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,7 @@ import torch
 
 from plugins.llama_cpp import LlamaCppError, LlamaCppExecutor
 from runtime.decode import prune_draft
-from runtime.protocol import Draft, Drafter
+from runtime.protocol import Draft, Drafter, feature_layers_of
 from runtime.sampling import SamplingParams
 from runtime.verify import verify_greedy
 
@@ -46,6 +46,7 @@ class ExternalStats:
     prefill_s: float
     decode_s: float  # everything after the prefill: drafting included
     draft_s: float = 0.0  # the drafter's share of decode_s (its draft and advance calls)
+    drafted: int = 0  # tree nodes verified, roots excluded
 
     @property
     def tau(self) -> float:
@@ -135,6 +136,10 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
     """Greedy speculative decoding with `drafter`'s trees (at most max_nodes nodes, root included; at most n_seq - 1,
     as each leaf is a sequence); output identical to `plain_greedy`'s (module docstring). A drafter that reads
     hidden states (EAGLE, Medusa) needs an executor opened with `hidden`; they reach it in `hidden_dtype`."""
+    layers = feature_layers_of(drafter)
+    if layers:
+        raise LlamaCppError(f"drafter {drafter.name!r} reads the target's layers {list(layers)}; llama.cpp gives the "
+                            "final-norm hidden state only")
     if not 1 <= max_nodes <= ex.config.n_seq - 1:
         raise LlamaCppError(f"max_nodes: got {max_nodes}, expected 1..{ex.config.n_seq - 1} (n_seq - 1: each leaf "
                             "is a sequence, and two are the committed and the padding ones)")
@@ -156,12 +161,14 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
     per_decode: list[int] = []
     corrections = 0
     drafting = 0.0
+    drafted = 0
     while len(emitted) < max_tokens:
         run = [r, *believed]
         P = len(history)
         t_draft = time.perf_counter()
         draft = prune_draft(session.draft(run[-1], GREEDY, None, max_nodes), ex.n_ctx, max_nodes)
         drafting += time.perf_counter() - t_draft
+        drafted += draft.tree.num_nodes - 1
         node_seqs = _leaf_sequences(draft)
         leaves = sorted({s for seqs in node_seqs for s in seqs})
         for s in leaves:
@@ -213,7 +220,7 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
     t2 = time.perf_counter()
     return ExternalResult(tuple(emitted[:max_tokens]),
                           ExternalStats(len(per_decode), tuple(per_decode), corrections, t1 - t0, t2 - t1,
-                                        drafting))
+                                        drafting, drafted))
 
 
 __all__ = ["ExternalResult", "ExternalStats", "argmax", "plain_greedy", "prefill", "speculative_greedy"]
