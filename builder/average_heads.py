@@ -32,7 +32,7 @@ from builder.config import BuildConfigError
 from builder.train_heads import fresh_tmp, swap_in
 from builder.train_target import SUMMARY_FILE as TRAINING_SUMMARY
 from runtime.checkpoint import read_head_state
-from runtime.draft_spec import DrafterKind, drafter_kind, kinds
+from runtime.draft_spec import drafter_kind
 from runtime.drafters.datastore import DATASTORE_FILE, Datastore
 from runtime.engine import sha256_file
 from runtime.errors import CheckpointError
@@ -50,14 +50,18 @@ class AverageResult:
 
 
 def head_kind(path: Path, flag: str = "--heads") -> str:
-    """The kind of a head directory, by its weight files (`DrafterKind.weight_files`); errors name `flag`."""
-    heads: list[DrafterKind] = [k for k in kinds() if k.weighted]
-    found = [k.name for k in heads if any((path / f).is_file() for f in k.weight_files)]
-    if len(found) != 1:
-        wanted = " or ".join(f for k in heads for f in k.weight_files)
-        raise BuildConfigError(f"{flag}: {shown_path(path)} is not a draft head directory (expected exactly one of "
-                               f"{wanted}, found {'several kinds' if found else 'none'})")
-    return found[0]
+    """The kind of a head directory, told by its public format (`runtime.api.infer_draft_kind`); errors name
+    `flag`."""
+    from runtime.api import infer_draft_kind
+
+    try:
+        kind = infer_draft_kind(path)
+    except CheckpointError as exc:
+        raise BuildConfigError(f"{flag}: {shown_path(path)} is not a draft head directory ({exc})") from exc
+    if not drafter_kind(kind).weighted:
+        raise BuildConfigError(f"{flag}: {shown_path(path)} is not a draft head directory (a {kind} drafter has no "
+                               "weights)")
+    return kind
 
 
 def _weights(weights: Sequence[float] | None, n: int) -> tuple[float, ...]:

@@ -87,7 +87,8 @@ def convert_head(head: str | Path, output: str | Path, storage: str, force: bool
     if weights_file.suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        save_file(converted_state, str(weights_file), metadata={"format": "pt", "storage": storage})
+        # one metadata key: safetensors writes its metadata map in no fixed order, and the bytes must be reproducible
+        save_file(converted_state, str(weights_file), metadata={"format": "pt"})
     else:
         torch.save(converted_state, weights_file)
     swap_in(tmp, out)

@@ -435,6 +435,26 @@ def swap_in(tmp: Path, out: Path) -> None:
     tmp.replace(out)
 
 
+def publish_head(out: Path, config: dict, config_file: str, state: dict[str, torch.Tensor], weights_file: str,
+                 vocab: Any, log_file: Path) -> Path:
+    """Write a trained head to directory `out` in full, then swap it in: its config.json, its weights (plus a reduced
+    vocabulary's d2t / t2d; safetensors, or torch.save for a .pt / .bin name) and the training log."""
+    tmp = fresh_tmp(out)
+    state = dict(state)
+    if vocab is not None:
+        state.update(vocab.state())
+    (tmp / config_file).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if weights_file.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp / weights_file), metadata={"format": "pt"})
+    else:
+        torch.save(state, tmp / weights_file)
+    shutil.copy2(log_file, tmp / "training_log.jsonl")
+    swap_in(tmp, out)
+    return out
+
+
 def fresh_tmp(out: Path) -> Path:
     """An empty directory beside `out` to write its next version into (`swap_in`)."""
     tmp = out.with_name(out.name + ".tmp")

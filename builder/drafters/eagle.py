@@ -15,8 +15,6 @@ existing head (its weights and its reduced draft vocabulary).
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from torch import nn
 
 from builder.config import BuildConfigError, BuildPlan, BuildSection
 from builder.drafters import BuilderKind, EvalBatch, HeadInit, TrainingTarget
-from builder.train_heads import EVAL_TOPK, cross_entropy, fresh_tmp, swap_in
+from builder.train_heads import EVAL_TOPK, cross_entropy, publish_head
 from builder.training.config import EagleSection, HeadsSection
 from builder.trtllm import choices_string, max_non_leaves_per_layer
 from builder.trtllm_layout import eagle_to_trtllm
@@ -232,7 +230,6 @@ def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, tar
                vocab: DraftVocab | None = None) -> Path:
     """EAGLE repository layout: Llama-style config.json (one layer, "bias": true for fc) + pytorch_model.bin."""
     dtype = getattr(torch, h.save_dtype)
-    tmp = fresh_tmp(section.output)
     t = target_config
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -255,15 +252,10 @@ def save_eagle(head: EagleTrainHead, section: EagleSection, h: HeadsSection, tar
         "torch_dtype": h.save_dtype,
         "base_model_name_or_path": h.target.name,
     }
-    state = {k: v.to(dtype) for k, v in head.eagle_state_dict().items()}
     if vocab is not None:
         cfg["draft_vocab_size"] = vocab.size
-        state.update(vocab.state())
-    (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    torch.save(state, tmp / TORCH_FILE)
-    shutil.copy2(log_file, tmp / "training_log.jsonl")
-    swap_in(tmp, section.output)
-    return section.output
+    state = {k: v.to(dtype) for k, v in head.eagle_state_dict().items()}
+    return publish_head(section.output, cfg, CONFIG_FILE, state, TORCH_FILE, vocab, log_file)
 
 
 class EagleBuild(BuilderKind):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from torch import nn
 
 from builder.config import BuildPlan
 from builder.drafters import BuilderKind, EvalBatch, HeadInit, TrainingTarget
-from builder.train_heads import EVAL_TOPK, cross_entropy, fresh_tmp, swap_in
+from builder.train_heads import EVAL_TOPK, cross_entropy, publish_head
 from builder.training.config import Eagle3Section, HeadsSection
 from runtime.config import ModelConfig
 from runtime.draft_spec import DraftSpec
@@ -312,22 +311,13 @@ def save_eagle3(head: Eagle3TrainHead, section: Eagle3Section, h: HeadsSection, 
                 vocab: DraftVocab | None = None) -> Path:
     """The published layout: config.json (LlamaForCausalLMEagle3) + model.safetensors (fc, midlayer.*, norm,
     lm_head, d2t / t2d with a reduced draft vocabulary)."""
-    from safetensors.torch import save_file
-
     dtype = getattr(torch, h.save_dtype)
-    tmp = fresh_tmp(section.output)
     target = ModelConfig.from_hf({**target_config.to_dict(), "architectures": None, "model_type": "llama",
                                   "eos_token_id": None, "bos_token_id": None})
     cfg = head_config(head.config, target, head.feature_layers, vocab,
                       {"torch_dtype": h.save_dtype, "base_model_name_or_path": h.target.name})
     state = {k: v.to(dtype) for k, v in head.published_state().items()}
-    if vocab is not None:
-        state.update(vocab.state())
-    (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    save_file(state, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
-    shutil.copy2(log_file, tmp / "training_log.jsonl")
-    swap_in(tmp, section.output)
-    return section.output
+    return publish_head(section.output, cfg, CONFIG_FILE, state, SAFETENSORS_FILE, vocab, log_file)
 
 
 class Eagle3Build(BuilderKind):

@@ -9,8 +9,6 @@ metrics: top-1 / top-5 agreement with the target's greedy token per head (= per 
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from torch import nn
 
 from builder.config import BuildPlan
 from builder.drafters import BuilderKind, EvalBatch, HeadInit, TrainingTarget
-from builder.train_heads import EVAL_TOPK, cross_entropy, fresh_tmp, swap_in
+from builder.train_heads import EVAL_TOPK, cross_entropy, publish_head
 from builder.training.config import HeadsSection, MedusaSection
 from builder.trtllm import choices_string
 from builder.trtllm_layout import medusa_to_trtllm
@@ -94,10 +92,7 @@ def medusa_metrics(heads: nn.ModuleList, batches: Iterable[EvalBatch]) -> dict[s
 def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, target_config: Any, log_file: Path,
                 vocab: DraftVocab | None = None) -> Path:
     """FasterDecoding layout: config.json (medusa_num_heads, medusa_num_layers, ...) + medusa_lm_head.safetensors."""
-    from safetensors.torch import save_file
-
     dtype = getattr(torch, h.save_dtype)
-    tmp = fresh_tmp(section.output)
     cfg = {
         "medusa_num_heads": section.num_heads,
         "medusa_num_layers": section.num_layers,
@@ -108,14 +103,8 @@ def save_medusa(heads: nn.ModuleList, section: MedusaSection, h: HeadsSection, t
     }
     if vocab is not None:
         cfg["draft_vocab_size"] = vocab.size
-    (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
-    if vocab is not None:
-        state.update(vocab.state())
-    save_file(state, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
-    shutil.copy2(log_file, tmp / "training_log.jsonl")
-    swap_in(tmp, section.output)
-    return section.output
+    return publish_head(section.output, cfg, CONFIG_FILE, state, SAFETENSORS_FILE, vocab, log_file)
 
 
 class MedusaBuild(BuilderKind):
