@@ -60,7 +60,7 @@ def test_grammar(text, expected):
 
 @pytest.mark.parametrize("text, field, message", [
     ("", "kind", "empty string"),
-    ("hydra", "kind", "unknown drafter kind 'hydra'; expected one of medusa, eagle, lookup, none"),
+    ("hydra", "kind", "unknown drafter kind 'hydra'; expected one of medusa, eagle3, eagle, lookup, none"),
     ("medusa:", "tree", "empty tree after ':'"),
     ("medusa:bushy", "tree", "unknown tree preset 'bushy'"),
     ("medusa:[[0,0]]", "tree", "no parent"),
@@ -103,14 +103,14 @@ def test_rules_on_typed_fields():
         DraftSpec("medusa", tree=DYNAMIC, dynamic=DynamicTreeOptions())
     with pytest.raises(DraftSpecError, match="dynamic: options apply to the dynamic EAGLE-2 tree only"):
         DraftSpec("eagle", tree=Tree.chain(2), dynamic=DynamicTreeOptions())
-    with pytest.raises(DraftSpecError, match="lookup: lookup options apply to drafter 'lookup', or to medusa / eagle "
+    with pytest.raises(DraftSpecError, match="lookup: lookup options apply to drafter 'lookup', or to medusa / eagle3 / eagle "
                                              r"\(prompt-lookup continuations merged into their trees\), not 'none'"):
         DraftSpec("none", lookup=LookupOptions())
     with pytest.raises(DraftSpecError, match="tree: expected a Tree"):
         DraftSpec("medusa", tree="chain-2")  # text is parsed by create / parse, not the constructor
     with pytest.raises(DraftSpecError, match="path: required for drafter 'eagle'"):
         DraftSpec("eagle").require_weights()
-    with pytest.raises(DraftSpecError, match="pruning: pruning by path probability is EAGLE's"):
+    with pytest.raises(DraftSpecError, match="pruning: pruning by path probability is EAGLE-3 / EAGLE's"):
         DraftSpec("medusa", tree=Tree.chain(2), pruning=PruneOptions(0.1))
     with pytest.raises(DraftSpecError, match="pruning: expected PruneOptions, got 0.1"):
         DraftSpec("eagle", pruning=0.1)
@@ -192,9 +192,9 @@ def test_front_ends_name_their_own_keys():
 
 
 def test_one_list_of_kinds():
-    assert kind_names() == ("medusa", "eagle", "lookup", "none")  # the built-in kinds, in registry order
+    assert kind_names() == ("medusa", "eagle3", "eagle", "lookup", "none")  # the built-in kinds, in registry order
     with pytest.raises(BuildConfigError, match="^draft.method: unknown drafter kind 'hydra'; expected one of medusa, "
-                                               "eagle, lookup, none"):
+                                               "eagle3, eagle, lookup, none"):
         DraftSection("hydra")  # the builder YAML's draft.method
     draft = next(a for a in runtime_parser()._subparsers._group_actions[0].choices["generate"]._actions
                  if a.dest == "draft")

@@ -12,10 +12,10 @@ from runtime.drafters import load_drafter
 from runtime.drafters.none import NoneDrafter
 from runtime.errors import ConfigError
 from runtime.model import TargetModel
-from runtime.protocol import Proposal
+from runtime.protocol import Proposal, feature_layers_of
 from runtime.tree import Tree
 from runtime.verify import verify_greedy
-from tests.heads import write_eagle_head, write_medusa_head
+from tests.heads import write_eagle3_head, write_eagle_head, write_medusa_head
 from tests.tiny import make_checkpoint
 
 
@@ -35,6 +35,9 @@ def heads(tmp_path_factory, target_dir):
     return {
         "medusa": write_medusa_head(root / "medusa", 64, 420, num_heads=4, seed=2),
         "eagle": write_eagle_head(root / "eagle", target_dir, seed=3),
+        # a 2-layer target has no default feature layers: the head names them (vLLM's key)
+        "eagle3": write_eagle3_head(root / "eagle3", target_dir, seed=4,
+                                    config_overrides={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}),
     }
 
 
@@ -105,6 +108,8 @@ def test_greedy_identity_through_every_drafter(target, heads, kind, tree, option
 def test_small_max_nodes_for_every_drafter(target, heads, max_nodes):
     for kind in kind_names():
         drafter = load(kind, target, heads.get(kind))
+        if feature_layers_of(drafter):  # it reads inner layers `speculative` does not pass (tests/test_eagle3.py)
+            continue
         got, _ = speculative(target, drafter, PROMPT, 8, max_nodes=max_nodes)
         assert got == greedy_reference(target, PROMPT, 8)
 
@@ -140,7 +145,7 @@ def test_as_tree_accepts_presets_json_lists_and_trees():
 
 
 def test_load_drafter_errors(target, heads):
-    with pytest.raises(ConfigError, match=r"unknown drafter kind 'hydra'; expected one of medusa, eagle, lookup, none"):
+    with pytest.raises(ConfigError, match=r"unknown drafter kind 'hydra'; expected one of medusa, eagle3, eagle, lookup, none"):
         load("hydra", target)
     with pytest.raises(ConfigError, match="drafter 'lookup' has no weights"):
         load("lookup", target, path=heads["medusa"])
