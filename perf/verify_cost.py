@@ -243,20 +243,6 @@ def checkpoint_path(config: VerifyCostConfig) -> Path:
     return load_config(config.config).model.checkpoint
 
 
-def leaf_sequences(parents: Sequence[int]) -> list[tuple[int, ...]]:
-    """Each node's llama.cpp sequences for a tree given by its parent list (root -1): those of the leaves under it,
-    leaf k being sequence k + 1 (`runtime.llama_cpp_decode` does the same from a Draft)."""
-    n = len(parents)
-    is_parent = set(parents)
-    seqs: list[set[int]] = [set() for _ in range(n)]
-    for k, leaf in enumerate(i for i in range(n) if i not in is_parent):
-        node = leaf
-        while node >= 0:
-            seqs[node].add(k + 1)
-            node = parents[node]
-    return [tuple(sorted(x)) for x in seqs]
-
-
 def llama_cpp_targets(config: VerifyCostConfig, prefix: list[int], need: int) -> dict[str, Any]:
     """"llama.cpp PREC" -> an executor on that precision's GGUF, `prefix` decoded into its cache."""
     from perf import llama_cpp
@@ -318,20 +304,19 @@ def run_verify_cost(config: VerifyCostConfig,
         sync = _sync(device)
         executors = llama_cpp_targets(config, prefix[0].tolist(), need) if config.llama_cpp else {}
         labels += list(executors)
-        seqs = {key: leaf_sequences(inp.parents) for key, inp in inputs.items()}
+        seqs: dict[tuple[str, int], list[tuple[int, ...]]] = {}
+        if executors:
+            from runtime.llama_cpp_decode import COMMITTED, decode_tree, leaf_sequences
+
+            # a chain in the committed sequence, a tree in its leaves' (runtime.llama_cpp_decode)
+            seqs = {(m, n): [(COMMITTED,)] * n if m == "chain" else leaf_sequences(inp.parents)
+                    for (m, n), inp in inputs.items()}
 
         def call(case: Case) -> None:
             if case.dtype in executors:  # the N tokens decoded, then dropped from the cache
-                from runtime.llama_cpp_decode import COMMITTED, _decode
-
                 ex, inp = executors[case.dtype], inputs[(case.mask, case.size)]
-                node_seqs = [(COMMITTED,)] * case.size if case.mask == "chain" else seqs[(case.mask, case.size)]
-                leaves = sorted({q for s in node_seqs for q in s} - {COMMITTED})
-                for q in leaves:
-                    ex.seq_cp(COMMITTED, q)
-                _decode(ex, inp.tokens[0].tolist(), inp.positions[0].tolist(), node_seqs, [True] * case.size)
-                for q in leaves:
-                    ex.seq_rm(q)
+                decode_tree(ex, inp.tokens[0].tolist(), inp.positions[0].tolist(), seqs[(case.mask, case.size)],
+                            [True] * case.size)
                 ex.seq_rm(COMMITTED, config.context)
                 return
             tokens, positions, mask = on_device[(case.mask, case.size)]
@@ -378,7 +363,6 @@ __all__ = [
     "VerifyCostConfig",
     "VerifyInput",
     "checkpoint_path",
-    "leaf_sequences",
     "llama_cpp_targets",
     "op_breakdown",
     "profile_case",

@@ -23,6 +23,7 @@ token: the fixed-length comparison `perf llama-exec` makes).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,14 +118,32 @@ def plain_greedy(ex: LlamaCppExecutor, prompt: list[int], max_tokens: int) -> Ex
     return ExternalResult(tuple(out[:max_tokens]), ExternalStats(n, (1,) * n, 0, t1 - t0, t2 - t1))
 
 
-def _leaf_sequences(draft: Draft) -> list[tuple[int, ...]]:
-    """Each node's sequences: those of the leaves under it (leaf k is sequence k + 1)."""
-    tree = draft.tree
-    seqs: list[set[int]] = [set() for _ in range(tree.num_nodes)]
-    for k, leaf in enumerate(tree.leaves):
-        for node in tree.path(leaf):
+def leaf_sequences(parents: Sequence[int]) -> list[tuple[int, ...]]:
+    """Each node's sequences for a tree given by its parent list (root -1, parents before children): those of the
+    leaves under it, leaf k (in node order) being sequence k + 1."""
+    is_parent = set(parents)
+    seqs: list[set[int]] = [set() for _ in parents]
+    for k, leaf in enumerate(i for i in range(len(parents)) if i not in is_parent):
+        node = leaf
+        while node >= 0:
             seqs[node].add(k + 1)
-    return [tuple(sorted(s)) for s in seqs]
+            node = parents[node]
+    return [tuple(sorted(x)) for x in seqs]
+
+
+def decode_tree(ex: LlamaCppExecutor, tokens: list[int], positions: list[int], seqs: list[tuple[int, ...]],
+                outputs: list[bool]) -> tuple[np.ndarray, np.ndarray | None]:
+    """`_decode` of tokens in leaf sequences as well as the committed one: each leaf sequence holds the committed
+    tokens for the decode (seq_cp) and nothing after it (seq_rm), so a node sees the committed tokens and its
+    ancestors only; what the batch wrote into the committed sequence stays."""
+    leaves = sorted({q for s in seqs for q in s} - {COMMITTED})
+    for q in leaves:
+        ex.seq_cp(COMMITTED, q)
+    try:
+        return _decode(ex, tokens, positions, seqs, outputs)
+    finally:
+        for q in leaves:
+            ex.seq_rm(q)
 
 
 def _rows(hidden: np.ndarray | None, index: list[int], dtype: torch.dtype) -> torch.Tensor | None:
@@ -169,18 +188,13 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
         draft = prune_draft(session.draft(run[-1], GREEDY, None, max_nodes), ex.n_ctx, max_nodes)
         drafting += time.perf_counter() - t_draft
         drafted += draft.tree.num_nodes - 1
-        node_seqs = _leaf_sequences(draft)
-        leaves = sorted({s for seqs in node_seqs for s in seqs})
-        for s in leaves:
-            ex.seq_cp(COMMITTED, s)
-        everyone = (COMMITTED, *leaves)
+        node_seqs = leaf_sequences(draft.tree.parent_list)
+        everyone = (COMMITTED, *node_seqs[0])  # the run: committed, and seen by every node
         base = P + len(run) - 1  # the tree root's position
         tokens = run + draft.tokens[1:].tolist()
         positions = list(range(P, base + 1)) + [base + d for d in draft.tree.depth[1:].tolist()]
         seqs = [everyone] * len(run) + node_seqs[1:]
-        logits, hidden = _decode(ex, tokens, positions, seqs, [True] * len(tokens))
-        for s in leaves:
-            ex.seq_rm(s)
+        logits, hidden = decode_tree(ex, tokens, positions, seqs, [True] * len(tokens))
         exact = [argmax(logits[j]) for j in range(len(run))]
         mismatch = next((j for j in range(len(run) - 1) if exact[j] != run[j + 1]), None)
         if mismatch is not None:
@@ -223,4 +237,5 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
                                         drafting, drafted))
 
 
-__all__ = ["ExternalResult", "ExternalStats", "argmax", "plain_greedy", "prefill", "speculative_greedy"]
+__all__ = ["ExternalResult", "ExternalStats", "argmax", "decode_tree", "leaf_sequences", "plain_greedy", "prefill",
+           "speculative_greedy"]
