@@ -98,19 +98,8 @@ def write_medusa_head(
         "vocab_size": vocab_size,
         "transformers_version": "4.34.0",
     }
-    for k, v in (config_overrides or {}).items():
-        if v is None:
-            config.pop(k, None)
-        else:
-            config[k] = v
-    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(state, str(out / "medusa_lm_head.safetensors"))
-    else:
-        torch.save(state, out / "medusa_lm_head.pt")
-    return out
+    return _write_head(out, config, config_overrides, state,
+                       "medusa_lm_head.safetensors" if fmt == "safetensors" else "medusa_lm_head.pt")
 
 
 def load_medusa_reference(dir: str | Path) -> nn.ModuleList:
@@ -154,22 +143,26 @@ def eagle_layer_config(target_dir: str | Path, **overrides: Any):
 
 
 def _write_head(out: Path, config: dict[str, Any], overrides: dict[str, Any] | None, state: dict[str, torch.Tensor],
-                fmt: str) -> Path:
-    """config.json (`overrides` set, None: removed) and the weights as pytorch_model.bin (fmt "bin") or
-    model.safetensors into `out`; returns it."""
+                weights: str) -> Path:
+    """config.json (`overrides` set, None: removed) and the weights as file `weights` (safetensors for a .safetensors
+    name, else torch.save) into `out`; returns it."""
     for key, v in (overrides or {}).items():
         if v is None:
             config.pop(key, None)
         else:
             config[key] = v
     (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    if fmt == "bin":
-        torch.save(state, out / "pytorch_model.bin")
-    else:
+    if weights.endswith(".safetensors"):
         from safetensors.torch import save_file
 
-        save_file(state, str(out / "model.safetensors"))
+        save_file(state, str(out / weights))
+    else:
+        torch.save(state, out / weights)
     return out
+
+
+def _eagle_weights(fmt: str) -> str:
+    return "pytorch_model.bin" if fmt == "bin" else "model.safetensors"
 
 
 def write_eagle_head(
@@ -245,7 +238,7 @@ def write_eagle_head(
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
     }
-    return _write_head(out, config, config_overrides, state, fmt)
+    return _write_head(out, config, config_overrides, state, _eagle_weights(fmt))
 
 
 class Eagle3Attention(nn.Module):
@@ -419,7 +412,7 @@ def write_eagle3_head(
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": k,
     }
-    return _write_head(out, config, config_overrides, state, fmt)
+    return _write_head(out, config, config_overrides, state, _eagle_weights(fmt))
 
 
 def load_eagle3_reference(dir: str | Path, target_dir: str | Path) -> Eagle3Reference:
