@@ -81,26 +81,26 @@ def _decode(ex: LlamaCppExecutor, tokens: list[int], positions: list[int], seqs:
     return logits[:-1], (None if hidden is None else hidden[:-1])
 
 
-def prefill(ex: LlamaCppExecutor, prompt: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+def prefill(ex: LlamaCppExecutor, prompt: list[int], hidden: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Clear the cache and decode the prompt into cells 0..P-1 (chunks of n_batch): the last token's logits [vocab],
-    and, when the executor gives hidden states, every prompt token's [P, hidden] (a drafter's `start` reads them;
-    llama.cpp then computes every prompt row's logits too)."""
+    and, with `hidden` on an executor that gives hidden states, every prompt token's [P, hidden] (a drafter's `start`
+    reads them; llama.cpp then computes every prompt row's logits too), else None."""
     if not prompt:
         raise LlamaCppError("prefill: the prompt has no tokens")
     if len(prompt) >= ex.n_ctx:
         raise LlamaCppError(f"prefill: a {len(prompt)}-token prompt does not fit n_ctx {ex.n_ctx}")
     ex.clear()
     step = ex.config.n_batch
-    every = ex.config.hidden
-    logits, hidden = None, []
+    every = hidden and ex.config.hidden
+    logits, states = None, []
     for start in range(0, len(prompt), step):
         chunk = prompt[start:start + step]
         last = start + len(chunk) == len(prompt)
         logits, h = _decode(ex, chunk, list(range(start, start + len(chunk))), [(COMMITTED,)] * len(chunk),
                             [every or (last and i == len(chunk) - 1) for i in range(len(chunk))])
-        if h is not None:
-            hidden.append(h)
-    return logits[-1], (np.concatenate(hidden) if hidden else None)
+        if every:
+            states.append(h)
+    return logits[-1], (np.concatenate(states) if every else None)
 
 
 def plain_greedy(ex: LlamaCppExecutor, prompt: list[int], max_tokens: int) -> ExternalResult:
@@ -163,7 +163,7 @@ def speculative_greedy(ex: LlamaCppExecutor, drafter: Drafter, prompt: list[int]
         raise LlamaCppError(f"max_nodes: got {max_nodes}, expected 1..{ex.config.n_seq - 1} (n_seq - 1: each leaf "
                             "is a sequence, and two are the committed and the padding ones)")
     t0 = time.perf_counter()
-    last, prompt_hidden = prefill(ex, prompt)
+    last, prompt_hidden = prefill(ex, prompt, hidden=True)
     r = argmax(last)
     t1 = time.perf_counter()
     history = list(prompt)  # the cache's tokens, all confirmed: cells 0..P-1

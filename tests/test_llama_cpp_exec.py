@@ -97,6 +97,16 @@ def test_speculative_greedy_equals_plain_greedy(executor, name, max_nodes):
         assert spec.stats.tau > 1.5, spec.stats
 
 
+def test_a_prefill_with_every_rows_outputs_starts_where_plain_decoding_does():
+    """On an executor that gives hidden states, speculative decoding prefills with every prompt row as an output
+    (its drafter reads them) where plain decoding asks for the last row only: the same first token and output."""
+    with LlamaCppExecutor(ExecutorConfig(model=str(_gguf("f32")), n_ctx=2048, threads=2, hidden=True)) as ex:
+        for name in ("random", "repeating"):
+            prompt = _prompts()[name]
+            assert (speculative_greedy(ex, LookupDrafter(), prompt, 24, 24).token_ids
+                    == plain_greedy(ex, prompt, 24).token_ids)
+
+
 class _Perturbed(LlamaCppExecutor):
     """Noise on the logits of drafted nodes (rows outside the committed sequence): the tree's choices then differ
     from what exact logits give, as a near-tie would, only often."""
@@ -145,7 +155,7 @@ def test_hidden_states_are_the_final_norm_output(tmp_path):
     model = TargetModel.from_pretrained(tmp_path / "target", dtype="float32")
     prompt = _prompts()["random"][:64]
     with LlamaCppExecutor(ExecutorConfig(model=str(_gguf("f32")), n_ctx=512, threads=2, hidden=True)) as ex:
-        last, hidden = prefill(ex, prompt)
+        last, hidden = prefill(ex, prompt, hidden=True)
     ours_logits, ours_hidden = model.prefill(torch.tensor([prompt]), model.new_cache(128))
     assert hidden.shape == (64, model.config.hidden_size)
     # llama.cpp keeps K and V in float16: differences of a few hundredths on a few elements
