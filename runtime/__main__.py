@@ -11,7 +11,7 @@ import sys
 from typing import Sequence
 
 from runtime.api import LoadConfig, build
-from runtime.config import DTYPE_CHOICES
+from runtime.config import DTYPE_CHOICES, TARGET_QUANTIZATIONS
 from runtime.draft_spec import QUANTIZATIONS, kind_names, option_value
 from runtime.errors import SpectreeError
 from runtime.request_fields import SamplingParams, add_flags
@@ -65,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=_default(LoadConfig, "device"), help="torch device: cpu, cuda, cuda:1, ...")
     g.add_argument("--draft-quantization", choices=QUANTIZATIONS, default=_default(LoadConfig, "draft_quantization"),
                    help="the EAGLE head's weights as drafting reads them (int8 / int4: weight-only, CPU)")
+    g.add_argument("--target-quantization", choices=TARGET_QUANTIZATIONS,
+                   default=_default(LoadConfig, "target_quantization"),
+                   help="the target's weights as the forward reads them (q8 / q4: GGUF Q8_0 / Q4_1 blocks, CPU); "
+                        "decoding is lossless against that quantised target")
     g.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, e.g. total_tokens=60 (eagle) or max_ngram=4 (lookup); repeatable")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
@@ -90,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             LoadConfig(
                 model=args.model, draft=args.draft, draft_model=args.draft_model, tree=args.tree, dtype=args.dtype,
                 max_draft_len=args.max_draft_len, device=args.device, draft_options=_options(args.draft_option),
-                draft_quantization=args.draft_quantization,
+                draft_quantization=args.draft_quantization, target_quantization=args.target_quantization,
             )
         )
         prompt = _prompt(args)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from runtime.config import DTYPE_CHOICES
+from runtime.config import DTYPE_CHOICES, TARGET_QUANTIZATIONS
 from runtime.decode import SpecDecoder
 from runtime.draft_spec import PLAIN, DraftSpec, field_names, kinds
 from runtime.drafters import load_drafter
@@ -36,6 +36,9 @@ class LoadConfig:
     # "int8" / "int4": the draft head's weights as drafting reads them (DraftSpec.quantization); None: an engine's own
     # choice, else the weights' dtype
     draft_quantization: str | None = None
+    # "q8" / "q4": the target's weight matmuls run on block-quantised copies (TargetModel.quantize_weights; CPU): the
+    # quantised model is then the target that decoding is lossless against. None: the dtype's own weights
+    target_quantization: str | None = None
 
     def __post_init__(self) -> None:
         with field_names("load"):  # DraftSpec's rules, errors naming these fields
@@ -43,6 +46,9 @@ class LoadConfig:
             if self.draft is not None:
                 DraftSpec.create(self.draft, path=self.draft_model, tree=self.tree, options=self.draft_options,
                                  quantization=self.draft_quantization)
+        if self.target_quantization is not None and self.target_quantization not in TARGET_QUANTIZATIONS:
+            raise ConfigError(f"target_quantization must be one of {', '.join(TARGET_QUANTIZATIONS)}, got "
+                              f"{self.target_quantization!r}")
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         try:
@@ -105,6 +111,9 @@ def build(config: LoadConfig) -> SpecDecoder:
         model = TargetModel.from_pretrained(path, dtype=config.dtype, device=config.device)
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
         spec = config.draft_spec()
+    if config.target_quantization is not None:
+        with field_names("load"):
+            model.quantize_weights(config.target_quantization)
     with field_names("load"):
         drafter = load_drafter(spec, model)
     return SpecDecoder(model, tokenizer, drafter, max_tree_nodes=spec.max_draft_len + 1)
@@ -119,6 +128,7 @@ def load(
     max_draft_len: int = LoadConfig.max_draft_len,
     device: str | torch.device = LoadConfig.device,
     draft_quantization: str | None = LoadConfig.draft_quantization,
+    target_quantization: str | None = LoadConfig.target_quantization,
     **draft_options: Any,
 ) -> SpecDecoder:
     """Load a checkpoint directory with a drafter; returns a SpecDecoder (`generate`, `stream`), whose prompt is
@@ -129,11 +139,13 @@ def load(
                  draft_model, else none)
     draft_model  Medusa heads (FasterDecoding format), EAGLE-1 head (EAGLE repo layout) or EAGLE-3 head directory
     tree         static tree: preset name or JSON list of choice paths (EAGLE without a tree: dynamic EAGLE-2)
-    dtype        auto | float32 | bfloat16 | float16 (default: the checkpoint's; auto: bfloat16 on a CPU with
-                 native bf16, else float32; bfloat16 is refused on a CPU without it: runtime.config.choose_dtype)
+    dtype        auto | float32 | bfloat16 | float16 (default: the checkpoint's; auto: bfloat16 on a CPU where it runs
+                 fast, through the weight-streaming kernel or natively, else float32: runtime.config.choose_dtype)
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
     draft_quantization  "int8" / "int4": the EAGLE head runs on int8 / int4 copies of its weights (CPU; drafts
                  change slightly, the output never)
+    target_quantization  "q8" / "q4": the target runs on block-quantised weights (CPU; GGUF Q8_0 / Q4_1 layouts): a
+                 quantised target, which decoding is then lossless against
     draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; EAGLE: min_path_prob, the path
                  probability below which drafted nodes are not verified; lookup: max_ngram, ...; lookup's on medusa /
                  eagle merge prompt lookup into their trees)
@@ -151,6 +163,7 @@ def load(
             device=str(device),
             draft_options=dict(draft_options),
             draft_quantization=draft_quantization,
+            target_quantization=target_quantization,
         )
     )
 

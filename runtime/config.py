@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from plugins import cpu
+from plugins.stream_linear import native as stream_linear
 from runtime import schema
 from runtime.errors import ConfigError
 from runtime.files import read_json_object
@@ -166,42 +167,44 @@ class DtypeChoice:
                           stacklevel=3)
 
 
+TARGET_QUANTIZATIONS = tuple(stream_linear.QUANT_FORMATS)  # TargetModel.quantize_weights kinds: "q8", "q4"
+
+
 def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
                  device: torch.device | str = "cpu", runs_here: bool = True) -> DtypeChoice:
     """The dtype to run a model stored in `stored` on `device`, as `requested`:
 
-    - "auto": on a CPU, bfloat16 where it multiplies bf16 in hardware (plugins/cpu/ `native_bf16`: AVX512_BF16 or
-      AMX-BF16), float32 elsewhere; on CUDA bfloat16 where the GPU has it, else float16; float32 on other devices.
+    - "auto": on a CPU, bfloat16 where its weights run fast (plugins/stream_linear `bf16_missing`: the weight-streaming
+      kernel builds, or the CPU multiplies bf16 in hardware), float32 elsewhere; on CUDA bfloat16 where the GPU has it, else float16; float32 on other devices.
       (A bfloat16 CPU model also checks its matmuls' row invariance when it loads and runs in float32 where that
       fails: runtime/model.py.)
-    - None: `stored`, except a bfloat16 checkpoint on a CPU without native bf16, which runs in float32: its values
+    - None: `stored`, except a bfloat16 checkpoint on a CPU where bf16 cannot run fast, which runs in float32: its values
       exactly, at float32's speed instead of emulated bf16 matmuls' (~10-20x slower).
-    - a dtype: as asked; bfloat16 on a CPU without native bf16 is refused (ConfigError naming the missing features).
+    - a dtype: as asked; bfloat16 on a CPU where it cannot run fast is refused (ConfigError saying why).
     runs_here=False (a conversion, such as a build, whose weights run elsewhere): a dtype and None are taken as they
     are; "auto" still chooses for this machine.
     """
     device = torch.device(device)
     on_cpu = device.type == "cpu"
-    features = cpu.features() if on_cpu else None
+    missing = stream_linear.bf16_missing() if on_cpu else None
     stored = dtype_name(stored)
     if requested == AUTO:
         if on_cpu:
-            why = f"{features.row} multiplies bf16 natively" if features.native_bf16 else features.missing_bf16()
-            return DtypeChoice(features.auto_dtype, AUTO, f"auto: {why}")
+            return DtypeChoice("float32" if missing else "bfloat16", AUTO, f"auto: {missing or stream_linear.bf16_route()}")
         if device.type == "cuda":
             if torch.cuda.is_bf16_supported():
                 return DtypeChoice("bfloat16", AUTO, "auto: the GPU has bf16")
             return DtypeChoice("float16", AUTO, "auto: the GPU has no bf16")
         return DtypeChoice("float32", AUTO, f"auto: float32 on {device.type}")
     if requested is None:
-        if runs_here and on_cpu and stored == "bfloat16" and not features.native_bf16:
-            return DtypeChoice("float32", None, f"the checkpoint's bfloat16 runs as float32: {features.missing_bf16()}",
+        if runs_here and on_cpu and stored == "bfloat16" and missing:
+            return DtypeChoice("float32", None, f"the checkpoint's bfloat16 runs as float32: {missing}",
                                demoted=True)
         return DtypeChoice(stored, None, "the checkpoint's dtype")
     name = dtype_name(requested)
-    if runs_here and on_cpu and name == "bfloat16" and not features.native_bf16:
+    if runs_here and on_cpu and name == "bfloat16" and missing:
         raise ConfigError(
-            f"dtype 'bfloat16' needs a CPU that multiplies bf16 natively, and {features.missing_bf16()}: its bf16 "
+            f"dtype 'bfloat16' needs a CPU that multiplies bf16 natively or the weight-streaming kernel, and {missing}: its bf16 "
             f"matmuls would be emulated, ~10-20x slower than float32; expected dtype {AUTO!r} or 'float32'"
         )
     return DtypeChoice(name, name, "as asked")

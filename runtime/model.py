@@ -40,12 +40,15 @@ from torch import nn
 
 import plugins.tree_attention.op  # noqa: F401  (registers torch.ops.spectree.tree_attention)
 from plugins import cpu
+from plugins.decoder_layer import native as native_layer
 from plugins.rowwise import native as rowwise
+from plugins.stream_linear import native as stream_linear
+from plugins.stream_linear.native import BlockWeight
 from plugins.tree_attention import native as native_attention
 from plugins.tree_attention.mask import mask_words, pack_mask
 from runtime.checkpoint import LM_HEAD, load_checkpoint, validate_tensors
-from runtime.config import ModelConfig
-from runtime.errors import CacheError, CheckpointError, RequestError
+from runtime.config import TARGET_QUANTIZATIONS, ModelConfig
+from runtime.errors import CacheError, CheckpointError, ConfigError, RequestError
 from runtime.kv_cache import KVCache
 from runtime.rope import RotaryEmbedding, apply_rope
 
@@ -90,6 +93,7 @@ class _Fused(nn.Module):
     _out_name: str = ""
     quantized: tuple[QuantizedWeight, QuantizedWeight] | None = None  # (fused, out) when quantize() was called
     packed: tuple[PackedWeight, PackedWeight] | None = None  # (fused, out) when pack() was called
+    blocks: tuple[BlockWeight, BlockWeight] | None = None  # (fused, out) when quantize_blocks() was called
 
     def _setup_fusion(self) -> None:
         self.register_load_state_dict_post_hook(lambda module, _keys: module._fuse())
@@ -104,7 +108,7 @@ class _Fused(nn.Module):
         self.register_buffer("fused_weight", weight, persistent=False)
         self.register_buffer("fused_bias", bias, persistent=False)
         self.fused_sizes = [m.weight.shape[0] for m in mods]
-        self.quantized = self.packed = None  # quantized / packed copies describe the old weights
+        self.quantized = self.packed = self.blocks = None  # quantized / packed copies describe the old weights
         start = 0
         for m, size in zip(mods, self.fused_sizes):
             m.weight = nn.Parameter(weight[start:start + size], requires_grad=m.weight.requires_grad)
@@ -134,6 +138,8 @@ class _Fused(nn.Module):
         """(fused, out) as the matmuls read them: quantized copies, packed copies or the weights themselves."""
         if self.quantized is not None:
             return self.quantized
+        if self.blocks is not None:
+            return self.blocks
         if self.packed is not None:
             return self.packed
         return self.fused_weight, out
@@ -142,6 +148,12 @@ class _Fused(nn.Module):
         """Run this module's matmuls on quantized copies of its weights (`Int8Weight` / `Int4Weight`; draft heads on
         CPU). Undone by any change of the weights (a load, a move), which re-fuses them."""
         self.quantized = (kind.of(self.fused_weight), kind.of(getattr(self, self._out_name).weight))
+
+    def quantize_blocks(self, kind: str) -> None:
+        """Run this module's matmuls on block-quantised weights (`BlockWeight`, "q8" / "q4": a quantised target),
+        dropping the dense copies' use until the weights change (which re-fuses them)."""
+        make = stream_linear.QUANT_FORMATS[kind]
+        self.blocks = (make(self.fused_weight), make(getattr(self, self._out_name).weight))
 
     def pack(self) -> None:
         """Run this module's matmuls on oneDNN-packed copies of its weights (`PackedWeight`). Undone like quantize()."""
@@ -213,12 +225,15 @@ def attend(
 # float32 moves results by ~1e-7 relative, too fine to show in greedy output, but a bfloat16 model rounds them to
 # its 8-bit mantissa: measured on SmolLM2-135M in bf16 on CPU, a tree step's logits differed from the sequential
 # pass's by up to 0.375 and greedy text diverged within 6-60 tokens. So bf16 weights on CPU run batch-invariant:
+# - weight matmuls through the weight-streaming kernel (plugins/stream_linear), invariant by construction: each
+#   (row, output) sum has one fixed sequence of operations whatever the other rows are. Where it cannot be built (no
+#   C compiler), torch's linear in the blocks described below;
 # - attention through a kernel that is row-invariant by construction (plugins/tree_attention/native.py: every
 #   reduction runs over a row's keys in their logical order, in a shape that does not depend on the other rows or on
 #   where masked keys sit), in float32 over the bf16 cache; where that kernel cannot be built (no C compiler), in
 #   float64 through SDPA (`kv_dtype`): the order effects shrink to ~1e-16 relative, ~13 orders below a bf16 rounding
 #   step, so the rounded outputs agree (2-3x slower at 16 rows, 4x the cache memory);
-# - weight matmuls in blocks of at most INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a row the same
+# - (torch's route) weight matmuls in blocks of at most INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a row the same
 #   result at every row count from 2 to 32 and switches kernels beyond (measured on Intel Xeon with AMX: 2-182
 #   elements of a row differ at 48 or 64 rows, none at 1-32).
 # - a lone row (plain decoding, a block's tail) takes a GEMV kernel. On Intel Xeon (AMX) it rounds like the GEMM; on
@@ -439,7 +454,8 @@ class PackedWeight:
     def supported(dtype: torch.dtype, device: torch.device) -> bool:
         """Whether weights of `dtype` on `device` are packed: bf16 on a CPU whose oneDNN takes bf16 weights
         (plugins/cpu/ `onednn_bf16`: AVX-512 BW/VL/DQ or AVX-NE-CONVERT), where this torch packs one (tried once)."""
-        return device.type == "cpu" and dtype == torch.bfloat16 and _packs_bf16()
+        return (device.type == "cpu" and dtype == torch.bfloat16 and not streams(dtype, device)
+                and _packs_bf16())
 
     @property
     def shape(self) -> torch.Size:
@@ -465,6 +481,13 @@ def _packs_bf16() -> bool:
     return True
 
 
+def streams(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether weights of `dtype` on `device` are multiplied by the weight-streaming kernel (plugins/stream_linear:
+    batch-invariant by construction, bfloat16 widened in registers, so it needs neither row blocks nor native bf16);
+    built on first call."""
+    return stream_linear.covers(dtype, device) and stream_linear.load() is not None
+
+
 def linear(
     x: torch.Tensor,  # [..., in]
     weight: torch.Tensor | QuantizedWeight | PackedWeight,  # [out, in]
@@ -481,6 +504,12 @@ def linear(
     plain = weight.weight if isinstance(weight, PackedWeight) else weight
     # Static tests first (no guard on traced shapes); an exported or compiled graph (the ONNX model TensorRT builds
     # from) runs other kernels: the blocks are for the eager CPU runtime.
+    if not torch.compiler.is_compiling() and not pads_rows(x.device):
+        out = stream_linear.linear(x, plain, bias)  # CPU: batch-invariant by construction, any row count
+        if out is not None:
+            return out
+    if isinstance(plain, BlockWeight):
+        return F.linear(x, plain.dense().to(x.dtype), bias)
     if torch.compiler.is_compiling():
         return F.linear(x, plain, bias)
     if not batch_invariant(plain.dtype, plain.device):
@@ -667,8 +696,12 @@ class MLP(_Fused):
         self._setup_fusion()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fused(x)
-        return self.out(F.silu(gate) * up)
+        gate_up = self.fused_output(x)
+        act = rowwise.silu_mul(gate_up)  # one native call on CPU (plugins/rowwise/native.py)
+        if act is None:
+            gate, up = gate_up.split(self.fused_sizes, dim=-1)
+            act = F.silu(gate) * up
+        return self.out(act)
 
 
 class DecoderLayer(nn.Module):
@@ -702,9 +735,47 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # each [B, N, D] in x's dtype, from positions
     ) -> torch.Tensor:  # [B, N, H]
         cos, sin = self.rotary(positions, x.dtype) if cos_sin is None else cos_sin
+        out = self._native(x, cos, sin, cache, cache_layer, tree_mask)
+        if out is not None:
+            return out
         h = x if self.input_layernorm is None else self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, cache, cache_layer, tree_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+    def _native(
+        self,
+        x: torch.Tensor,  # [B, N, H]
+        cos: torch.Tensor,  # [B, N, D]
+        sin: torch.Tensor,  # [B, N, D]
+        cache: Any,
+        cache_layer: int,
+        tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32
+    ) -> torch.Tensor | None:  # [B, N, H]; None: the torch route runs
+        """The whole layer in one native call (plugins/decoder_layer: the torch route's kernels, the same bits) for a
+        bfloat16 sequence on the CPU with its own KVCache; None elsewhere."""
+        if (x.dtype not in native_layer.DTYPES or x.device.type != "cpu" or x.shape[0] != 1
+                or type(cache) is not KVCache or cache.dtype != x.dtype or cache.batch != 1
+                or self.input_layernorm is None or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (x.requires_grad or self.mlp.fused_weight.requires_grad))
+                or native_attention.load() is None or native_layer.load() is None):
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        qkv_w, o_w = attn._weights(attn.o_proj.weight)
+        gu_w, down_w = mlp._weights(mlp.down_proj.weight)
+        matrices = ((qkv_w, attn.fused_bias), (o_w, attn.o_proj.bias), (gu_w, mlp.fused_bias),
+                    (down_w, mlp.down_proj.bias))
+        n = x.shape[1]
+        if not 0 <= cache_layer < cache.num_layers:
+            raise CacheError(f"layer {cache_layer} out of range for a cache with {cache.num_layers} layers")
+        cache.open(n)
+        out = native_layer.layer_forward(
+            x[0].contiguous(), (self.input_layernorm.weight, self.post_attention_layernorm.weight),
+            self.input_layernorm.eps, matrices, (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+            cos[0].contiguous(), sin[0].contiguous(), cache.k[cache_layer, 0], cache.v[cache_layer, 0], cache.length,
+            tree_mask[0].contiguous(), attn.scale,
+        )
+        return None if out is None else out.unsqueeze(0)
 
 
 class Backbone(nn.Module):
@@ -737,7 +808,9 @@ class TargetModel(nn.Module):
         self.rotary = RotaryEmbedding.from_config(config)
         self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
         self._packed_lm_head: PackedWeight | None = None  # set by pack_weights(), dropped when the weights change
-        self.register_load_state_dict_post_hook(lambda module, _keys: setattr(module, "_packed_lm_head", None))
+        self._block_lm_head: BlockWeight | None = None  # set by quantize_weights(), likewise
+        self.weight_format: str | None = None  # "q8" / "q4" after quantize_weights(); None: the dtype's own weights
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._drop_weight_copies())
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -786,8 +859,39 @@ class TargetModel(nn.Module):
             layer.mlp.pack()
         self._packed_lm_head = PackedWeight.of(self.lm_head_weight)
 
+    def quantize_weights(self, kind: str) -> None:
+        """Run every weight matmul of the forward (q/k/v, o, gate/up, down, lm_head) on block-quantised copies:
+        "q8" (int8 in blocks of 32 with a scale, GGUF Q8_0's layout) or "q4" (4-bit in blocks of 32 with a scale and
+        a minimum, Q4_1's), through the weight-streaming kernel. The quantised model is then the target: plain and
+        speculative decoding both run it, and losslessness holds against it. The embedding lookup keeps its dense
+        rows. Undone by any later load or move of the weights. CPU only (`streams`)."""
+        if kind not in TARGET_QUANTIZATIONS:
+            raise ConfigError(f"target quantization must be one of {', '.join(TARGET_QUANTIZATIONS)}, got {kind!r}")
+        if not streams(self.dtype, self.device):
+            raise ConfigError(
+                f"target quantization {kind!r} runs through the weight-streaming kernel, which takes "
+                f"{self.dtype} weights on {self.device.type}: "
+                f"{stream_linear.unavailable() or 'expected a float32 or bfloat16 model on the cpu'}")
+        bad = sorted({f"[{o}, {i}]" for o, i in self._matmul_shapes() if i % stream_linear.Q_BLOCK})
+        if bad:
+            raise ConfigError(f"target quantization {kind!r} needs weight rows a multiple of {stream_linear.Q_BLOCK} "
+                              f"wide; this model has {', '.join(bad)}")
+        for layer in self.model.layers:
+            layer.self_attn.quantize_blocks(kind)
+            layer.mlp.quantize_blocks(kind)
+        self._block_lm_head = stream_linear.QUANT_FORMATS[kind](self.lm_head_weight)
+        self.weight_format = kind
+
+    def _matmul_shapes(self) -> list[tuple[int, int]]:
+        layer = self.model.layers[0]
+        return [tuple(w.shape) for w in (layer.self_attn.fused_weight, layer.self_attn.o_proj.weight,
+                                         layer.mlp.fused_weight, layer.mlp.down_proj.weight, self.lm_head_weight)]
+
+    def _drop_weight_copies(self) -> None:
+        self._packed_lm_head = self._block_lm_head = self.weight_format = None
+
     def _apply(self, fn, recurse=True):
-        self._packed_lm_head = None
+        self._drop_weight_copies()
         return super()._apply(fn, recurse)
 
     def _ensure_row_invariance(self) -> None:
@@ -807,6 +911,9 @@ class TargetModel(nn.Module):
                     RuntimeWarning, stacklevel=3,
                 )
             return
+        if streams(self.dtype, self.device):
+            self._warn_without_native_attention()
+            return
         if self.dtype == torch.bfloat16 and not pads_rows(self.device) and not cpu.features().native_bf16:
             self._run_in_float32(f"bfloat16 on this cpu: {cpu.features().missing_bf16()}")
             return
@@ -819,6 +926,9 @@ class TargetModel(nn.Module):
                 self._run_in_float32(
                     f"{self.config.dtype} matmuls on this {self.device.type} are not row-invariant ({error})")
                 return
+        self._warn_without_native_attention()
+
+    def _warn_without_native_attention(self) -> None:
         if not pads_rows(self.device) and native_attention.load() is None:
             warnings.warn(
                 f"the row-invariant attention kernel is unavailable ({native_attention.unavailable()}): this bfloat16 "
@@ -879,7 +989,7 @@ class TargetModel(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden # [..., H] (final-norm output) -> logits # [..., V] float32."""
-        head = self._packed_lm_head
+        head = self._block_lm_head or self._packed_lm_head
         return linear(hidden, self.lm_head_weight if head is None else head).float()
 
     @torch.no_grad()

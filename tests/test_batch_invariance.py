@@ -15,7 +15,7 @@ from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.model import TargetModel, causal_mask
 from tests.test_model import tree_paths
 from tests.tiny import make_checkpoint
-from tests.cpu_marks import needs_native_bf16
+from tests.cpu_marks import needs_fast_bf16, needs_native_bf16
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def without_native_kernel(monkeypatch):
     monkeypatch.setattr(plugins.tree_attention.native, "unavailable", lambda: "no C compiler (test)")
 
 
-@needs_native_bf16
+@needs_fast_bf16
 @pytest.mark.parametrize(
     "variant,overrides", [("llama3", {}), ("qwen2", {"num_key_value_heads": 4})], ids=["gqa", "mha"]
 )
@@ -80,7 +80,7 @@ def test_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, variant, overr
         assert _mismatches(model, prefix_len, num_nodes, seed) == 0
 
 
-@needs_native_bf16
+@needs_fast_bf16
 def test_without_the_kernel_bf16_attends_in_float64_and_stays_bit_identical(ckpts, without_native_kernel):
     with pytest.warns(RuntimeWarning, match=r"row-invariant attention kernel is unavailable \(no C compiler \(test\)\)"):
         model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
@@ -89,7 +89,7 @@ def test_without_the_kernel_bf16_attends_in_float64_and_stays_bit_identical(ckpt
         assert _mismatches(model, prefix_len, num_nodes, seed) == 0
 
 
-@needs_native_bf16
+@needs_fast_bf16
 def test_negative_control_attention_in_half_precision_is_not_invariant(ckpts, monkeypatch, without_native_kernel):
     """Attending in the weights' bf16 through SDPA (fused kernels reduce in shape-dependent order) breaks bit
     identity: the test above can fail."""
@@ -120,7 +120,7 @@ def test_kv_dtype_without_the_kernel_is_float64_for_bf16_on_cpu(without_native_k
 
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (576, 2048), (1536, 1536)],
                          ids=["in576", "in1536", "in2048", "square1536"])
-def test_linear_blocks_give_every_row_its_one_row_result(shape):
+def test_linear_blocks_give_every_row_its_one_row_result(shape, torch_route):
     """Inputs of 1536+ features are where one CPU's one-row (GEMV) kernel rounds differently from its GEMM (AMD
     EPYC, AVX512-BF16): there `linear` runs a lone row, also a lone last block, as a 2-row GEMM. 3 blocks + 1 row."""
     g = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def test_negative_control_row_plan_catches_a_row_count_dependent_kernel(monkeypa
     assert error is not None and "x [1536, 576] bfloat16 matmul gives row(s)" in error
 
 
-def test_negative_control_row_plan_routes_a_differing_lone_row_through_the_gemm(monkeypatch):
+def test_negative_control_row_plan_routes_a_differing_lone_row_through_the_gemm(monkeypatch, torch_route):
     """A GEMV that rounds otherwise than the GEMM (here: float32 for one row) makes lone rows run as 2-row GEMMs, and
     `linear` then gives a lone row the GEMM's result."""
     real = runtime.model._matmul
@@ -188,7 +188,7 @@ def test_negative_control_row_plan_routes_a_differing_lone_row_through_the_gemm(
 
 
 @needs_native_bf16
-def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatch):
+def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatch, torch_route):
     monkeypatch.setattr(runtime.model, "row_plan", lambda shape, dtype, device: RowPlan(False, "row 3 differs"))
     with pytest.warns(RuntimeWarning, match="not row-invariant .row 3 differs.*runs in float32"):
         model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
@@ -196,7 +196,7 @@ def test_a_machine_failing_the_check_runs_the_model_in_float32(ckpts, monkeypatc
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_packed_weights_give_the_plain_weights_values(ckpts):
+def test_packed_weights_give_the_plain_weights_values(ckpts, torch_route):
     """A bf16 model on CPU multiplies by oneDNN-packed copies of its weights: the logits of the plain weights, bit for
     bit, at every row count (a lone row, a tree step, several blocks), and no copy is left once the weights move."""
     if not PackedWeight.supported(torch.bfloat16, torch.device("cpu")):
@@ -236,7 +236,7 @@ def test_packed_weights_give_the_plain_weights_values(ckpts):
     assert model._packed_lm_head is None and not any(l.mlp.packed or l.self_attn.packed for l in layers)
 
 
-def test_a_model_loaded_in_inference_mode_packs_and_runs(ckpts):
+def test_a_model_loaded_in_inference_mode_packs_and_runs(ckpts, torch_route):
     """Inference-mode tensors have no version counter: their packed copies are not tracked for in-place edits."""
     if not PackedWeight.supported(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN weight packing")
@@ -249,7 +249,7 @@ def test_a_model_loaded_in_inference_mode_packs_and_runs(ckpts):
     assert torch.equal(logits, reference.prefill(torch.tensor([[5, 6, 7]]), reference.new_cache(16))[0])
 
 
-@needs_native_bf16
+@needs_fast_bf16
 def test_16_bit_weights_without_invariance_warn_that_greedy_output_may_change(ckpts, monkeypatch, recwarn):
     with pytest.warns(RuntimeWarning, match="float16 weights on cpu do not run batch-invariant"):
         TargetModel.from_pretrained(ckpts("llama3"), dtype="float16")
@@ -274,7 +274,7 @@ def padded_route(monkeypatch):
     monkeypatch.setattr(runtime.model, "_ROW_PLANS", {})
 
 
-@needs_native_bf16
+@needs_fast_bf16
 def test_padded_route_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, padded_route, recwarn):
     model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
     assert not [w for w in recwarn if "row-invariant" in str(w.message)]  # the load-time check passed

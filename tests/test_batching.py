@@ -37,7 +37,7 @@ from tests.test_decode import (
     lossy_verify,
 )
 from tests.tiny import make_checkpoint
-from tests.cpu_marks import needs_native_bf16
+from tests.cpu_marks import needs_fast_bf16
 
 # Different prompt lengths and token budgets, so requests join and leave at different steps.
 MAX_TOKENS = [24, 9, 17, 30, 12]
@@ -265,7 +265,7 @@ def test_tree_budget_splits_over_the_batch_and_keeps_greedy_output(ckpt, heads, 
         assert sum(r.stats.drafted_tokens for r in run_all(sched, PROMPTS, [greedy(n) for n in MAX_TOKENS])) > drafted
 
 
-@needs_native_bf16
+@needs_fast_bf16
 def test_tree_budget_leaves_seeded_sampled_requests_whole(ckpt, monkeypatch):
     """Seeded sampled requests keep their trees under any budget (their draws follow the tree, and a seed must give
     the same output whatever the batch); greedy and unseeded ones in the same batch are pruned."""
@@ -285,7 +285,7 @@ def test_tree_budget_leaves_seeded_sampled_requests_whole(ckpt, monkeypatch):
 # ---- same seed, same output, whatever else is in the batch ------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float64", pytest.param("bfloat16", marks=needs_native_bf16)])
+@pytest.mark.parametrize("dtype", ["float64", pytest.param("bfloat16", marks=needs_fast_bf16)])
 def test_same_seed_same_output_alone_or_in_any_batch(ckpt, dtype):
     """Sampled requests (lookup drafter; a float64 target, where rounding cannot move a sampling threshold, or a
     bfloat16 one, batch-invariant on CPU) give the same tokens alone, together, and among other requests in a

@@ -23,7 +23,7 @@ from runtime.tokenizer import Tokenizer
 from runtime.tree import Tree
 from tests.heads import draft_paths
 from tests.tiny import EOS_ID, make_checkpoint
-from tests.cpu_marks import needs_native_bf16
+from tests.cpu_marks import needs_fast_bf16
 
 PROMPTS = [
     [0, 5, 9, 33, 7, 5, 9, 33],
@@ -214,7 +214,7 @@ def test_greedy_head_drafters_identity(ckpts, heads, variant, kind, tree, opts):
         assert b.stats.drafted_tokens > 0
 
 
-@needs_native_bf16
+@needs_fast_bf16
 def test_greedy_identity_bf16_path_runs(ckpts):
     """Reduced precision runs end to end and speculation keeps identity against its own plain decoding."""
     model = TargetModel.from_pretrained(ckpts["llama2"], dtype="bfloat16")

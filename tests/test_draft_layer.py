@@ -18,7 +18,7 @@ from runtime.model import TargetModel, causal_mask
 from runtime.tree import Tree
 from tests.heads import write_eagle_head
 from tests.tiny import make_checkpoint
-from tests.cpu_marks import needs_native_bf16
+from tests.cpu_marks import needs_fast_bf16
 
 pytestmark = pytest.mark.skipif(native_layer.load() is None, reason=f"no native layer: {native_layer.unavailable()}")
 
@@ -78,7 +78,7 @@ def odd_head_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("native24") / "llama2", "llama2", hidden_size=96)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_native_bf16)])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_fast_bf16)])
 @pytest.mark.parametrize("qkv_bias,head_size", [(False, 16), (True, 16), (False, 24)])
 def test_catch_up_forward_matches_the_torch_route(target_dir, odd_head_dir, tmp_path, dtype, qkv_bias, head_size):
     model, native, plain = _drafters(target_dir if head_size == 16 else odd_head_dir, tmp_path, dtype, qkv_bias)
@@ -109,7 +109,7 @@ def _levels(drafter, model, level_2):
     return first, tree.forward(e2[0], f2[0], torch.full((3,), 32), level_2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_native_bf16)])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_fast_bf16)])
 def test_level_forwards_over_a_draft_tree_match_the_torch_route(target_dir, tmp_path, dtype):
     model, native, plain = _drafters(target_dir, tmp_path, dtype)
     for got, want in zip(_levels(native, model, LEVEL_2), _levels(plain, model, LEVEL_2)):
@@ -185,7 +185,7 @@ def test_heads_it_cannot_run_keep_the_torch_route(target_dir, tmp_path):
     assert head.native is None and head.fc_quantized is None
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_native_bf16)])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_fast_bf16)])
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_greedy_output_through_the_native_layer_is_plain_decodings(target_dir, tmp_path, dtype, tree):
     heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=3)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import runtime
 from builder.__main__ import main
-from plugins import cpu
+from plugins import cpu, native_build
+from plugins.stream_linear import native as stream_linear
 from builder.build import BuildError, build_engine
 from builder.config import parse_config
 from builder.inspect import inspect_engine
@@ -110,8 +111,8 @@ def test_lookup_and_plain_bf16_engines_match_hf(src, engines):
     ref = runtime.load(src["llama"], draft="lookup", num_draft_tokens=6, max_ngram=2, max_draft_len=16)
     assert eng.drafter.options == ref.drafter.options
     same_outputs(eng, ref)
-    eng = runtime.load(engines["qwen_bf16"])  # a bfloat16 engine: float32 on a CPU without native bf16
-    assert eng.model.dtype == (torch.bfloat16 if cpu.features().native_bf16 else torch.float32)
+    eng = runtime.load(engines["qwen_bf16"])  # a bfloat16 engine: float32 only where bf16 cannot run fast
+    assert eng.model.dtype == (torch.bfloat16 if stream_linear.bf16_missing() is None else torch.float32)
     ref = runtime.load(src["qwen"], dtype=eng.model.config.dtype, max_draft_len=16)
     assert eng.model.config.tie_word_embeddings
     same_outputs(eng, ref)
@@ -130,26 +131,33 @@ def test_explicit_arguments_override_engine_defaults(src, engines):
     # The engine's max_draft_len is a limit: a larger request is capped, a smaller one honoured.
     assert runtime.load(engines["medusa"], max_draft_len=100).max_tree_nodes == 17
     assert runtime.load(engines["medusa"], max_draft_len=3).max_tree_nodes == 4
-    if cpu.features().native_bf16:
+    if stream_linear.bf16_missing() is None:
         assert runtime.load(engines["medusa"], dtype="bfloat16").model.dtype == torch.bfloat16
     else:
         with pytest.raises(ConfigError, match="dtype 'bfloat16' needs a CPU that multiplies bf16 natively"):
             runtime.load(engines["medusa"], dtype="bfloat16")
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "avx2"])
-def test_an_auto_engine_chooses_again_on_the_machine_that_loads_it(src, tmp_path, monkeypatch, native):
-    """dtype auto: the build records what it chose and why; the runtime chooses again for its own CPU."""
-    built = build_engine(config(src, f"auto_{native}", dtype="auto")).output
+@pytest.mark.parametrize("machine", ["native-bf16", "avx2", "avx2-no-compiler"])
+def test_an_auto_engine_chooses_again_on_the_machine_that_loads_it(src, tmp_path, monkeypatch, machine):
+    """dtype auto: the build records what it chose and why; the runtime chooses again for its own CPU (bfloat16
+    wherever the weight-streaming kernel builds or bf16 is native, float32 elsewhere)."""
+    built = build_engine(config(src, f"auto_{machine}", dtype="auto")).output
     m = json.loads((built / "engine.json").read_text())
-    here = cpu.features()
-    assert m["dtype_requested"] == "auto" and m["dtype"] == ("bfloat16" if here.native_bf16 else "float32")
+    fast_here = stream_linear.bf16_missing() is None
+    assert m["dtype_requested"] == "auto" and m["dtype"] == ("bfloat16" if fast_here else "float32")
     assert m["dtype_reason"].startswith("auto: ")
+    native = machine == "native-bf16"
     flags = {"avx2", "fma"} | ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} if native else set())
     monkeypatch.setattr(cpu, "features", lambda: cpu.CpuFeatures(frozenset(flags), "x86_64", None))
+    if machine == "avx2-no-compiler":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        monkeypatch.setattr(stream_linear, "_library", native_build.Lazy(stream_linear._build))
+    elif not fast_here:
+        pytest.skip(f"the weight-streaming kernel does not build here: {stream_linear.unavailable()}")
     eng = open_engine(built)
     choice = eng.dtype_choice()
-    assert (choice.dtype, choice.requested) == ("bfloat16" if native else "float32", "auto")
+    assert (choice.dtype, choice.requested) == ("float32" if machine == "avx2-no-compiler" else "bfloat16", "auto")
     assert eng.dtype_choice("float32").dtype == "float32"
 
 def copy_engine(engines, name, tmp_path) -> Path:
@@ -201,8 +209,9 @@ def test_weights_are_read_from_the_recorded_file(src, engines, tmp_path, name, r
     manifest["files"][rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     (eng / "engine.json").write_text(json.dumps(manifest))
     dec = runtime.load(eng)
-    # a bfloat16 engine runs as float32 on a CPU without native bf16 (its weights' values exactly)
-    assert dec.model.config.dtype == (dtype if dtype == "float32" or cpu.features().native_bf16 else "float32")
+    # a bfloat16 engine runs as float32 only where bf16 cannot run fast (its weights' values exactly)
+    assert dec.model.config.dtype == (dtype if dtype == "float32" or stream_linear.bf16_missing() is None
+                                      else "float32")
     ref = runtime.load(src["llama"], draft="medusa", draft_model=src["medusa"], tree=json.dumps(TREE), max_draft_len=16,
                        dtype=dec.model.config.dtype)
     ref.model.lm_head_weight[5] = 0.5  # the same edit, made on the HF-loaded model

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from plugins import cpu
+from plugins.stream_linear import native as stream_linear
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
 from runtime.config import ModelConfig
 from runtime.checkpoint import load_checkpoint
@@ -16,7 +16,7 @@ from runtime.errors import CacheError, RequestError
 from runtime.kv_cache import KVCache
 from runtime.model import DecoderLayer, TargetModel, causal_mask
 from tests.tiny import VARIANTS, make_checkpoint
-from tests.cpu_marks import needs_native_bf16
+from tests.cpu_marks import needs_fast_bf16
 
 transformers = pytest.importorskip("transformers")
 
@@ -227,7 +227,7 @@ def test_commit_path_then_continue_equals_full_sequence(ckpts, variant):
 # ---- dtypes ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,rel", [pytest.param("bfloat16", 0.05, marks=needs_native_bf16), ("float16", 0.01)])
+@pytest.mark.parametrize("dtype,rel", [pytest.param("bfloat16", 0.05, marks=needs_fast_bf16), ("float16", 0.01)])
 def test_half_precision(ckpts, dtype, rel):
     path = ckpts("llama3")
     tokens = random_tokens(50, 420, seed=11)
@@ -244,9 +244,10 @@ def test_half_precision(ckpts, dtype, rel):
 
 
 def test_dtype_defaults_to_config(ckpts):
-    """A bfloat16 checkpoint runs in bfloat16 where the CPU multiplies it natively, else in float32 (said once)."""
+    """A bfloat16 checkpoint runs in bfloat16 where bf16 runs fast (the weight-streaming kernel, or native bf16), else
+    in float32 (said once)."""
     path = ckpts("qwen2", dtype="bfloat16")
-    native = cpu.features().native_bf16
+    native = stream_linear.bf16_missing() is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = TargetModel.from_pretrained(path)

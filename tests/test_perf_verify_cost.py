@@ -58,7 +58,12 @@ def test_verify_cost_cli_writes_json_markdown_and_plot(ckpt, tmp_path):
     for p in profiles.values():
         assert p["ms_per_forward"] > 0 and abs(sum(p["share"].values()) - 1.0) < 1e-9 and p["share"]["matmul"] > 0
         assert p["share"]["attention"] > 0  # bf16 attends through the row-invariant kernel, inside the op
-    assert "| dtype | N | ms / forward | matmul | attention | other |" in md
+    assert "| dtype | N | ms / forward | matmul | attention | native layer | other |" in md
+    reads = report["bandwidth"]  # the one-token forward's weight reads against the machine's stream
+    assert reads["stream_gbps"] > 0 and set(reads["by_dtype"]) == {"float32", "float16"}
+    for b in reads["by_dtype"].values():
+        assert b["weight_bytes"] > 0 and b["fraction_of_stream"] == pytest.approx(b["gbps"] / reads["stream_gbps"])
+    assert "| dtype | weights read | one-token forward | GB/s | fraction of the machine's |" in md
     png = (out / "verify_cost.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5000
     # perf report regenerates the same Markdown from the JSON
@@ -75,10 +80,12 @@ def test_op_breakdown_classes():
     b = op_breakdown({"aten::mm": 600.0, "aten::_scaled_dot_product_flash_attention_for_cpu": 200.0,
                       "aten::copy_": 150.0, "aten::add": 50.0}, calls=2)
     assert b["ms_per_forward"] == pytest.approx(0.5)
-    assert b["share"] == pytest.approx({"matmul": 0.6, "attention": 0.2, "other": 0.2})
+    assert b["share"] == pytest.approx({"matmul": 0.6, "attention": 0.2, "native_layer": 0.0, "other": 0.2})
     assert [o["op"] for o in b["top_other"]] == ["aten::copy_", "aten::add"]
     kernel = op_breakdown({"mkldnn::_linear_pointwise": 700.0, "spectree::tree_attention": 300.0}, calls=1)
-    assert kernel["share"] == pytest.approx({"matmul": 0.7, "attention": 0.3, "other": 0.0})
+    assert kernel["share"] == pytest.approx({"matmul": 0.7, "attention": 0.3, "native_layer": 0.0, "other": 0.0})
+    native = op_breakdown({"spectree::stream_linear": 100.0, "spectree::decoder_layer": 300.0}, calls=1)
+    assert native["share"] == pytest.approx({"matmul": 0.25, "attention": 0.0, "native_layer": 0.75, "other": 0.0})
     with pytest.raises(ConfigError, match=r"profile: got \[16\], expected sizes among --sizes"):
         VerifyCostConfig(checkpoint=Path("x"), sizes=(1, 4), profile=(16,))
 
@@ -169,7 +176,7 @@ def test_cuda_device_without_cuda_names_the_setting(ckpt, tmp_path, capsys):
 
 def test_auto_is_measured_as_the_dtype_it_chose(ckpt, tmp_path):
     """`auto` is reported as the dtype it chose, once where it chose one already asked for."""
-    from plugins import cpu
+    from plugins.stream_linear import native as stream_linear
 
     out = tmp_path / "out"
     code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "float32,auto", "--sizes",
@@ -177,6 +184,6 @@ def test_auto_is_measured_as_the_dtype_it_chose(ckpt, tmp_path):
                  "--quiet"])
     assert code == 0
     report = json.loads((out / "verify_cost.json").read_text())
-    auto = "bfloat16" if cpu.features().native_bf16 else "float32"
+    auto = "bfloat16" if stream_linear.bf16_missing() is None else "float32"
     ran = [r["dtype"] for r in report["results"] if r["mask"] == "chain" and r["size"] == 1]
     assert sorted(ran) == sorted({"float32", auto})

@@ -12,10 +12,11 @@ import runtime
 from runtime.draft_spec import QUANTIZATIONS
 from runtime.drafters.eagle import EagleDrafter, load_eagle_head
 from runtime.errors import ConfigError
-from runtime.model import INT4_GROUP, QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, Int4Weight, Int8Weight, TargetModel, linear
+from runtime.model import (INT4_GROUP, QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, Int4Weight, Int8Weight, PackedWeight,
+                           TargetModel, linear)
 from tests.heads import write_eagle_config, write_eagle_head
 from tests.tiny import make_checkpoint
-from tests.cpu_marks import needs_native_bf16
+from tests.cpu_marks import needs_fast_bf16, needs_native_bf16
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_fused_projections_switch_to_quantized_copies_until_the_weights_change(t
 
 
 @pytest.mark.parametrize("quantization,tolerance", [("int8", 5e-2), ("int4", 0.2)])
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_native_bf16)])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_fast_bf16)])
 def test_quantized_eagle_drafter(target_dir, tmp_path, dtype, quantization, tolerance):
     model = TargetModel.from_pretrained(target_dir, dtype=getattr(torch, dtype))
     heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
@@ -161,7 +162,7 @@ def test_quantized_drafting_needs_a_cpu_kernel(target_dir, tmp_path, quantizatio
         EagleDrafter(load_eagle_head(heads, model), model, tree=runtime.tree.Tree.chain(2), quantization="int2")
 
 
-@needs_native_bf16
+@needs_fast_bf16
 def test_int8_refuses_widths_the_bf16_kernel_cannot_take(tmp_path):
     # torch's bf16 int8 kernel crashes the process on rows whose width is not a multiple of 16: refused up front,
     # naming the weight; float32 (any width) and the same head without quantization still draft.
@@ -220,9 +221,12 @@ def test_quantized_drafting_from_every_front_end(target_dir, tmp_path, quantizat
 
 
 @needs_native_bf16
-def test_bf16_eagle_head_drafts_from_packed_copies(target_dir, tmp_path):
-    """Without quantization a bf16 head on CPU multiplies by oneDNN-packed copies of its weights: the same values,
-    so the same draft features and logits as the weights themselves; a head another drafter quantized is refused."""
+def test_bf16_eagle_head_drafts_from_packed_copies(target_dir, tmp_path, torch_route):
+    """Where the weight-streaming kernel cannot be built, a bf16 head without quantization on a CPU with native bf16
+    multiplies by oneDNN-packed copies of its weights: the same values, so the same draft features and logits as the
+    weights themselves; a head another drafter quantized is refused."""
+    if not PackedWeight.supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN weight packing")
     model = TargetModel.from_pretrained(target_dir, dtype=torch.bfloat16)
     heads = write_eagle_head(tmp_path / "eagle", target_dir, seed=2)
     tree = runtime.tree.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])

@@ -1,9 +1,10 @@
 """What this CPU runs: its instruction-set features, read once, and the routes that follow from them.
 
 Every CPU-specific route is chosen here, from features, never assumed:
-- `native_bf16`: the CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX-BF16). Only then is bfloat16 a dtype
-  worth running on the CPU (`dtype: auto` picks it; runtime/config.py `choose_dtype`): elsewhere torch emulates
-  bf16 matmuls, ~10-20x slower than float32 (measured with torch's AVX2 kernels, a [4, 576] x [576, 1536] matmul);
+- `native_bf16`: the CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX-BF16). Without it torch emulates bf16
+  matmuls, ~10-20x slower than float32 (measured with torch's AVX2 kernels, a [4, 576] x [576, 1536] matmul), so
+  bfloat16 is worth running only through our weight-streaming kernel, or natively (plugins/stream_linear
+  `bf16_missing`, the rule `dtype: auto` follows);
 - `onednn_bf16`: torch's oneDNN takes bf16 weights (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): packed bf16 weights
   (runtime/model.py `PackedWeight`);
 - `march`: what the C kernels (plugins/native_build.py) are compiled for: `-march=native`, or the forced level's
@@ -77,11 +78,6 @@ class CpuFeatures:
         return self.has("avx512_bf16") or self.has("amx_bf16")
 
     @property
-    def auto_dtype(self) -> str:
-        """What `dtype: auto` runs on this CPU (runtime/config.py `choose_dtype`): bfloat16 only where it is native."""
-        return "bfloat16" if self.native_bf16 else "float32"
-
-    @property
     def onednn_bf16(self) -> bool:
         """What torch's oneDNN asks of a CPU before it takes bf16 weights."""
         return self.avx512 or self.has("avx_ne_convert")
@@ -113,9 +109,10 @@ class CpuFeatures:
         return f"this CPU ({self.row}{self._forced}) has neither AVX512_BF16 nor AMX-BF16"
 
     def describe(self) -> str:
-        """One line: the row, what forced it, the dtype `auto` picks and the kernels' target."""
-        return (f"CPU: {self.row}{self._forced}; dtype auto -> {self.auto_dtype}"
-                f"{'' if self.native_bf16 else ' (no AVX512_BF16 / AMX-BF16)'}; C kernels -march={self.march}")
+        """One line: the row, what forced it, whether bf16 is in hardware and the kernels' target."""
+        return (f"CPU: {self.row}{self._forced}; bf16 "
+                f"{'in hardware' if self.native_bf16 else 'not in hardware (no AVX512_BF16 / AMX-BF16)'}; "
+                f"C kernels -march={self.march}")
 
 
 def _cpuinfo_flags() -> frozenset[str]:

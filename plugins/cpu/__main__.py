@@ -1,5 +1,5 @@
-"""`python -m plugins.cpu [--env LEVEL] [--build]`: this CPU's row of the README's support table, the environment that
-forces a lower level, and the C kernels built for it (a module of its own: the kernels' build reads `plugins.cpu`)."""
+"""`python -m plugins.cpu [--env LEVEL] [--build]`: this CPU's row of the README's support table, the dtype `auto`
+picks, the environment that forces a lower level, and the C kernels built for it (a module of its own: the kernels' build reads `plugins.cpu`)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,24 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"{k}={v}" for k, v in cpu.forced_env(args.env).items()))
         return 0
     print(cpu.features().describe())
-    if args.build:  # the kernels only now: --env runs before torch should load
+    # the kernels only now: --env runs before torch should load
+    from plugins.stream_linear import native as stream_linear
+
+    missing = stream_linear.bf16_missing()  # builds the weight-streaming kernel (cached)
+    print(f"dtype auto -> {'float32: ' + missing if missing else 'bfloat16: ' + stream_linear.bf16_route()}")
+    if args.build:
         from plugins import native_build
+        from plugins.decoder_layer import native as decoder_layer
         from plugins.draft_layer import native as draft_layer
         from plugins.rowwise import native as rowwise
         from plugins.tree_attention import native as attention
 
         for name, module, fallback in (
+            ("weight-streaming matmul kernel", stream_linear, "torch's linear runs instead (slower; bf16 only where "
+                                                              "native)"),
             ("attention kernel", attention, "bf16 models on CPU attend in float64 (slower)"),
-            ("RMSNorm / RoPE kernel", rowwise, "torch's ops run instead (slower)"),
+            ("RMSNorm / RoPE / SiLU kernel", rowwise, "torch's ops run instead (slower)"),
+            ("decoder layer kernel", decoder_layer, "the layer's torch ops run instead (slower)"),
             ("draft layer kernel", draft_layer, "int8 EAGLE heads draft through torch (slower)"),
         ):
             lib = module.load()

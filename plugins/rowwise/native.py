@@ -1,4 +1,4 @@
-"""RMSNorm and rotary embeddings for the eager CPU runtime, one native call each (rowwise.c), built like every
+"""RMSNorm, rotary embeddings and the MLP's silu(gate) * up for the eager CPU runtime, one native call each (rowwise.c), built like every
 plugin kernel (`plugins/native_build.py`).
 
 Why: at one token per step a decoder layer's small ops cost about as much to dispatch as to run. Measured on
@@ -34,6 +34,7 @@ class Rowwise:
 
     rms_norm: ctypes._CFuncPtr
     rope: ctypes._CFuncPtr
+    silu_mul: ctypes._CFuncPtr
     path: Path
 
 
@@ -46,7 +47,10 @@ def _build() -> Rowwise:
     rope = lib.spectree_rope
     rope.restype = None
     rope.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_int]
-    return Rowwise(norm, rope, path)
+    silu_mul = lib.spectree_silu_mul
+    silu_mul.restype = None
+    silu_mul.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+    return Rowwise(norm, rope, silu_mul, path)
 
 
 _library = native_build.Lazy(_build)
@@ -125,4 +129,20 @@ def rope(
     return out
 
 
-__all__ = ["DTYPES", "Rowwise", "SOURCE", "covers", "load", "rms_norm", "rope", "unavailable"]
+def silu_mul(
+    gate_up: torch.Tensor,  # [..., 2 * I]: gate | up
+) -> torch.Tensor | None:  # [..., I]: silu(gate) * up, each rounded to the dtype; None: not here
+    lib = _usable(gate_up)
+    if lib is None or gate_up.shape[-1] % 2:
+        return None
+    inter = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * inter)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
+    lib.silu_mul(rows.data_ptr(), rows.shape[0], inter, rows.stride(0), out.data_ptr(),
+                 int(gate_up.dtype == torch.bfloat16))
+    return out
+
+
+__all__ = ["DTYPES", "Rowwise", "SOURCE", "covers", "load", "rms_norm", "rope", "silu_mul", "unavailable"]

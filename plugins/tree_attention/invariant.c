@@ -17,19 +17,21 @@
  * prefix, a causal chunk's rows, a tree's trunk) is loaded once for all lanes, each lane masking those past its end.
  *
  * float32, or a CPU without AVX512-BF16, or another head size (`attend_tile`):
- *   score_t = scale * dot(q, k_t)       the dot's association depends on D alone (16-lane partial sums over D of
+ *   score_t = scale * dot(q, k_t)       the dot's association depends on D alone (LANES-lane partial sums over D of
  *                                       float32 multiply-adds, then a fixed pairwise lane sum);
  *   m       = max_t score_t              exact, any order;
  *   e_t     = exp(score_t - m)           one elementwise vector routine (`vexp`) for every t: no scalar tail that
  *                                       could round otherwise than the vector body;
- *   z       = sum_t e_t                  lane t mod 16 accumulates t, blocks in order, then the fixed lane sum;
- *   out     = (sum_t e_t v_t) / z        sequential over t, 16 lanes of D at a time.
+ *   z       = sum_t e_t                  lane t mod LANES accumulates t, blocks in order, then the fixed lane sum;
+ *   out     = (sum_t e_t v_t) / z        sequential over t, LANES lanes of D at a time.
  * Rows are worked in tiles of (row, head) pairs that share loads of keys in slot order, never arithmetic: each pair
  * runs the same statements in every tile size.
  *
  * So a tree step's row equals, bit for bit, the one-token step that later decodes the same path (tests/plugins/
- * test_native.py checks it across tile sizes and lane counts). Fused multiply-adds are fine: GCC contracts a * b + c
- * per statement, the same in every instantiation. No -ffast-math: it would let the compiler reassociate the sums.
+ * test_native.py checks it across tile sizes and lane counts). Built with -ffp-contract=off (native.py): whether GCC
+ * fuses a * b + c may differ between the inlined instantiations (it did with 8-lane vectors at a head size of 80), and
+ * a fused and an unfused multiply-add round differently. No -ffast-math: it would let the compiler reassociate the
+ * sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,17 +45,28 @@
 #define HAVE_DPBF16 0
 #endif
 
+/* Lanes of a vector: 16 (one AVX-512 register) where the CPU has AVX-512; 8 (one AVX2 register) elsewhere, where
+ * 16-lane vectors compile to register pairs that GCC spills (measured: ~3x slower on AMD EPYC Zen 3). A model on a
+ * machine always takes the same width, so every row of it sums in the same shape. */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf splat(float x) {
+    vf v;
+    for (int i = 0; i < LANES; i++) v[i] = x;
+    return v;
+}
 
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
-/* The sum of the 16 lanes as one fixed pairwise tree. */
+/* The sum of the LANES lanes as one fixed pairwise tree. */
 static inline float lane_sum(vf v) {
     float a[LANES];
     memcpy(a, &v, sizeof a);
@@ -108,9 +121,10 @@ static inline __attribute__((always_inline)) vf load(const void *base, int64_t o
     return x;
 }
 
-/* Sixteen vectors' lane sums as one vector (lane j: the sum of p[j]'s lanes), each by the same pairwise tree as
+/* LANES vectors' lane sums as one vector (lane j: the sum of p[j]'s lanes), each by the same pairwise tree as
  * lane_sum, whichever lane its vector lands in. */
-static inline vf lane_sums16(const vf p[LANES]) {
+#if LANES == 16
+static inline vf lane_sums(const vf p[LANES]) {
     const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -129,8 +143,22 @@ static inline vf lane_sums16(const vf p[LANES]) {
     return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
-/* Accumulator vectors a tile keeps (its pairs x the head's 16-lane chunks): within AVX-512's 32 vector registers.
- * Without AVX-512 a 16-lane vector is two (AVX2) or four (SSE) registers of 16, so no tile of several pairs fits:
+#else
+static inline vf lane_sums(const vf p[LANES]) {
+    const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13}, hi2 = {2, 3, 6, 7, 10, 11, 14, 15};
+    const vi lo1 = {0, 2, 4, 6, 8, 10, 12, 14}, hi1 = {1, 3, 5, 7, 9, 11, 13, 15};
+    vf a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo4) + __builtin_shuffle(p[2 * i], p[2 * i + 1], hi4);
+    for (int i = 0; i < 2; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+    return __builtin_shuffle(b[0], b[1], lo1) + __builtin_shuffle(b[0], b[1], hi1);
+}
+#endif
+
+/* Accumulator vectors a tile keeps (its pairs x the head's LANES-lane chunks): within AVX-512's 32 vector registers.
+ * Without AVX-512 there are 16 registers (AVX2) or fewer, so no tile of several pairs fits:
  * every tile is one pair there (the same arithmetic, see attend_tile). That also bounds the build: GCC's vectoriser
  * took over a minute on the 24 wide-tile instantiations at -march=znver3 / x86-64-v3, under a second without them. */
 #if defined(__AVX512F__)
@@ -160,9 +188,10 @@ static inline __attribute__((always_inline)) void attend_tile(
         most = total[i] > most ? total[i] : most;
         top[i] = splat(-INFINITY); /* lane-wise running max; the max is exact in any order */
     }
-    const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vf lane;
+    for (int j = 0; j < LANES; j++) lane[j] = (float)j;
 
-    /* scores, 16 logical keys at a time: each key's dot as 16-lane partial sums over D, then its lane sum */
+    /* scores, LANES logical keys at a time: each key's dot as LANES-lane partial sums over D, then its lane sum */
     for (int64_t blk = 0; blk * LANES < most; blk++) {
         for (int64_t j = 0; j < LANES; j++) {
             const int64_t t = blk * LANES + j;
@@ -187,13 +216,13 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         for (int64_t i = 0; i < tile; i++) {
             if (blk * LANES >= total[i]) continue;
-            vf sc = lane_sums16(part[i]) * splat(scale);
+            vf sc = lane_sums(part[i]) * splat(scale);
             sc = pick(lane + splat((float)(blk * LANES)) < splat((float)total[i]), sc, splat(-INFINITY));
             memcpy(w + i * padded + blk * LANES, &sc, sizeof sc);
             top[i] = pick(sc > top[i], sc, top[i]);
         }
     }
-    /* weights: exp(score - max), summed lane t mod 16 over the blocks in order, then the fixed lane sum */
+    /* weights: exp(score - max), summed lane t mod LANES over the blocks in order, then the fixed lane sum */
     for (int64_t i = 0; i < tile; i++) {
         float m = -INFINITY;
         for (int64_t j = 0; j < LANES; j++) m = top[i][j] > m ? top[i][j] : m;
@@ -512,15 +541,11 @@ static int64_t pairs_of(int64_t first, int64_t count, int64_t g, int64_t b, int6
  * weights to bf16 (`attend_group_bf16`); 0: `attend_tile`, float32 throughout. */
 int spectree_rounds_weights(int64_t d, int bf16) { return HAVE_DPBF16 && bf16 && d > 0 && d % (2 * LANES) == 0; }
 
-/* Tree attention over q [B, Hq, N, D], k / v [B, Hkv, S, D] (S = L + N; the last dimension contiguous, the others
- * at the given strides in elements: batch, head, position), the packed mask [B, N, words] (contiguous) into out
- * [B, Hq, N, D] (contiguous float32). bf16: q, k and v hold bfloat16 (as uint16) rather than float32. Returns 0, or
- * -1 when scratch memory could not be allocated. */
-int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sn, const void *k, int64_t k_sb,
-                            int64_t k_sh, int64_t k_ss, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
-                            const int32_t *mask, int64_t words, float *out, int64_t batch, int64_t hq, int64_t hkv,
-                            int64_t n, int64_t s, int64_t d, float scale, int bf16) {
-    if (batch == 0 || hq == 0 || n == 0 || d == 0) return 0; /* no output element */
+/* spectree_tree_attention (below) on inputs as they come. */
+static int attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sn, const void *k, int64_t k_sb,
+                     int64_t k_sh, int64_t k_ss, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
+                     const int32_t *mask, int64_t words, float *out, int64_t batch, int64_t hq, int64_t hkv,
+                     int64_t n, int64_t s, int64_t d, float scale, int bf16) {
     const int64_t prefix = s - n, group = hq / hkv, chunks = (d + LANES - 1) / LANES;
     /* pairs (row, head) of one kv head, row-major, cut into tiles; the common head sizes get wide tiles */
     const int64_t widest = WIDE_TILES && (d == 64 || d == 128) ? TILE_VECTORS / chunks : 1;
@@ -560,9 +585,9 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
                                   v_ss, shared, path, total, o, d, scale, w, eh, qt, kt);
 #endif
             } else if (d == 64) {
-                if (bf16) { TILES(64, 4, 1) } else { TILES(64, 4, 0) }
+                if (bf16) { TILES(64, 64 / LANES, 1) } else { TILES(64, 64 / LANES, 0) }
             } else if (d == 128) {
-                if (bf16) { TILES(128, 8, 1) } else { TILES(128, 8, 0) }
+                if (bf16) { TILES(128, 128 / LANES, 1) } else { TILES(128, 128 / LANES, 0) }
             } else {
                 if (bf16) attend_tile(q, qo, k, ko, k_ss, v, vo, v_ss, shared, path, total, w, padded, o, d, chunks,
                                       1, scale, 1);
@@ -577,4 +602,56 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
         free(paths);
     }
     return failed ? -1 : 0;
+}
+
+/* `rows` rows of d bfloat16 values (row r at src + (r / per) * outer + (r % per) * inner elements) widened into dst,
+ * contiguous. */
+static void widen_rows(const uint16_t *src, int64_t rows, int64_t per, int64_t outer, int64_t inner, int64_t d,
+                       float *dst) {
+#pragma omp parallel for schedule(static) if (rows * d >= 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = src + (r / per) * outer + (r % per) * inner;
+        for (int64_t i = 0; i < d; i++) {
+            uint32_t u = (uint32_t)row[i] << 16;
+            memcpy(dst + r * d + i, &u, sizeof u);
+        }
+    }
+}
+
+/* Tree attention over q [B, Hq, N, D], k / v [B, Hkv, S, D] (S = L + N; the last dimension contiguous, the others
+ * at the given strides in elements: batch, head, position), the packed mask [B, N, words] (contiguous) into out
+ * [B, Hq, N, D] (contiguous float32). bf16: q, k and v hold bfloat16 (as uint16) rather than float32. Returns 0, or
+ * -1 when scratch memory could not be allocated.
+ * bfloat16 inputs off the bf16 route are widened to float32 once here (exactly), rather than each key once per query
+ * head that reads it: the float32 route then computes the same values with a third of the work for GQA's groups. */
+int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sn, const void *k, int64_t k_sb,
+                            int64_t k_sh, int64_t k_ss, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
+                            const int32_t *mask, int64_t words, float *out, int64_t batch, int64_t hq, int64_t hkv,
+                            int64_t n, int64_t s, int64_t d, float scale, int bf16) {
+    if (batch == 0 || hq == 0 || n == 0 || d == 0) return 0; /* no output element */
+    if (!bf16 || spectree_rounds_weights(d, bf16))
+        return attention(q, q_sb, q_sh, q_sn, k, k_sb, k_sh, k_ss, v, v_sb, v_sh, v_ss, mask, words, out, batch, hq,
+                         hkv, n, s, d, scale, bf16);
+    float *qf = malloc((size_t)(batch * hq * n * d) * sizeof(float));
+    float *kf = malloc((size_t)(batch * hkv * s * d) * sizeof(float));
+    float *vf32 = malloc((size_t)(batch * hkv * s * d) * sizeof(float));
+    int rc = -1;
+    if (qf && kf && vf32) {
+        /* q rows (b, h, t): at b * q_sb + h * q_sh + t * q_sn; enumerate as (b * hq + h) * n + t */
+        for (int64_t bh = 0; bh < batch * hq; bh++)
+            widen_rows((const uint16_t *)q + (bh / hq) * q_sb + (bh % hq) * q_sh, n, n, 0, q_sn, d,
+                       qf + bh * n * d);
+        for (int64_t bg = 0; bg < batch * hkv; bg++) {
+            widen_rows((const uint16_t *)k + (bg / hkv) * k_sb + (bg % hkv) * k_sh, s, s, 0, k_ss, d,
+                       kf + bg * s * d);
+            widen_rows((const uint16_t *)v + (bg / hkv) * v_sb + (bg % hkv) * v_sh, s, s, 0, v_ss, d,
+                       vf32 + bg * s * d);
+        }
+        rc = attention(qf, hq * n * d, n * d, d, kf, hkv * s * d, s * d, d, vf32, hkv * s * d, s * d, d, mask, words,
+                       out, batch, hq, hkv, n, s, d, scale, 0);
+    }
+    free(qf);
+    free(kf);
+    free(vf32);
+    return rc;
 }

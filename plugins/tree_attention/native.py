@@ -26,6 +26,8 @@ from plugins import native_build
 from plugins.tree_attention.spec import check_inputs
 
 SOURCE = Path(__file__).with_name("invariant.c")
+# the compiler must fuse multiply-adds the same way in every inlined tile shape: not at all (invariant.c)
+EXTRA_FLAGS = ("-ffp-contract=off",)
 # the dtypes it takes: q, k and v share one of them; the output is float32
 DTYPES = (torch.float32, torch.bfloat16)
 # the dtype the op routes to it on CPU (plugins/tree_attention/op.py); float32 keeps SDPA, which is as fast or faster
@@ -49,7 +51,7 @@ class Native:
 
 
 def _build() -> Native:
-    lib, path, threaded = native_build.build(SOURCE, "tree_attention")
+    lib, path, threaded = native_build.build(SOURCE, "tree_attention", EXTRA_FLAGS)
     fn = lib.spectree_tree_attention
     fn.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from plugins import cpu, native_build
+from plugins.stream_linear import native as stream_linear
 from runtime.config import AUTO, choose_dtype
 from runtime.errors import ConfigError
 
@@ -40,7 +41,7 @@ def fresh(monkeypatch):
 def test_rows_and_routes_follow_the_flags(flags, row, bf16, onednn):
     f = _features(flags)
     assert (f.row, f.native_bf16, f.onednn_bf16, f.march) == (row, bf16, onednn, "native")
-    assert ("dtype auto -> bfloat16" in f.describe()) == bf16
+    assert ("bf16 in hardware" in f.describe()) == bf16
 
 
 def test_the_forced_level_masks_everything_above_avx2(fresh):
@@ -90,7 +91,7 @@ def test_the_forced_environment_is_one_list():
 
 def test_the_cli_says_which_row_this_machine_is():
     out = subprocess.run([sys.executable, "-m", "plugins.cpu"], capture_output=True, text=True, check=True).stdout
-    assert out.startswith(f"CPU: {cpu.features().row}") and "dtype auto -> " in out
+    assert out.startswith(f"CPU: {cpu.features().row}") and "\ndtype auto -> " in out
     bad = subprocess.run([sys.executable, "-m", "plugins.cpu"], capture_output=True, text=True,
                          env={"SPECTREE_CPU_ISA": "mmx", "PATH": ""})
     assert bad.returncode == 2 and "SPECTREE_CPU_ISA='mmx'" in bad.stderr and "Traceback" not in bad.stderr
@@ -99,28 +100,38 @@ def test_the_cli_says_which_row_this_machine_is():
 # ---- the dtype that follows ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=["native", "avx2", "avx2-no-compiler"])
 def machine(request, monkeypatch):
-    """choose_dtype on a CPU with native bf16, and on an AVX2 one."""
+    """choose_dtype on a CPU with native bf16, on an AVX2 one, and on an AVX2 one where the weight-streaming kernel
+    did not build (no C compiler): only there is bfloat16 slow."""
     f = _features(SAPPHIRE) if request.param == "native" else _features(ZEN3)
     monkeypatch.setattr(cpu, "features", lambda: f)
-    return f
+    if request.param == "avx2-no-compiler":
+
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        monkeypatch.setattr(stream_linear, "_library", native_build.Lazy(stream_linear._build))
+    elif stream_linear.load() is None:
+        pytest.skip(f"the weight-streaming kernel does not build here: {stream_linear.unavailable()}")
+    return request.param
 
 
-def test_auto_is_bfloat16_only_where_the_cpu_multiplies_it(machine):
+def test_auto_is_bfloat16_wherever_bf16_runs_fast(machine):
     choice = choose_dtype(AUTO, "float32")
-    assert choice.dtype == ("bfloat16" if machine.native_bf16 else "float32") and choice.requested == AUTO
-    if not machine.native_bf16:
-        assert "neither AVX512_BF16 nor AMX-BF16" in choice.reason
+    fast = machine != "avx2-no-compiler"
+    assert choice.dtype == ("bfloat16" if fast else "float32") and choice.requested == AUTO
+    if machine == "avx2":
+        assert "weight-streaming kernel (AVX2)" in choice.reason
+    if not fast:
+        assert "did not build" in choice.reason and "neither AVX512_BF16 nor AMX-BF16" in choice.reason
     assert choose_dtype(AUTO, "bfloat16", runs_here=False).dtype == choice.dtype  # chosen for this machine
 
 
-def test_a_bfloat16_checkpoint_by_default_runs_as_float32_without_native_bf16(machine):
+def test_a_bfloat16_checkpoint_by_default_runs_as_float32_only_where_bf16_is_slow(machine):
     choice = choose_dtype(None, "bfloat16")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         choice.warn_if_demoted("ckpt")
-    if machine.native_bf16:
+    if machine != "avx2-no-compiler":
         assert choice.dtype == "bfloat16" and not choice.demoted and not caught
     else:
         assert choice.dtype == "float32" and choice.demoted
@@ -129,12 +140,13 @@ def test_a_bfloat16_checkpoint_by_default_runs_as_float32_without_native_bf16(ma
     assert choose_dtype(None, "bfloat16", runs_here=False).dtype == "bfloat16"  # a conversion keeps it
 
 
-def test_asking_for_bfloat16_without_native_bf16_is_refused_by_name(machine):
-    if machine.native_bf16:
+def test_asking_for_bfloat16_where_it_is_slow_is_refused_by_name(machine):
+    if machine != "avx2-no-compiler":
         assert choose_dtype("bf16", "float32").dtype == "bfloat16"
         return
-    with pytest.raises(ConfigError, match=r"dtype 'bfloat16' needs a CPU that multiplies bf16 natively.*AVX2.*"
-                                          r"neither AVX512_BF16 nor AMX-BF16.*expected dtype 'auto' or 'float32'"):
+    with pytest.raises(ConfigError, match=r"dtype 'bfloat16' needs a CPU that multiplies bf16 natively or the "
+                                          r"weight-streaming kernel.*did not build.*AVX2.*neither AVX512_BF16 nor "
+                                          r"AMX-BF16.*expected dtype 'auto' or 'float32'"):
         choose_dtype("bfloat16", "float32")
     assert choose_dtype("bfloat16", "float32", runs_here=False).dtype == "bfloat16"
     assert choose_dtype(torch.float32, "bfloat16").dtype == "float32"

@@ -165,3 +165,25 @@ def test_a_cpu_model_builds_the_kernels_when_it_loads(tmp_path, monkeypatch):
     model = TargetModel.from_state(config, tensors)
     assert made == [True]
     assert rowwise.covers(model.dtype, model.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_torchs_within_rounding_and_row_invariant(library, dtype):
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(9, 2 * 45, generator=g) * 6).to(dtype)  # 45: no multiple of the 8 lanes (a padded tail)
+    gate, up = gate_up.split(45, dim=-1)
+    got = rowwise.silu_mul(gate_up)
+    want = torch.nn.functional.silu(gate) * up  # torch's route, rounded per op in the dtype
+    ulp = 2**-23 if dtype == torch.float32 else 2**-7  # exp differs in the last float bits; bf16 may round once over
+    assert got.dtype == dtype and got.shape == (9, 45)
+    assert ((got.float() - want.float()).abs() <= 4 * ulp * want.float().abs() + 1e-30).all()
+    alone = torch.cat([rowwise.silu_mul(gate_up[r:r + 1]) for r in range(9)])
+    assert torch.equal(got, alone)
+    special = torch.tensor([[float("nan"), -200.0, 200.0, 0.0, 1.0, 1.0, 1.0, float("nan")]], dtype=dtype)
+    out = rowwise.silu_mul(special)
+    assert out[0, 0].isnan() and out[0, 3].isnan() and abs(float(out[0, 1])) < 1e-30 and out[0, 2] == 200
+
+
+def test_silu_mul_leaves_other_dtypes_to_torch(library):
+    assert rowwise.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None
+    assert rowwise.silu_mul(torch.randn(2, 7)) is None  # no gate | up halves

@@ -1,0 +1,140 @@
+/* One pre-norm decoder layer of the CPU target forward in one call (plugins/decoder_layer/native.py says why):
+ *
+ *   h   = rms_norm(x)                         rowwise.c
+ *   qkv = h @ Wqkv^T (+ b)                    stream_linear.c
+ *   q,k = rope(q, k)                          rowwise.c; k and v stored in the layer's KV cache at [length, length + n)
+ *   a   = tree_attention(q, cache)            tree_attention/invariant.c, rounded to the dtype
+ *   x1  = x + a @ Wo^T (+ b)
+ *   out = x1 + down(silu_mul(rms_norm(x1) @ Wgu^T (+ b)))
+ *
+ * The kernels are those the torch route of runtime/model.py calls, passed in as function pointers from their own
+ * libraries, so the two routes give the same bits: only the glue is here (the cache write, the transposes, the
+ * residual adds: a bfloat16 sum of two bfloat16 values rounded once from float32, as torch adds them). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*rms_norm_fn)(const void *x, int64_t rows, int64_t hidden, int64_t x_row_stride, const void *weight,
+                            float eps, void *out, int bf16);
+typedef void (*rope_fn)(const void *x, int64_t batch, int64_t tokens, int64_t heads, int64_t dim, int64_t xs_b,
+                        int64_t xs_n, int64_t xs_h, const void *cos, const void *sin, int64_t cs_b, int64_t cs_n,
+                        void *out, int64_t os_b, int64_t os_n, int64_t os_h, int bf16);
+typedef void (*silu_mul_fn)(const void *gu, int64_t rows, int64_t inter, int64_t gu_row_stride, void *out, int bf16);
+typedef int (*linear_fn)(const void *x, int x_bf16, int64_t rows, int64_t in, int64_t x_stride, int fmt,
+                         const void *wdata, const float *scale, const float *minimum, int64_t out, const float *bias,
+                         void *y, int y_bf16);
+typedef int (*attention_fn)(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sn, const void *k, int64_t k_sb,
+                            int64_t k_sh, int64_t k_ss, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
+                            const int32_t *mask, int64_t words, float *out, int64_t batch, int64_t hq, int64_t hkv,
+                            int64_t n, int64_t s, int64_t d, float scale, int bf16);
+
+typedef struct {
+    int32_t fmt;           /* stream_linear.c FMT_* */
+    int32_t pad;
+    const void *data;      /* the weight, or its blocks */
+    const float *scale;    /* block formats */
+    const float *minimum;  /* FMT_Q4 */
+    const float *bias;     /* float32 [out], or NULL */
+    int64_t out;
+} matrix_t;
+
+typedef struct {
+    int64_t rows, hidden, hq, hkv, head_dim, inter;
+    int32_t bf16, pad;  /* activations, norm weights, cos / sin and the cache: bfloat16 (else float32) */
+    float eps, scale;
+    const void *x;      /* [rows, hidden] */
+    void *out;          /* [rows, hidden] */
+    const void *input_norm, *post_norm;  /* [hidden] */
+    matrix_t qkv, o, gate_up, down;
+    const void *cos, *sin;  /* [rows, head_dim] */
+    void *k_cache, *v_cache;  /* this layer's [hkv, capacity, head_dim] (batch 1) */
+    int64_t capacity, length;
+    const int32_t *mask;  /* [rows, words] */
+    int64_t words;
+    rms_norm_fn rms_norm;
+    rope_fn rope;
+    silu_mul_fn silu_mul;
+    linear_fn linear;
+    attention_fn attention;
+} layer_t;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's cast; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float get(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+static int matmul(const layer_t *a, const matrix_t *m, const void *x, int64_t in, void *y) {
+    return a->linear(x, a->bf16, a->rows, in, in, m->fmt, m->data, m->scale, m->minimum, m->out, m->bias, y, a->bf16);
+}
+
+/* Returns 0, or -1 when memory could not be allocated. */
+int spectree_decoder_layer(const layer_t *a) {
+    const int64_t n = a->rows, h = a->hidden, hq = a->hq, hkv = a->hkv, d = a->head_dim, inter = a->inter;
+    const int64_t width = (hq + 2 * hkv) * d, es = a->bf16 ? 2 : 4;
+    const int64_t need = n * (h + width + (hq + hkv) * d + hq * d + h + 2 * inter + inter + h);
+    char *buf = malloc((size_t)need * (size_t)es + (size_t)(n * hq * d) * sizeof(float));
+    if (!buf) return -1;
+    char *p = buf;
+    void *normed = p; p += n * h * es;
+    void *qkv = p; p += n * width * es;
+    void *qk = p; p += n * (hq + hkv) * d * es;
+    void *att = p; p += n * hq * d * es;
+    void *x1 = p; p += n * h * es;
+    void *gu = p; p += n * 2 * inter * es;
+    void *act = p; p += n * inter * es;
+    void *proj = p; p += n * h * es;
+    float *att32 = (float *)p;
+    int rc = 0;
+
+    a->rms_norm(a->x, n, h, h, a->input_norm, a->eps, normed, a->bf16);
+    if ((rc = matmul(a, &a->qkv, normed, h, qkv))) goto done;
+    /* q and k rotated together as hq + hkv heads, laid out [n, heads, d] */
+    a->rope(qkv, 1, n, hq + hkv, d, n * width, width, d, a->cos, a->sin, n * d, d, qk, n * (hq + hkv) * d,
+            (hq + hkv) * d, d, a->bf16);
+    for (int64_t g = 0; g < hkv; g++) { /* the new keys and values at slots [length, length + n) */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t slot = (g * a->capacity + a->length + t) * d;
+            memcpy((char *)a->k_cache + slot * es, (char *)qk + ((t * (hq + hkv) + hq + g) * d) * es, (size_t)(d * es));
+            memcpy((char *)a->v_cache + slot * es, (char *)qkv + (t * width + (hq + hkv) * d + g * d) * es,
+                   (size_t)(d * es));
+        }
+    }
+    rc = a->attention(qk, n * (hq + hkv) * d, d, (hq + hkv) * d, a->k_cache, hkv * a->capacity * d, a->capacity * d,
+                      d, a->v_cache, hkv * a->capacity * d, a->capacity * d, d, a->mask, a->words, att32, 1, hq, hkv,
+                      n, a->length + n, d, a->scale, a->bf16);
+    if (rc) goto done;
+    for (int64_t head = 0; head < hq; head++) /* [hq, n, d] float32 -> [n, hq * d] in the dtype */
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < d; i++)
+                put(att, (t * hq + head) * d + i, att32[(head * n + t) * d + i], a->bf16);
+    if ((rc = matmul(a, &a->o, att, hq * d, proj))) goto done;
+    for (int64_t i = 0; i < n * h; i++) put(x1, i, get(a->x, i, a->bf16) + get(proj, i, a->bf16), a->bf16);
+    a->rms_norm(x1, n, h, h, a->post_norm, a->eps, normed, a->bf16);
+    if ((rc = matmul(a, &a->gate_up, normed, h, gu))) goto done;
+    a->silu_mul(gu, n, inter, 2 * inter, act, a->bf16);
+    if ((rc = matmul(a, &a->down, act, inter, proj))) goto done;
+    for (int64_t i = 0; i < n * h; i++) put(a->out, i, get(x1, i, a->bf16) + get(proj, i, a->bf16), a->bf16);
+done:
+    free(buf);
+    return rc ? -1 : 0;
+}

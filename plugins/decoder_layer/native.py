@@ -1,0 +1,134 @@
+"""A whole decoder layer of the CPU target forward in one native call (layer.c), built like every plugin kernel
+(`plugins/native_build.py`).
+
+Why: SmolLM2-135M's one-token step reads ~270 MB of bf16 weights (~9 ms at this class of machine's bandwidth), but its
+30 layers' ~25 torch ops and 5 matmul calls each cost ~20 ms more in dispatch, allocation and thread wake-ups
+(measured on 2 AMD EPYC cores; llama.cpp, which runs its whole graph natively, decodes the same weights in ~13 ms).
+This call runs the layer's kernels back to back. They are the very kernels of the torch route (rowwise.c,
+stream_linear.c, the tree-attention kernel), passed in as function pointers, so both routes give the same bits and
+every path of the runtime (one sequence, packed batches, drafter features) keeps greedy identity whichever it takes.
+
+`layer_forward` returns None where the torch route must run (the caller's conditions, or a library that did not
+build: `unavailable()` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from plugins import native_build
+from plugins.rowwise import native as rowwise
+from plugins.stream_linear import native as stream_linear
+from plugins.stream_linear.native import BlockWeight
+from plugins.tree_attention import native as attention
+
+SOURCE = Path(__file__).with_name("layer.c")
+DTYPES = (torch.bfloat16,)  # the dtype whose torch route attends through the row-invariant kernel
+_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("fmt", _i32), ("pad", _i32), ("data", _ptr), ("scale", _ptr), ("minimum", _ptr), ("bias", _ptr),
+                ("out", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("head_dim", _i64), ("inter", _i64),
+                ("bf16", _i32), ("pad", _i32), ("eps", _f32), ("scale", _f32), ("x", _ptr), ("out", _ptr),
+                ("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix),
+                ("down", _Matrix), ("cos", _ptr), ("sin", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("capacity", _i64), ("length", _i64), ("mask", _ptr), ("words", _i64), ("rms_norm", _ptr),
+                ("rope", _ptr), ("silu_mul", _ptr), ("linear", _ptr), ("attention", _ptr)]
+
+
+@dataclass(frozen=True)
+class Library:
+    fn: ctypes._CFuncPtr
+    kernels: tuple[int, int, int, int, int]  # addresses: rms_norm, rope, silu_mul, linear, attention
+    path: Path
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _build() -> Library:
+    parts = {"rowwise": rowwise.load(), "stream_linear": stream_linear.load(), "tree_attention": attention.load()}
+    missing = [name for name, lib in parts.items() if lib is None]
+    if missing:
+        why = {"rowwise": rowwise.unavailable, "stream_linear": stream_linear.unavailable,
+               "tree_attention": attention.unavailable}
+        raise RuntimeError("; ".join(f"{name}: {why[name]()}" for name in missing))
+    lib, path, _ = native_build.build(SOURCE, "decoder_layer")
+    fn = lib.spectree_decoder_layer
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_Layer)]
+    r, s, a = parts["rowwise"], parts["stream_linear"], parts["tree_attention"]
+    return Library(fn, (_address(r.rms_norm), _address(r.rope), _address(r.silu_mul), _address(s.linear),
+                        _address(a.fn)), path)
+
+
+_library = native_build.Lazy(_build)
+
+
+def load() -> Library | None:
+    """The library (and the kernels it calls), built on first call; None where one cannot be built."""
+    return _library.get()
+
+
+def unavailable() -> str | None:
+    """Why `load()` gave None (None while it has not been tried or when it worked)."""
+    return _library.failure
+
+
+def _matrix(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None, keep: list) -> _Matrix | None:
+    if bias is not None:
+        bias = bias.detach().to(torch.float32).contiguous()
+        keep.append(bias)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(weight, BlockWeight):
+        return _Matrix(weight.fmt, 0, weight.data.data_ptr(), weight.scale.data_ptr(),
+                       None if weight.minimum is None else weight.minimum.data_ptr(), bias_ptr, weight.shape[0])
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        return None
+    return _Matrix(stream_linear.FMT_BF16, 0, weight.data_ptr(), None, None, bias_ptr, weight.shape[0])
+
+
+def layer_forward(
+    x: torch.Tensor,  # [N, H] bfloat16, contiguous
+    norms: tuple[torch.Tensor, torch.Tensor],  # input and post-attention RMSNorm weights, each [H]
+    eps: float,
+    matrices: tuple,  # (weight, bias) for qkv [(Hq + 2 Hkv) D, H], o [H, Hq D], gate_up [2 I, H], down [H, I]
+    heads: tuple[int, int, int],  # Hq, Hkv, D
+    cos: torch.Tensor,  # [N, D] bfloat16, contiguous
+    sin: torch.Tensor,  # [N, D]
+    k_cache: torch.Tensor,  # [Hkv, capacity, D] bfloat16, this layer's (slots [length, length + N) are written)
+    v_cache: torch.Tensor,  # [Hkv, capacity, D]
+    length: int,
+    tree_mask: torch.Tensor,  # [N, words] int32, contiguous
+    scale: float,
+) -> torch.Tensor | None:  # [N, H]; None: not here
+    lib = _library.get()
+    if lib is None:
+        return None
+    keep: list = []
+    mats = [_matrix(w, b, keep) for w, b in matrices]
+    if any(m is None for m in mats):
+        return None
+    hq, hkv, d = heads
+    n, h = x.shape
+    inter = matrices[3][0].shape[1]
+    out = torch.empty_like(x)
+    args = _Layer(n, h, hq, hkv, d, inter, 1, 0, eps, scale, x.data_ptr(), out.data_ptr(), norms[0].data_ptr(),
+                  norms[1].data_ptr(), *mats, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                  k_cache.shape[1], length, tree_mask.data_ptr(), tree_mask.shape[-1], *lib.kernels)
+    if lib.fn(ctypes.byref(args)) != 0:
+        raise MemoryError(f"decoder_layer: no memory for a {n}-row layer's scratch buffers")
+    return out
+
+
+__all__ = ["DTYPES", "Library", "SOURCE", "layer_forward", "load", "unavailable"]

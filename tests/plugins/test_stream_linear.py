@@ -1,0 +1,145 @@
+"""The weight-streaming matmul (plugins/stream_linear): every weight format against a float64 reference, batch
+invariance by construction (with a negative control that shows the check can fail), the block formats' layouts, and
+every case it does not take left to torch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugins import native_build
+from plugins.stream_linear import native as stream
+from plugins.stream_linear.native import BlockWeight
+
+
+@pytest.fixture(scope="module")
+def library():
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler on this machine: the runtime keeps torch's linear (tested below)")
+    built = stream.load()
+    assert built is not None, stream.unavailable()  # a compiler that cannot build it is a failure
+    return built
+
+
+@pytest.fixture
+def without_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(stream, "_library", native_build.Lazy(stream._build))
+
+
+def _reference(x, dense, bias=None):  # float64: x [rows, in], dense [out, in] -> [rows, out]
+    out = x.double() @ dense.double().T
+    return out if bias is None else out + bias.double()
+
+
+# (out, in): model-like shapes, widths that are no multiple of any vector (odd tails), one output, one input
+DENSE_SHAPES = [(96, 64), (37, 45), (1, 19), (130, 1), (65, 200)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", DENSE_SHAPES)
+def test_dense_matches_float64(library, dtype, shape):
+    g = torch.Generator().manual_seed(1)
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f, generator=g).to(dtype)
+    x = torch.randn(2, 7, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype)
+    y = stream.linear(x, w, bias)
+    assert y.dtype == dtype and y.shape == (2, 7, out_f)
+    ref = _reference(x.reshape(-1, in_f), w, bias).reshape(2, 7, out_f)
+    # float32 sums: ~1e-6 relative; a bfloat16 result is additionally rounded once (2^-8 relative)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    scale = ref.abs().clamp(min=1.0)
+    assert ((y.double() - ref).abs() / scale).max() <= tol * max(1, in_f) ** 0.5
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("shape", [(96, 64), (33, 160), (1, 32)])
+def test_block_formats_match_their_dense_values(library, kind, shape):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(*shape, generator=g)
+    bw = stream.QUANT_FORMATS[kind](w)
+    dense = bw.dense()
+    assert bw.shape == w.shape and bw.name == kind
+    # the quantisation error is that of the format: half a step of the block's scale
+    step = (dense - w).abs().max()
+    assert 0 < step <= (w.abs().max() / (127 if kind == "q8" else 7.5))
+    x = torch.randn(5, shape[1], generator=g)
+    y = stream.linear(x, bw)
+    ref = _reference(x, dense)
+    assert ((y.double() - ref).abs() / ref.abs().clamp(min=1.0)).max() < 1e-5
+    # and the bytes are what the format promises (int8, or two 4-bit values a byte)
+    assert bw.data.numel() == (w.numel() if kind == "q8" else w.numel() // 2)
+
+
+def test_q4_layout_is_gguf_q4_1():
+    """Input j of a block in the low nibble of byte j, input j + 16 in the high nibble; w = d * q + m."""
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    d, m = torch.tensor([[0.5, 2.0]]), torch.tensor([[-1.0, 3.0]])
+    bw = BlockWeight.from_q4(q, d, m)
+    assert bw.data[0, 0] == q[0, 0] | (q[0, 16] << 4) and bw.data[0, 17] == q[0, 33] | (q[0, 49] << 4)
+    expected = torch.cat([q[0, :32] * 0.5 - 1.0, q[0, 32:] * 2.0 + 3.0]).float()
+    assert torch.equal(bw.dense()[0], expected)
+
+
+def test_block_formats_refuse_ragged_rows():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        BlockWeight.q8(torch.randn(4, 40))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "q8", "q4"])
+def test_each_row_is_its_lone_result_at_every_row_count(library, fmt):
+    """Batch invariance by construction: rows 1..70 at once give each row the bits it gets alone (tiles of several
+    rows and outputs, row blocks, the odd tail), so a tree step reproduces plain decoding's one-token steps."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 96, generator=g)
+    if fmt in ("q8", "q4"):
+        weight, dtype = stream.QUANT_FORMATS[fmt](w), torch.float32
+    else:
+        dtype = getattr(torch, fmt)
+        weight = w.to(dtype)
+    x = torch.randn(70, 96, generator=g).to(dtype)
+    alone = torch.cat([stream.linear(x[r:r + 1], weight) for r in range(70)])
+    for n in (2, 3, 4, 5, 7, 16, 64, 65, 70):
+        assert torch.equal(stream.linear(x[:n], weight), alone[:n]), n
+    # strided rows (a view) give the same bits as contiguous ones
+    wide = torch.zeros(70, 128, dtype=dtype)
+    wide[:, :96] = x
+    assert torch.equal(stream.linear(wide[:, :96], weight), alone)
+
+
+def test_negative_control_a_different_summation_order_changes_bits(library):
+    """The invariance checks above can fail: the same sums in another order (the inputs permuted) differ in the last
+    bits for some elements, which torch.equal sees."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(200, 96, generator=g)
+    x = torch.randn(16, 96, generator=g)
+    perm = torch.randperm(96, generator=g)
+    assert not torch.equal(stream.linear(x, w), stream.linear(x[:, perm], w[:, perm].contiguous()))
+
+
+def test_leaves_what_it_does_not_take_to_torch(library):
+    w = torch.randn(8, 16)
+    assert stream.linear(torch.randn(2, 16, dtype=torch.float64), w.double()) is None  # dtype
+    assert stream.linear(torch.randn(2, 16), w.t().contiguous().t()) is None  # a transposed weight
+    assert stream.linear(torch.randn(2, 15), w) is None  # a width that does not match
+    trained = w.clone().requires_grad_()
+    assert stream.linear(torch.randn(2, 16), trained) is None  # autograd records: torch's route
+    with torch.no_grad():
+        assert stream.linear(torch.randn(2, 16), trained) is not None
+    assert stream.linear(torch.randn(0, 16), w).shape == (0, 8)
+
+
+def test_without_a_compiler_the_torch_route_runs(without_library):
+    from runtime.model import linear
+
+    w = torch.randn(8, 32)
+    x = torch.randn(3, 32)
+    assert stream.linear(x, w) is None and "no-such-cc" in (stream.unavailable() or "")
+    assert torch.allclose(linear(x, w), F.linear(x, w))
+    bw = BlockWeight.q8(w)
+    assert torch.allclose(linear(x, bw), F.linear(x, bw.dense()))
