@@ -4,7 +4,7 @@ Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (a library 
 lower level's target instead, plugins/cpu/) with OpenMP, which resolves to the libgomp torch has already loaded, so
 its threads are torch's (torch.set_num_threads applies); without OpenMP where the compiler has none. A library is
 cached under `$SPECTREE_CACHE_DIR` (default `$XDG_CACHE_HOME/spectree` or `~/.cache/spectree`), named by a hash of its
-source, the flags, the compiler's version and this CPU's feature flags as the process sees them; written to a
+source and the local headers it includes (`sources_of`), the flags, the compiler's version and this CPU's feature flags as the process sees them; written to a
 temporary name and renamed, so concurrent processes never load a half-written file. Where the cache folder cannot be
 written, a private folder of this user's under the system temp folder is used. `build` raises with the compiler's
 message where nothing builds; each kernel's module turns that into "unavailable, and why" and keeps its torch
@@ -18,6 +18,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -87,6 +88,25 @@ def _load_or_compile(cc: str, flags: tuple[str, ...], source: Path, name: str) -
     return ctypes.CDLL(str(path)), path
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def sources_of(source: Path) -> list[Path]:
+    """`source` and the local headers it includes (`#include "..."` found relative to the including file; one that is
+    not there comes from an -I folder, e.g. llama.h), recursively, in the order first met: what a library built from it
+    depends on."""
+    seen: list[Path] = []
+    todo = [source.resolve()]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        todo += [header for name in _LOCAL_INCLUDE.findall(path.read_text())
+                 if (header := (path.parent / name).resolve()).is_file()]
+    return seen
+
+
 def build(source: Path, stem: str, extra_flags: tuple[str, ...] = (),
           openmp: bool = True) -> tuple[ctypes.CDLL, Path, bool]:
     """(library, its path, whether it has OpenMP) for the C file `source`, named `{stem}_{hash}.so` in the cache;
@@ -99,8 +119,8 @@ def build(source: Path, stem: str, extra_flags: tuple[str, ...] = (),
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     features = cpu.features()
     # what the library depends on besides its flags: the source, the compiler, the CPU -march=native targets
-    built_from = [source.read_bytes(), version.encode(), " ".join(sorted(features.flags)).encode() or
-                  (platform.processor() or platform.machine()).encode()]
+    built_from = [*(f.read_bytes() for f in sources_of(source)), version.encode(),
+                  " ".join(sorted(features.flags)).encode() or (platform.processor() or platform.machine()).encode()]
     errors = []
     for threaded in (True, False) if openmp else (False,):
         flags = FLAGS + (f"-march={features.march}",) + extra_flags + ((OPENMP,) if threaded else ())
@@ -159,4 +179,4 @@ class Lazy(Generic[T]):
         return self._value
 
 
-__all__ = ["BUILD_ERRORS", "CACHE_ENV", "FLAGS", "Lazy", "OPENMP", "build", "cache_dir", "compiled_isa"]
+__all__ = ["BUILD_ERRORS", "CACHE_ENV", "FLAGS", "Lazy", "OPENMP", "build", "cache_dir", "compiled_isa", "sources_of"]

@@ -724,6 +724,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
         self.rotary = RotaryEmbedding.from_config(config)
+        self._prepared: native_layer.Prepared | None = None  # the one-call route's argument block (`_native`)
 
     def forward(
         self,
@@ -763,19 +764,25 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv_w, o_w = attn._weights(attn.o_proj.weight)
         gu_w, down_w = mlp._weights(mlp.down_proj.weight)
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         matrices = ((qkv_w, attn.fused_bias), (o_w, attn.o_proj.bias), (gu_w, mlp.fused_bias),
                     (down_w, mlp.down_proj.bias))
+        tensors = (*norms, *(t for pair in matrices for t in pair if t is not None))
+        prepared = self._prepared
+        if prepared is None or not prepared.current(tensors):
+            prepared = self._prepared = native_layer.prepare(
+                norms, self.input_layernorm.eps, matrices, (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+                attn.scale)
+            if prepared is None:
+                return None
         n = x.shape[1]
         if not 0 <= cache_layer < cache.num_layers:
             raise CacheError(f"layer {cache_layer} out of range for a cache with {cache.num_layers} layers")
         cache.open(n)
-        out = native_layer.layer_forward(
-            x[0].contiguous(), (self.input_layernorm.weight, self.post_attention_layernorm.weight),
-            self.input_layernorm.eps, matrices, (attn.num_heads, attn.num_kv_heads, attn.head_dim),
-            cos[0].contiguous(), sin[0].contiguous(), cache.k[cache_layer, 0], cache.v[cache_layer, 0], cache.length,
-            tree_mask[0].contiguous(), attn.scale,
-        )
-        return None if out is None else out.unsqueeze(0)
+        out = native_layer.layer_forward(prepared, x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
+                                         cache.k[cache_layer, 0], cache.v[cache_layer, 0], cache.length,
+                                         tree_mask[0].contiguous())
+        return out.unsqueeze(0)
 
 
 class Backbone(nn.Module):
@@ -1049,7 +1056,10 @@ class TargetModel(nn.Module):
         positions = torch.cat([seg.positions for seg in segments])[None]  # [1, T]
         caches = SegmentCaches(segments)
         layers = tuple(sorted({j for seg in segments for j in seg.feature_layers}))
-        hidden, features = self._stack(tokens, positions, caches, None, layers)
+        if len(segments) == 1:  # its own cache and mask: the same attention, and the one-call layers can run
+            hidden, features = self._stack(tokens, positions, segments[0].cache, segments[0].tree_mask[None], layers)
+        else:
+            hidden, features = self._stack(tokens, positions, caches, None, layers)
         hidden = hidden[0]  # [T, H]
         rows = [hidden[a:b][seg.logit_rows(hidden[a:b])] if seg.logit_rows is not None
                 else hidden[a + seg.logits_from:b] for seg, (a, b) in zip(segments, caches.bounds)]

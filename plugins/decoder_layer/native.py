@@ -8,8 +8,10 @@ This call runs the layer's kernels back to back. They are the very kernels of th
 stream_linear.c, the tree-attention kernel), passed in as function pointers, so both routes give the same bits and
 every path of the runtime (one sequence, packed batches, drafter features) keeps greedy identity whichever it takes.
 
-`layer_forward` returns None where the torch route must run (the caller's conditions, or a library that did not
-build: `unavailable()` says why).
+`prepare` builds a layer's argument block once for its weights (None where the torch route must run: a weight the
+call does not take, or a library that did not build: `unavailable()` says why); `layer_forward` runs it on a step's
+inputs. One argument block per layer: the calls of one process never overlap on a layer (a decode step runs its
+layers in turn).
 """
 
 from __future__ import annotations
@@ -98,20 +100,34 @@ def _matrix(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None, keep:
     return _Matrix(stream_linear.FMT_BF16, 0, weight.data_ptr(), None, None, bias_ptr, weight.shape[0])
 
 
-def layer_forward(
-    x: torch.Tensor,  # [N, H] bfloat16, contiguous
-    norms: tuple[torch.Tensor, torch.Tensor],  # input and post-attention RMSNorm weights, each [H]
+@dataclass(frozen=True)
+class Prepared:
+    """A layer's weights as the call reads them (`prepare`): the argument block with its static fields filled, what
+    it points into kept alive, and the identity of the tensors it was made from (`current`)."""
+
+    args: _Layer
+    keep: tuple
+    made_from: tuple
+
+    def current(self, tensors: tuple) -> bool:
+        return _identity(tensors) == self.made_from
+
+
+def _identity(tensors: tuple) -> tuple:
+    """What makes a prepared block stale: another tensor (a load or a move replaces them) or an in-place edit (its
+    version; an inference tensor has none)."""
+    return tuple((id(t), t._version if isinstance(t, torch.Tensor) and not t.is_inference() else -1)
+                 for t in tensors)
+
+
+def prepare(
+    norms: tuple[torch.Tensor, torch.Tensor],  # input and post-attention RMSNorm weights, each [H] bfloat16
     eps: float,
     matrices: tuple,  # (weight, bias) for qkv [(Hq + 2 Hkv) D, H], o [H, Hq D], gate_up [2 I, H], down [H, I]
     heads: tuple[int, int, int],  # Hq, Hkv, D
-    cos: torch.Tensor,  # [N, D] bfloat16, contiguous
-    sin: torch.Tensor,  # [N, D]
-    k_cache: torch.Tensor,  # [Hkv, capacity, D] bfloat16, this layer's (slots [length, length + N) are written)
-    v_cache: torch.Tensor,  # [Hkv, capacity, D]
-    length: int,
-    tree_mask: torch.Tensor,  # [N, words] int32, contiguous
     scale: float,
-) -> torch.Tensor | None:  # [N, H]; None: not here
+) -> Prepared | None:  # None: a weight the call does not take, or no library
+    """The argument block of a layer's calls, built once for its weights (each call then sets only its inputs)."""
     lib = _library.get()
     if lib is None:
         return None
@@ -120,15 +136,32 @@ def layer_forward(
     if any(m is None for m in mats):
         return None
     hq, hkv, d = heads
-    n, h = x.shape
-    inter = matrices[3][0].shape[1]
+    h, inter = norms[0].shape[0], matrices[3][0].shape[1]
+    args = _Layer(0, h, hq, hkv, d, inter, 1, 0, eps, scale, None, None, norms[0].data_ptr(), norms[1].data_ptr(),
+                  *mats, None, None, None, None, 0, 0, None, 0, *lib.kernels)
+    tensors = (*norms, *(t for pair in matrices for t in pair if t is not None))
+    return Prepared(args, (*keep, *tensors), _identity(tensors))
+
+
+def layer_forward(
+    prepared: Prepared,
+    x: torch.Tensor,  # [N, H] bfloat16, contiguous
+    cos: torch.Tensor,  # [N, D] bfloat16, contiguous
+    sin: torch.Tensor,  # [N, D]
+    k_cache: torch.Tensor,  # [Hkv, capacity, D] bfloat16, this layer's (slots [length, length + N) are written)
+    v_cache: torch.Tensor,  # [Hkv, capacity, D]
+    length: int,
+    tree_mask: torch.Tensor,  # [N, words] int32, contiguous
+) -> torch.Tensor:  # [N, H]
+    lib = _library.get()
     out = torch.empty_like(x)
-    args = _Layer(n, h, hq, hkv, d, inter, 1, 0, eps, scale, x.data_ptr(), out.data_ptr(), norms[0].data_ptr(),
-                  norms[1].data_ptr(), *mats, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                  k_cache.shape[1], length, tree_mask.data_ptr(), tree_mask.shape[-1], *lib.kernels)
-    if lib.fn(ctypes.byref(args)) != 0:
-        raise MemoryError(f"decoder_layer: no memory for a {n}-row layer's scratch buffers")
+    a = prepared.args
+    a.rows, a.x, a.out = x.shape[0], x.data_ptr(), out.data_ptr()
+    a.cos, a.sin, a.k_cache, a.v_cache = cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    a.capacity, a.length, a.mask, a.words = k_cache.shape[1], length, tree_mask.data_ptr(), tree_mask.shape[-1]
+    if lib.fn(ctypes.byref(a)) != 0:
+        raise MemoryError(f"decoder_layer: no memory for a {x.shape[0]}-row layer's scratch buffers")
     return out
 
 
-__all__ = ["DTYPES", "Library", "SOURCE", "layer_forward", "load", "unavailable"]
+__all__ = ["DTYPES", "Library", "Prepared", "SOURCE", "layer_forward", "load", "prepare", "unavailable"]

@@ -15,34 +15,21 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_load(const uint16_t *p) {
-    uint32_t u = (uint32_t)(*p) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* c10::BFloat16's rounding: NaN -> 0x7FC0, else round to nearest even. */
-static inline uint16_t bf16_round(float f) {
-    if (isnan(f)) return 0x7FC0;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "../bf16.h"
 
 static inline float bf16_rounded(float f) {
-    uint32_t u = (uint32_t)bf16_round(f) << 16;
+    uint32_t u = (uint32_t)f32_to_bf16(f) << 16;
     float r;
     memcpy(&r, &u, sizeof r);
     return r;
 }
 
 static inline float load(const void *base, int64_t i, int bf16) {
-    return bf16 ? bf16_load((const uint16_t *)base + i) : ((const float *)base)[i];
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
 static inline void store(void *base, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)base)[i] = bf16_round(v);
+    if (bf16) ((uint16_t *)base)[i] = f32_to_bf16(v);
     else ((float *)base)[i] = v;
 }
 

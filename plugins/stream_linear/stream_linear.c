@@ -25,26 +25,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bf16.h"
+
 #define FMT_F32 0
 #define FMT_BF16 1
 #define FMT_Q8 2
 #define FMT_Q4 3
 #define Q_BLOCK 32
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's cast; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -143,3 +143,14 @@ def test_without_a_compiler_the_torch_route_runs(without_library):
     assert torch.allclose(linear(x, w), F.linear(x, w))
     bw = BlockWeight.q8(w)
     assert torch.allclose(linear(x, bw), F.linear(x, bw.dense()))
+
+
+def test_a_library_is_keyed_by_the_headers_its_source_includes(tmp_path):
+    """plugins/bf16.h is part of what each kernel is built from (an edit to it rebuilds them); an include that is not
+    beside the source (an -I folder's, such as llama.h) is not followed."""
+    assert native_build.sources_of(stream.SOURCE)[1].name == "bf16.h"
+    src = tmp_path / "k.c"
+    (tmp_path / "h.h").write_text('#include "h2.h"\n')
+    (tmp_path / "h2.h").write_text("")
+    src.write_text('#include "h.h"\n#include "llama.h"\n#include <math.h>\n')
+    assert [p.name for p in native_build.sources_of(src)] == ["k.c", "h.h", "h2.h"]
