@@ -75,14 +75,26 @@ def test_the_load_option_quantises_and_lookup_stays_identical(ckpts):
                 == look.generate(prompt, max_tokens=24, ignore_eos=True).token_ids)
 
 
-@pytest.mark.parametrize("kw", SAMPLING_CASES[:1])
-def test_sampled_tokens_follow_the_quantised_target(ckpts, kw):
-    model = TargetModel.from_pretrained(ckpts["llama3"], dtype="float32")
-    model.quantize_weights("q8")
+@pytest.mark.parametrize("dtype,kind,kw", [("float32", "q8", SAMPLING_CASES[0]),
+                                            ("bfloat16", "q4", SAMPLING_CASES[1]),
+                                            ("bfloat16", None, SAMPLING_CASES[0])])
+def test_sampled_tokens_follow_the_target_through_the_native_routes(ckpts, dtype, kind, kw, monkeypatch):
+    """Rejection sampling over the tree stays exact through the streaming matmuls, the one-call layers (bfloat16)
+    and a quantised target: the samples' law is the target's own, exactly computed (negative control: test_decode's
+    lossy acceptance, which the same statistic catches)."""
+    from plugins.decoder_layer import native as decoder_layer
+
+    model = TargetModel.from_pretrained(ckpts["llama3"], dtype=dtype)
+    if kind:
+        model.quantize_weights(kind)
+    calls = []
+    real = decoder_layer.layer_forward
+    monkeypatch.setattr(decoder_layer, "layer_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     dec = SpecDecoder(model, None, RankedDrafter(model, tree), tree.num_nodes)
     stat, df, _ = distribution_stat(dec, model, PROMPTS[1], kw)
     assert stat < chi2_threshold(df), (stat, df)
+    assert bool(calls) == (dtype == "bfloat16" and decoder_layer.load() is not None)
 
 
 def test_bad_quantisation_requests_name_the_field(ckpts):
