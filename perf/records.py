@@ -168,7 +168,8 @@ def bench_row(report: dict[str, Any], where: str) -> Row:
     ci = spec.get("speedup_vs_plain_ci95")
     ok = spec["prompts"] - spec.get("prompts_differing", 0)
     return Row(date=report["created"][:10], tool="perf bench", machine=_machine(report["machine"]),
-               dtype=report["target"].get("weight_format", report["target"]["dtype"]), drafter=spec["name"].removesuffix(" (configured)"),
+               dtype=report["target"].get("weight_format", report["target"]["dtype"]),
+               drafter=spec["name"].removesuffix(" (configured)"),
                prompts=", ".join(f"{n} {s}" for s, n in sets.items()) + f" x {report['settings']['max_tokens']}",
                plain_tok_s=plain["tokens_per_s"], spec_tok_s=spec["tokens_per_s"], tau=spec.get("tau"),
                speedup=spec["speedup_vs_plain"], speedup_ci95=tuple(ci) if ci else None,

@@ -327,11 +327,12 @@ def verify_cost_markdown(report: dict[str, Any], images: list[str] | None = None
             lines.append(f"| {dtype} | {b['weight_bytes'] / 1e6:.0f} MB | {b['one_token_ms']:.2f} ms | "
                          f"{b['gbps']:.1f} | {b['fraction_of_stream']:.2f} |")
     if report.get("profile"):
-        lines += ["", "Where a forward's time goes (torch.profiler self CPU time, chain mask; matmul = mm / addmm / bmm "
-                  "and the weight-streaming kernel, attention = the attention kernels, native layer = whole decoder "
-                  "layers in one native call (their matmuls and attention inside), other = everything else: norms, "
-                  "RoPE, copies, casts, dispatch).",
-                  "", "| dtype | N | ms / forward | matmul | attention | native layer | other | largest other ops (ms) |",
+        lines += ["", "Where a forward's time goes (torch.profiler self CPU time, chain mask; matmul = mm / addmm / "
+                  "bmm and the weight-streaming kernel, attention = the attention kernels, native layer = whole "
+                  "decoder layers in one native call (their matmuls and attention inside), other = everything else: "
+                  "norms, RoPE, copies, casts, dispatch).",
+                  "",
+                  "| dtype | N | ms / forward | matmul | attention | native layer | other | largest other ops (ms) |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
         for p in report["profile"]:
             sh = p["share"]

@@ -22,4 +22,14 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Element i of an array of float32 (bf16 = 0) or bfloat16 values, as float32; and stored back, rounded to the dtype. */
+static inline float elem_load(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void elem_store(void *base, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else ((float *)base)[i] = v;
+}
+
 #endif

@@ -4,9 +4,10 @@ Build: the system C compiler (`$CC`, else `cc`), `-O3 -march=native` (a library 
 lower level's target instead, plugins/cpu/) with OpenMP, which resolves to the libgomp torch has already loaded, so
 its threads are torch's (torch.set_num_threads applies); without OpenMP where the compiler has none. A library is
 cached under `$SPECTREE_CACHE_DIR` (default `$XDG_CACHE_HOME/spectree` or `~/.cache/spectree`), named by a hash of its
-source and the local headers it includes (`sources_of`), the flags, the compiler's version and this CPU's feature flags as the process sees them; written to a
-temporary name and renamed, so concurrent processes never load a half-written file. Where the cache folder cannot be
-written, a private folder of this user's under the system temp folder is used. `build` raises with the compiler's
+source and the local headers it includes (`sources_of`), the flags, the compiler's version and this CPU's feature
+flags as the process sees them; written to a temporary name and renamed, so concurrent processes never load a
+half-written file. Where the cache folder cannot be written, a private folder of this user's under the system temp
+folder is used. `build` raises with the compiler's
 message where nothing builds; each kernel's module turns that into "unavailable, and why" and keeps its torch
 route.
 """

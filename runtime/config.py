@@ -175,11 +175,12 @@ def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
     """The dtype to run a model stored in `stored` on `device`, as `requested`:
 
     - "auto": on a CPU, bfloat16 where its weights run fast (plugins/stream_linear `bf16_missing`: the weight-streaming
-      kernel builds, or the CPU multiplies bf16 in hardware), float32 elsewhere; on CUDA bfloat16 where the GPU has it, else float16; float32 on other devices.
+      kernel builds, or the CPU multiplies bf16 in hardware), float32 elsewhere; on CUDA bfloat16 where the GPU has it,
+      else float16; float32 on other devices.
       (A bfloat16 CPU model also checks its matmuls' row invariance when it loads and runs in float32 where that
       fails: runtime/model.py.)
-    - None: `stored`, except a bfloat16 checkpoint on a CPU where bf16 cannot run fast, which runs in float32: its values
-      exactly, at float32's speed instead of emulated bf16 matmuls' (~10-20x slower).
+    - None: `stored`, except a bfloat16 checkpoint on a CPU where bf16 cannot run fast, which runs in float32: its
+      values exactly, at float32's speed instead of emulated bf16 matmuls' (~10-20x slower).
     - a dtype: as asked; bfloat16 on a CPU where it cannot run fast is refused (ConfigError saying why).
     runs_here=False (a conversion, such as a build, whose weights run elsewhere): a dtype and None are taken as they
     are; "auto" still chooses for this machine.
@@ -190,7 +191,8 @@ def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
     stored = dtype_name(stored)
     if requested == AUTO:
         if on_cpu:
-            return DtypeChoice("float32" if missing else "bfloat16", AUTO, f"auto: {missing or stream_linear.bf16_route()}")
+            return DtypeChoice("float32" if missing else "bfloat16", AUTO,
+                               f"auto: {missing or stream_linear.bf16_route()}")
         if device.type == "cuda":
             if torch.cuda.is_bf16_supported():
                 return DtypeChoice("bfloat16", AUTO, "auto: the GPU has bf16")
@@ -204,8 +206,9 @@ def choose_dtype(requested: str | torch.dtype | None, stored: str | torch.dtype,
     name = dtype_name(requested)
     if runs_here and on_cpu and name == "bfloat16" and missing:
         raise ConfigError(
-            f"dtype 'bfloat16' needs a CPU that multiplies bf16 natively or the weight-streaming kernel, and {missing}: its bf16 "
-            f"matmuls would be emulated, ~10-20x slower than float32; expected dtype {AUTO!r} or 'float32'"
+            f"dtype 'bfloat16' needs a CPU that multiplies bf16 natively or the weight-streaming kernel, and "
+            f"{missing}: its bf16 matmuls would be emulated, ~10-20x slower than float32; expected dtype {AUTO!r} or "
+            "'float32'"
         )
     return DtypeChoice(name, name, "as asked")
 

@@ -233,9 +233,9 @@ def attend(
 #   where masked keys sit), in float32 over the bf16 cache; where that kernel cannot be built (no C compiler), in
 #   float64 through SDPA (`kv_dtype`): the order effects shrink to ~1e-16 relative, ~13 orders below a bf16 rounding
 #   step, so the rounded outputs agree (2-3x slower at 16 rows, 4x the cache memory);
-# - (torch's route) weight matmuls in blocks of at most INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a row the same
-#   result at every row count from 2 to 32 and switches kernels beyond (measured on Intel Xeon with AMX: 2-182
-#   elements of a row differ at 48 or 64 rows, none at 1-32).
+# - (torch's route) weight matmuls in blocks of at most INVARIANT_ROWS rows (`linear`): oneDNN's bf16 GEMM gives a
+#   row the same result at every row count from 2 to 32 and switches kernels beyond (measured on Intel Xeon with AMX:
+#   2-182 elements of a row differ at 48 or 64 rows, none at 1-32).
 # - a lone row (plain decoding, a block's tail) takes a GEMV kernel. On Intel Xeon (AMX) it rounds like the GEMM; on
 #   AMD EPYC (AVX512-BF16, no AMX) it does not: for inputs of 1536+ features about one row in 20 has an element
 #   rounded differently, and greedy speculative text left plain decoding's after 60-100 tokens. There a lone row runs
@@ -743,7 +743,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(h, cos, sin, cache, cache_layer, tree_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
     def _native(
         self,
         x: torch.Tensor,  # [B, N, H]
@@ -890,6 +889,7 @@ class TargetModel(nn.Module):
         self.weight_format = kind
 
     def _matmul_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) of every weight matmul of the forward (each layer's are the first's)."""
         layer = self.model.layers[0]
         return [tuple(w.shape) for w in (layer.self_attn.fused_weight, layer.self_attn.o_proj.weight,
                                          layer.mlp.fused_weight, layer.mlp.down_proj.weight, self.lm_head_weight)]
@@ -924,10 +924,7 @@ class TargetModel(nn.Module):
         if self.dtype == torch.bfloat16 and not pads_rows(self.device) and not cpu.features().native_bf16:
             self._run_in_float32(f"bfloat16 on this cpu: {cpu.features().missing_bf16()}")
             return
-        layer = self.model.layers[0]
-        weights = (layer.self_attn.fused_weight, layer.self_attn.o_proj.weight, layer.mlp.fused_weight,
-                   layer.mlp.down_proj.weight, self.lm_head_weight)
-        for shape in sorted({tuple(w.shape) for w in weights}):
+        for shape in sorted(set(self._matmul_shapes())):
             error = row_plan(shape, self.dtype, self.device).error
             if error is not None:
                 self._run_in_float32(

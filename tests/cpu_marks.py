@@ -1,6 +1,6 @@
 """Skip marks for tests that need a CPU feature (plugins/cpu/, as this process sees it: a forced level masks
-features) or a route that follows from one. Each reason names the feature, so a run on an AVX2-only CPU, or in the forced mode `.ci/run` also runs,
-says what it did not check."""
+features) or a route that follows from one. Each reason names the feature, so a run on an AVX2-only CPU, or in the
+forced mode `.ci/run` also runs, says what it did not check."""
 
 import pytest
 

@@ -1,5 +1,6 @@
 """`python -m plugins.cpu [--env LEVEL] [--build]`: this CPU's row of the README's support table, the dtype `auto`
-picks, the environment that forces a lower level, and the C kernels built for it (a module of its own: the kernels' build reads `plugins.cpu`)."""
+picks, the environment that forces a lower level, and the C kernels built for it (a module of its own: the kernels'
+build reads `plugins.cpu`)."""
 
 from __future__ import annotations
 

@@ -62,15 +62,6 @@ typedef struct {
 } layer_t;
 
 
-static inline float get(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void put(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
 static int matmul(const layer_t *a, const matrix_t *m, const void *x, int64_t in, void *y) {
     return a->linear(x, a->bf16, a->rows, in, in, m->fmt, m->data, m->scale, m->minimum, m->out, m->bias, y, a->bf16);
 }
@@ -114,14 +105,16 @@ int spectree_decoder_layer(const layer_t *a) {
     for (int64_t head = 0; head < hq; head++) /* [hq, n, d] float32 -> [n, hq * d] in the dtype */
         for (int64_t t = 0; t < n; t++)
             for (int64_t i = 0; i < d; i++)
-                put(att, (t * hq + head) * d + i, att32[(head * n + t) * d + i], a->bf16);
+                elem_store(att, (t * hq + head) * d + i, att32[(head * n + t) * d + i], a->bf16);
     if ((rc = matmul(a, &a->o, att, hq * d, proj))) goto done;
-    for (int64_t i = 0; i < n * h; i++) put(x1, i, get(a->x, i, a->bf16) + get(proj, i, a->bf16), a->bf16);
+    for (int64_t i = 0; i < n * h; i++)
+        elem_store(x1, i, elem_load(a->x, i, a->bf16) + elem_load(proj, i, a->bf16), a->bf16);
     a->rms_norm(x1, n, h, h, a->post_norm, a->eps, normed, a->bf16);
     if ((rc = matmul(a, &a->gate_up, normed, h, gu))) goto done;
     a->silu_mul(gu, n, inter, 2 * inter, act, a->bf16);
     if ((rc = matmul(a, &a->down, act, inter, proj))) goto done;
-    for (int64_t i = 0; i < n * h; i++) put(a->out, i, get(x1, i, a->bf16) + get(proj, i, a->bf16), a->bf16);
+    for (int64_t i = 0; i < n * h; i++)
+        elem_store(a->out, i, elem_load(x1, i, a->bf16) + elem_load(proj, i, a->bf16), a->bf16);
 done:
     free(buf);
     return rc ? -1 : 0;

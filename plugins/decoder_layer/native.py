@@ -59,17 +59,15 @@ def _address(fn: ctypes._CFuncPtr) -> int:
 
 
 def _build() -> Library:
-    parts = {"rowwise": rowwise.load(), "stream_linear": stream_linear.load(), "tree_attention": attention.load()}
-    missing = [name for name, lib in parts.items() if lib is None]
+    kernels = {"rowwise": rowwise, "stream_linear": stream_linear, "tree_attention": attention}
+    missing = [f"{name}: {module.unavailable()}" for name, module in kernels.items() if module.load() is None]
     if missing:
-        why = {"rowwise": rowwise.unavailable, "stream_linear": stream_linear.unavailable,
-               "tree_attention": attention.unavailable}
-        raise RuntimeError("; ".join(f"{name}: {why[name]()}" for name in missing))
+        raise RuntimeError("; ".join(missing))
     lib, path, _ = native_build.build(SOURCE, "decoder_layer")
     fn = lib.spectree_decoder_layer
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(_Layer)]
-    r, s, a = parts["rowwise"], parts["stream_linear"], parts["tree_attention"]
+    r, s, a = rowwise.load(), stream_linear.load(), attention.load()
     return Library(fn, (_address(r.rms_norm), _address(r.rope), _address(r.silu_mul), _address(s.linear),
                         _address(a.fn)), path)
 
@@ -88,16 +86,14 @@ def unavailable() -> str | None:
 
 
 def _matrix(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None, keep: list) -> _Matrix | None:
+    w = stream_linear.operands(weight)
+    if w is None:
+        return None
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
         keep.append(bias)
-    bias_ptr = None if bias is None else bias.data_ptr()
-    if isinstance(weight, BlockWeight):
-        return _Matrix(weight.fmt, 0, weight.data.data_ptr(), weight.scale.data_ptr(),
-                       None if weight.minimum is None else weight.minimum.data_ptr(), bias_ptr, weight.shape[0])
-    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-        return None
-    return _Matrix(stream_linear.FMT_BF16, 0, weight.data_ptr(), None, None, bias_ptr, weight.shape[0])
+    return _Matrix(w.fmt, 0, w.data, w.scale or None, w.minimum or None, None if bias is None else bias.data_ptr(),
+                   w.out_features)
 
 
 @dataclass(frozen=True)

@@ -108,15 +108,6 @@ static void qmatmul(const float *x, int64_t rows, int64_t in, const int8_t *w, c
     }
 }
 
-static inline float cache_at(const void *base, int is_bf16, int64_t idx) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[idx]) : ((const float *)base)[idx];
-}
-
-static inline void cache_put(void *base, int is_bf16, int64_t idx, float v) {
-    if (is_bf16) ((uint16_t *)base)[idx] = f32_to_bf16(v);
-    else ((float *)base)[idx] = v;
-}
-
 /* The angles of one position: cs[i] = cos(pos * inv_freq[i]), cs[half + i] = sin(...), i < half = d / 2. */
 static void rope_angles(float *cs, int64_t half, int64_t pos, const float *inv_freq) {
     for (int64_t i = 0; i < half; i++) {
@@ -174,8 +165,8 @@ int spectree_eagle_layer(
         for (int64_t g = 0; g < hkv; g++)
             for (int64_t i = 0; i < d; i++) {
                 int64_t at = g * stride_h + (length + r) * stride_s + i;
-                cache_put(k_cache, is_bf16, at, row[(hq + g) * d + i]);
-                cache_put(v_cache, is_bf16, at, row[(hq + hkv + g) * d + i]);
+                elem_store(k_cache, at, row[(hq + g) * d + i], is_bf16);
+                elem_store(v_cache, at, row[(hq + hkv + g) * d + i], is_bf16);
             }
     }
     #pragma omp parallel for schedule(static)
@@ -197,7 +188,7 @@ int spectree_eagle_layer(
                 acc = _mm512_reduce_add_ps(a);
             } else
 #endif
-            for (int64_t i = 0; i < d; i++) acc += q[i] * cache_at(k_cache, is_bf16, at + i);
+            for (int64_t i = 0; i < d; i++) acc += q[i] * elem_load(k_cache, at + i, is_bf16);
             s[j] = acc * scale;
             if (s[j] > mx) mx = s[j];
         }
@@ -218,7 +209,7 @@ int spectree_eagle_layer(
                 continue;
             }
 #endif
-            for (int64_t i = 0; i < d; i++) o[i] += w * cache_at(v_cache, is_bf16, at + i);
+            for (int64_t i = 0; i < d; i++) o[i] += w * elem_load(v_cache, at + i, is_bf16);
         }
         for (int64_t i = 0; i < d; i++) o[i] /= sum;
     }

@@ -1,5 +1,5 @@
-"""RMSNorm, rotary embeddings and the MLP's silu(gate) * up for the eager CPU runtime, one native call each (rowwise.c), built like every
-plugin kernel (`plugins/native_build.py`).
+"""RMSNorm, rotary embeddings and the MLP's silu(gate) * up for the eager CPU runtime, one native call each
+(rowwise.c), built like every plugin kernel (`plugins/native_build.py`).
 
 Why: at one token per step a decoder layer's small ops cost about as much to dispatch as to run. Measured on
 SmolLM2-135M in bf16 on 2 AMD EPYC cores (a one-token forward over 256 cached tokens, 30.8 ms): replacing the 61

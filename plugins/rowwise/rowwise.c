@@ -24,15 +24,6 @@ static inline float bf16_rounded(float f) {
     return r;
 }
 
-static inline float load(const void *base, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline void store(void *base, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else ((float *)base)[i] = v;
-}
-
 /* out[r] = weight * to_dtype(x[r] * rsqrt(mean(x[r]^2) + eps)), the squares and the scaling in float32.
  * x: rows of `hidden` elements, row r at x + r * x_row_stride (elements); out and weight contiguous. */
 void spectree_rms_norm(const void *x, int64_t rows, int64_t hidden, int64_t x_row_stride, const void *weight,
@@ -42,16 +33,16 @@ void spectree_rms_norm(const void *x, int64_t rows, int64_t hidden, int64_t x_ro
         int64_t base = r * x_row_stride;
         double sum = 0.0;
         for (int64_t i = 0; i < hidden; i++) {
-            float v = load(x, base + i, bf16);
+            float v = elem_load(x, base + i, bf16);
             float sq = v * v;
             sum += (double)sq;
         }
         float variance = (float)(sum / (double)hidden);
         float scale = 1.0f / sqrtf(variance + eps);
         for (int64_t i = 0; i < hidden; i++) {
-            float y = load(x, base + i, bf16) * scale;
+            float y = elem_load(x, base + i, bf16) * scale;
             if (bf16) y = bf16_rounded(y);
-            store(out, r * hidden + i, load(weight, i, bf16) * y, bf16);
+            elem_store(out, r * hidden + i, elem_load(weight, i, bf16) * y, bf16);
         }
     }
 }
@@ -73,15 +64,15 @@ void spectree_rope(const void *x, int64_t batch, int64_t tokens, int64_t heads, 
             int64_t xbase = b * xs_b + n * xs_n + h * xs_h;
             int64_t obase = b * os_b + n * os_n + h * os_h;
             for (int64_t i = 0; i < dim; i++) {
-                float v = load(x, xbase + i, bf16);
-                float rot = i < half ? -load(x, xbase + i + half, bf16) : load(x, xbase + i - half, bf16);
-                float a = v * load(cos, cbase + i, bf16);
-                float c = rot * load(sin, cbase + i, bf16);
+                float v = elem_load(x, xbase + i, bf16);
+                float rot = i < half ? -elem_load(x, xbase + i + half, bf16) : elem_load(x, xbase + i - half, bf16);
+                float a = v * elem_load(cos, cbase + i, bf16);
+                float c = rot * elem_load(sin, cbase + i, bf16);
                 if (bf16) {
                     a = bf16_rounded(a);
                     c = bf16_rounded(c);
                 }
-                store(out, obase + i, a + c, bf16);
+                elem_store(out, obase + i, a + c, bf16);
             }
         }
     }
@@ -129,8 +120,8 @@ static inline v8 v8_silu_mul(v8 g, v8 u, int bf16) {
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]: the MLP's gate (the first `inter` columns of the fused gate/up
  * output) and up (the next `inter`), silu in float32 as x / (1 + exp(-x)), the silu and the product each rounded to
- * the dtype (as torch's F.silu(gate) * up rounds); exp by `v8_exp`. gu: rows of 2 * inter elements, row r at gu + r * gu_row_stride;
- * out: [rows, inter] contiguous. */
+ * the dtype (as torch's F.silu(gate) * up rounds); exp by `v8_exp`. gu: rows of 2 * inter elements, row r at
+ * gu + r * gu_row_stride; out: [rows, inter] contiguous. */
 void spectree_silu_mul(const void *gu, int64_t rows, int64_t inter, int64_t gu_row_stride, void *out, int bf16) {
 #pragma omp parallel for schedule(static) if (rows * inter >= 65536)
     for (int64_t r = 0; r < rows; r++) {
@@ -139,11 +130,11 @@ void spectree_silu_mul(const void *gu, int64_t rows, int64_t inter, int64_t gu_r
             const int lanes = inter - i0 < 8 ? (int)(inter - i0) : 8;
             v8 g = {0}, u = {0};
             for (int l = 0; l < lanes; l++) {
-                g[l] = load(gu, base + i0 + l, bf16);
-                u[l] = load(gu, base + inter + i0 + l, bf16);
+                g[l] = elem_load(gu, base + i0 + l, bf16);
+                u[l] = elem_load(gu, base + inter + i0 + l, bf16);
             }
             const v8 y = v8_silu_mul(g, u, bf16);
-            for (int l = 0; l < lanes; l++) store(out, r * inter + i0 + l, y[l], bf16);
+            for (int l = 0; l < lanes; l++) elem_store(out, r * inter + i0 + l, y[l], bf16);
         }
     }
 }

@@ -166,6 +166,34 @@ def _check_blocks(weight: torch.Tensor) -> tuple[int, int]:
     return out, inp
 
 
+@dataclass(frozen=True)
+class Operands:
+    """A weight as the kernel takes it: its format, the addresses of its data, scales and minimums (0: none) and its
+    shape; `keep` holds what the addresses point into."""
+
+    fmt: int
+    data: int
+    scale: int
+    minimum: int
+    out_features: int
+    in_features: int
+    keep: torch.Tensor | BlockWeight
+
+
+def operands(weight: torch.Tensor | BlockWeight) -> Operands | None:  # weight [out, in]; None: not taken
+    """The kernel's view of `weight`: a BlockWeight, or a contiguous 2-D float32 / bfloat16 CPU tensor that autograd
+    does not record."""
+    if isinstance(weight, BlockWeight):
+        return Operands(weight.fmt, weight.data.data_ptr(), weight.scale.data_ptr(),
+                        0 if weight.minimum is None else weight.minimum.data_ptr(), weight.data.shape[0],
+                        weight.in_features, weight)
+    fmt = _FORMATS.get(weight.dtype)
+    if (fmt is None or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous()
+            or (weight.requires_grad and torch.is_grad_enabled())):
+        return None
+    return Operands(fmt, weight.data_ptr(), 0, 0, weight.shape[0], weight.shape[1], weight)
+
+
 def linear(
     x: torch.Tensor,  # [..., in]
     weight: torch.Tensor | BlockWeight,  # [out, in]
@@ -176,17 +204,10 @@ def linear(
     xfmt = _FORMATS.get(x.dtype)
     if xfmt is None or x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    if isinstance(weight, BlockWeight):
-        fmt, in_f, out_f = weight.fmt, weight.in_features, weight.data.shape[0]
-        scale, minimum = weight.scale.data_ptr(), None if weight.minimum is None else weight.minimum.data_ptr()
-        data = weight.data
-    else:
-        fmt = _FORMATS.get(weight.dtype)
-        if (fmt is None or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous()
-                or (weight.requires_grad and torch.is_grad_enabled())):
-            return None
-        out_f, in_f = weight.shape
-        data, scale, minimum = weight, None, None
+    w = operands(weight)
+    if w is None:
+        return None
+    out_f, in_f = w.out_features, w.in_features
     if x.shape[-1] != in_f or (x.requires_grad and torch.is_grad_enabled()):
         return None
     if bias is not None:
@@ -203,11 +224,12 @@ def linear(
     if n == 0:
         return x.new_empty(*x.shape[:-1], out_f)
     y = torch.empty(*x.shape[:-1], out_f, dtype=x.dtype)
-    if lib.linear(rows.data_ptr(), xfmt, n, in_f, rows.stride(0), fmt, data.data_ptr(), scale, minimum, out_f,
-                  None if bias is None else bias.data_ptr(), y.data_ptr(), xfmt) != 0:
+    if lib.linear(rows.data_ptr(), xfmt, n, in_f, rows.stride(0), w.fmt, w.data, w.scale or None, w.minimum or None,
+                  out_f, None if bias is None else bias.data_ptr(), y.data_ptr(), xfmt) != 0:
         raise MemoryError(f"stream_linear: no memory for a float32 copy of a [{n}, {in_f}] input")
     return y
 
 
-__all__ = ["BlockWeight", "bf16_missing", "bf16_route", "DTYPES", "FMT_BF16", "FMT_F32", "FMT_Q4", "FMT_Q8", "Library", "QUANT_FORMATS", "Q_BLOCK",
+__all__ = ["BlockWeight", "DTYPES", "FMT_BF16", "FMT_F32", "FMT_Q4", "FMT_Q8", "Library", "Operands", "QUANT_FORMATS",
+           "Q_BLOCK", "bf16_missing", "bf16_route", "operands",
            "SOURCE", "covers", "linear", "load", "unavailable"]

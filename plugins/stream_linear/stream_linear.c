@@ -57,7 +57,8 @@ static inline void vload_q4(const uint8_t *p, vf *lo, vf *hi) {
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline float vsum(vf a) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); /* AVX512F only */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
@@ -142,8 +143,8 @@ typedef struct {
 #define UNROLL _Pragma("GCC unroll 16")
 
 static inline __attribute__((always_inline)) void tile_dense(const weights_t *w, int64_t o0, const float *xs,
-                                                             int64_t xstride, const int TO, const int TR, const int bf16,
-                                                             float *sums) {
+                                                             int64_t xstride, const int TO, const int TR,
+                                                             const int bf16, float *sums) {
     vf acc[8][TILE_ROWS];
     UNROLL for (int o = 0; o < TO; o++) UNROLL for (int r = 0; r < TR; r++) acc[o][r] = vzero();
     const int64_t in = w->in, whole = in - in % LANES;

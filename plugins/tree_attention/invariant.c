@@ -38,6 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bf16.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1 /* AVX512-BF16: a bf16 pair dot product per lane in one instruction */
@@ -604,18 +606,11 @@ static int attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sn, co
     return failed ? -1 : 0;
 }
 
-/* `rows` rows of d bfloat16 values (row r at src + (r / per) * outer + (r % per) * inner elements) widened into dst,
- * contiguous. */
-static void widen_rows(const uint16_t *src, int64_t rows, int64_t per, int64_t outer, int64_t inner, int64_t d,
-                       float *dst) {
+/* `rows` rows of d bfloat16 values, row r at src + r * stride elements, widened into dst, contiguous. */
+static void widen_rows(const uint16_t *src, int64_t rows, int64_t stride, int64_t d, float *dst) {
 #pragma omp parallel for schedule(static) if (rows * d >= 16384)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = src + (r / per) * outer + (r % per) * inner;
-        for (int64_t i = 0; i < d; i++) {
-            uint32_t u = (uint32_t)row[i] << 16;
-            memcpy(dst + r * d + i, &u, sizeof u);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < d; i++) dst[r * d + i] = bf16_to_f32(src[r * stride + i]);
 }
 
 /* Tree attention over q [B, Hq, N, D], k / v [B, Hkv, S, D] (S = L + N; the last dimension contiguous, the others
@@ -639,13 +634,10 @@ int spectree_tree_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
     if (qf && kf && vf32) {
         /* q rows (b, h, t): at b * q_sb + h * q_sh + t * q_sn; enumerate as (b * hq + h) * n + t */
         for (int64_t bh = 0; bh < batch * hq; bh++)
-            widen_rows((const uint16_t *)q + (bh / hq) * q_sb + (bh % hq) * q_sh, n, n, 0, q_sn, d,
-                       qf + bh * n * d);
+            widen_rows((const uint16_t *)q + (bh / hq) * q_sb + (bh % hq) * q_sh, n, q_sn, d, qf + bh * n * d);
         for (int64_t bg = 0; bg < batch * hkv; bg++) {
-            widen_rows((const uint16_t *)k + (bg / hkv) * k_sb + (bg % hkv) * k_sh, s, s, 0, k_ss, d,
-                       kf + bg * s * d);
-            widen_rows((const uint16_t *)v + (bg / hkv) * v_sb + (bg % hkv) * v_sh, s, s, 0, v_ss, d,
-                       vf32 + bg * s * d);
+            widen_rows((const uint16_t *)k + (bg / hkv) * k_sb + (bg % hkv) * k_sh, s, k_ss, d, kf + bg * s * d);
+            widen_rows((const uint16_t *)v + (bg / hkv) * v_sb + (bg % hkv) * v_sh, s, v_ss, d, vf32 + bg * s * d);
         }
         rc = attention(qf, hq * n * d, n * d, d, kf, hkv * s * d, s * d, d, vf32, hkv * s * d, s * d, d, mask, words,
                        out, batch, hq, hkv, n, s, d, scale, 0);
