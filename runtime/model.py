@@ -215,6 +215,11 @@ def attend(
     """Store the N new tokens' K/V in `cache` (anything with KVCache's `write`) and attend over prefix + tree, in
     the cache's dtype (see `kv_dtype`); the output comes back in q's dtype."""
     k_all, v_all = cache.write(layer, k, v)  # [B, Hkv, L + N, D], in the cache's dtype
+    if q.dtype == torch.bfloat16 and k_all.dtype == torch.float32 and not torch.compiler.is_compiling():
+        # a bf16 model's float32 cache (`kv_dtype`): the row-invariant kernel's float32 route, which the op keeps
+        # for bf16 inputs (it gives float32 to SDPA)
+        out = native_attention.tree_attention_native(q.float(), k_all, v_all, tree_mask, scale)
+        return out.to(q.dtype)
     return torch.ops.spectree.tree_attention(q.to(k_all.dtype), k_all, v_all, tree_mask, scale).to(q.dtype)
 
 
@@ -273,12 +278,16 @@ def batch_invariant(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16
 
 
-def kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype a target model's KV cache is kept and its attention computed in, for weights in `dtype`."""
+def kv_dtype(dtype: torch.dtype, device: torch.device, head_dim: int) -> torch.dtype:
+    """The dtype a target model's KV cache is kept and its attention computed in, for weights in `dtype`. bfloat16 on
+    a CPU whose native attention multiplies bfloat16 itself (AVX512-BF16, `rounds_weights`); float32 on other CPUs,
+    where that kernel would widen the whole cache to float32 at every call (the same values: a bfloat16 key or value is
+    a float32 exactly)."""
     if not batch_invariant(dtype, device):
         return dtype
-    if not pads_rows(device) and native_attention.load() is not None:
-        return dtype
+    native = native_attention.load() if not pads_rows(device) else None
+    if native is not None:
+        return dtype if native.rounds_weights(head_dim, dtype) else torch.float32
     return torch.float64
 
 
@@ -755,7 +764,7 @@ class DecoderLayer(nn.Module):
         """The whole layer in one native call (plugins/decoder_layer: the torch route's kernels, the same bits) for a
         bfloat16 sequence on the CPU with its own KVCache; None elsewhere."""
         if (x.dtype not in native_layer.DTYPES or x.device.type != "cpu" or x.shape[0] != 1
-                or type(cache) is not KVCache or cache.dtype != x.dtype or cache.batch != 1
+                or type(cache) is not KVCache or cache.dtype not in (x.dtype, torch.float32) or cache.batch != 1
                 or self.input_layernorm is None or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or self.mlp.fused_weight.requires_grad))
                 or native_attention.load() is None or native_layer.load() is None):
@@ -978,7 +987,7 @@ class TargetModel(nn.Module):
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's and attention's dtype (`kv_dtype`)."""
-        return kv_dtype(self.dtype, self.device)
+        return kv_dtype(self.dtype, self.device, self.config.head_dim)
 
     # ---- compute ------------------------------------------------------------------------------------
 

@@ -72,10 +72,14 @@ def without_native_kernel(monkeypatch):
 @pytest.mark.parametrize(
     "variant,overrides", [("llama3", {}), ("qwen2", {"num_key_value_heads": 4})], ids=["gqa", "mha"]
 )
-def test_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, variant, overrides):
+@pytest.mark.parametrize("cache", ["bfloat16", "float32"])
+def test_bf16_tree_step_is_bit_identical_to_token_by_token(ckpts, variant, overrides, cache, monkeypatch):
+    """Both caches a bf16 model keeps on CPU (`kv_dtype`): bf16 where the kernel multiplies bf16 natively (AVX512-BF16;
+    elsewhere it widens), float32 elsewhere; each attended through the row-invariant kernel, on every machine."""
+    monkeypatch.setattr(runtime.model, "kv_dtype", lambda dtype, device, head_dim: getattr(torch, cache))
     model = TargetModel.from_pretrained(ckpts(variant, **overrides), dtype="bfloat16")
     assert plugins.tree_attention.native.load() is not None, plugins.tree_attention.native.unavailable()
-    assert model.kv_dtype == torch.bfloat16  # attends through the row-invariant kernel
+    assert model.kv_dtype == getattr(torch, cache)
     for seed, (prefix_len, num_nodes) in enumerate(CASES):
         assert _mismatches(model, prefix_len, num_nodes, seed) == 0
 
@@ -93,7 +97,7 @@ def test_without_the_kernel_bf16_attends_in_float64_and_stays_bit_identical(ckpt
 def test_negative_control_attention_in_half_precision_is_not_invariant(ckpts, monkeypatch, without_native_kernel):
     """Attending in the weights' bf16 through SDPA (fused kernels reduce in shape-dependent order) breaks bit
     identity: the test above can fail."""
-    monkeypatch.setattr(runtime.model, "kv_dtype", lambda dtype, device: dtype)
+    monkeypatch.setattr(runtime.model, "kv_dtype", lambda dtype, device, head_dim: dtype)
     with pytest.warns(RuntimeWarning, match="attention kernel is unavailable"):
         model = TargetModel.from_pretrained(ckpts("llama3"), dtype="bfloat16")
     assert model.kv_dtype == torch.bfloat16
@@ -102,20 +106,24 @@ def test_negative_control_attention_in_half_precision_is_not_invariant(ckpts, mo
 
 def test_kv_dtype_follows_the_kernel():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert runtime.model.kv_dtype(torch.bfloat16, cpu) == torch.bfloat16  # the row-invariant kernel's
-    assert runtime.model.kv_dtype(torch.float16, cpu) == torch.float16  # its CPU matmuls are not row-invariant
-    assert runtime.model.kv_dtype(torch.float32, cpu) == torch.float32
+    native = runtime.model.native_attention.load()
+    for d in (64, 80, 128):
+        # bf16 where the row-invariant kernel multiplies bf16 itself (AVX512-BF16), else float32 (it would widen)
+        expect = torch.bfloat16 if native.rounds_weights(d, torch.bfloat16) else torch.float32
+        assert runtime.model.kv_dtype(torch.bfloat16, cpu, d) == expect, d
+    assert runtime.model.kv_dtype(torch.float16, cpu, 64) == torch.float16  # its CPU matmuls are not row-invariant
+    assert runtime.model.kv_dtype(torch.float32, cpu, 64) == torch.float32
     # CUDA: 16-bit weights run batch-invariant by padding their matmuls and attend in float64
     assert runtime.model.batch_invariant(torch.bfloat16, cuda) and runtime.model.batch_invariant(torch.float16, cuda)
     assert runtime.model.pads_rows(cuda) and not runtime.model.pads_rows(cpu)
-    assert runtime.model.kv_dtype(torch.bfloat16, cuda) == torch.float64
-    assert runtime.model.kv_dtype(torch.float16, cuda) == torch.float64
-    assert runtime.model.kv_dtype(torch.float32, cuda) == torch.float32
+    assert runtime.model.kv_dtype(torch.bfloat16, cuda, 64) == torch.float64
+    assert runtime.model.kv_dtype(torch.float16, cuda, 64) == torch.float64
+    assert runtime.model.kv_dtype(torch.float32, cuda, 64) == torch.float32
 
 
 def test_kv_dtype_without_the_kernel_is_float64_for_bf16_on_cpu(without_native_kernel):
-    assert runtime.model.kv_dtype(torch.bfloat16, torch.device("cpu")) == torch.float64
-    assert runtime.model.kv_dtype(torch.float32, torch.device("cpu")) == torch.float32
+    assert runtime.model.kv_dtype(torch.bfloat16, torch.device("cpu"), 64) == torch.float64
+    assert runtime.model.kv_dtype(torch.float32, torch.device("cpu"), 64) == torch.float32
 
 
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (576, 2048), (1536, 1536)],

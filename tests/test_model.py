@@ -10,6 +10,7 @@ import torch
 
 from plugins.stream_linear import native as stream_linear
 from plugins.tree_attention.mask import ancestor_mask, pack_mask, random_parents
+import runtime.model
 from runtime.config import ModelConfig
 from runtime.checkpoint import load_checkpoint
 from runtime.errors import CacheError, RequestError
@@ -235,7 +236,10 @@ def test_half_precision(ckpts, dtype, rel):
     model = TargetModel.from_pretrained(path, dtype=dtype)
     assert model.dtype == getattr(torch, dtype) and model.config.dtype == dtype
     cache = model.new_cache(50)
-    assert cache.dtype == model.kv_dtype == getattr(torch, dtype)  # bf16: the row-invariant kernel attends over it
+    # bf16: the row-invariant kernel attends over it, in bf16 where it multiplies bf16 natively, else in float32
+    assert cache.dtype == model.kv_dtype == runtime.model.kv_dtype(getattr(torch, dtype), torch.device("cpu"),
+                                                                    model.config.head_dim)
+    assert cache.dtype in (getattr(torch, dtype), torch.float32)
     logits, hidden = model.prefill(tokens, cache)
     assert logits.dtype == torch.float32 and hidden.dtype == getattr(torch, dtype)
     assert torch.isfinite(logits).all()

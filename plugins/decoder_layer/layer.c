@@ -43,7 +43,8 @@ typedef struct {
 
 typedef struct {
     int64_t rows, hidden, hq, hkv, head_dim, inter;
-    int32_t bf16, pad;  /* activations, norm weights, cos / sin and the cache: bfloat16 (else float32) */
+    int32_t bf16;       /* activations, norm weights and cos / sin: bfloat16 (else float32) */
+    int32_t cache_bf16; /* the cache: bfloat16 (else float32: bfloat16 activations' keys and values widened, exactly) */
     float eps, scale;
     const void *x;      /* [rows, hidden] */
     void *out;          /* [rows, hidden] */
@@ -71,7 +72,7 @@ int spectree_decoder_layer(const layer_t *a) {
     const int64_t n = a->rows, h = a->hidden, hq = a->hq, hkv = a->hkv, d = a->head_dim, inter = a->inter;
     const int64_t width = (hq + 2 * hkv) * d, es = a->bf16 ? 2 : 4;
     const int64_t need = n * (h + width + (hq + hkv) * d + hq * d + h + 2 * inter + inter + h);
-    char *buf = malloc((size_t)need * (size_t)es + (size_t)(n * hq * d) * sizeof(float));
+    char *buf = malloc((size_t)need * (size_t)es + (size_t)(2 * n * hq * d) * sizeof(float));
     if (!buf) return -1;
     char *p = buf;
     void *normed = p; p += n * h * es;
@@ -82,7 +83,7 @@ int spectree_decoder_layer(const layer_t *a) {
     void *gu = p; p += n * 2 * inter * es;
     void *act = p; p += n * inter * es;
     void *proj = p; p += n * h * es;
-    float *att32 = (float *)p;
+    float *att32 = (float *)p, *q32 = att32 + n * hq * d;
     int rc = 0;
 
     a->rms_norm(a->x, n, h, h, a->input_norm, a->eps, normed, a->bf16);
@@ -90,17 +91,27 @@ int spectree_decoder_layer(const layer_t *a) {
     /* q and k rotated together as hq + hkv heads, laid out [n, heads, d] */
     a->rope(qkv, 1, n, hq + hkv, d, n * width, width, d, a->cos, a->sin, n * d, d, qk, n * (hq + hkv) * d,
             (hq + hkv) * d, d, a->bf16);
-    for (int64_t g = 0; g < hkv; g++) { /* the new keys and values at slots [length, length + n) */
+    const int cb = a->cache_bf16;
+    for (int64_t g = 0; g < hkv; g++) /* the new keys and values at slots [length, length + n), in the cache's dtype */
         for (int64_t t = 0; t < n; t++) {
             const int64_t slot = (g * a->capacity + a->length + t) * d;
-            memcpy((char *)a->k_cache + slot * es, (char *)qk + ((t * (hq + hkv) + hq + g) * d) * es, (size_t)(d * es));
-            memcpy((char *)a->v_cache + slot * es, (char *)qkv + (t * width + (hq + hkv) * d + g * d) * es,
-                   (size_t)(d * es));
+            const int64_t ko = (t * (hq + hkv) + hq + g) * d, vo = t * width + (hq + hkv) * d + g * d;
+            for (int64_t i = 0; i < d; i++) {
+                elem_store(a->k_cache, slot + i, elem_load(qk, ko + i, a->bf16), cb);
+                elem_store(a->v_cache, slot + i, elem_load(qkv, vo + i, a->bf16), cb);
+            }
         }
+    /* the queries in the cache's dtype (widened where it is float32); q32 rows as qk's: [n, hq (+ hkv), d] */
+    const void *queries = qk;
+    if (a->bf16 && !cb) {
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < hq * d; i++) q32[t * hq * d + i] = elem_load(qk, t * (hq + hkv) * d + i, 1);
+        queries = q32;
     }
-    rc = a->attention(qk, n * (hq + hkv) * d, d, (hq + hkv) * d, a->k_cache, hkv * a->capacity * d, a->capacity * d,
-                      d, a->v_cache, hkv * a->capacity * d, a->capacity * d, d, a->mask, a->words, att32, 1, hq, hkv,
-                      n, a->length + n, d, a->scale, a->bf16);
+    const int64_t q_sn = queries == qk ? (hq + hkv) * d : hq * d;
+    rc = a->attention(queries, n * q_sn, d, q_sn, a->k_cache, hkv * a->capacity * d, a->capacity * d, d, a->v_cache,
+                      hkv * a->capacity * d, a->capacity * d, d, a->mask, a->words, att32, 1, hq, hkv, n,
+                      a->length + n, d, a->scale, cb);
     if (rc) goto done;
     for (int64_t head = 0; head < hq; head++) /* [hq, n, d] float32 -> [n, hq * d] in the dtype */
         for (int64_t t = 0; t < n; t++)

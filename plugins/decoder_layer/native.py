@@ -40,7 +40,7 @@ class _Matrix(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("rows", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("head_dim", _i64), ("inter", _i64),
-                ("bf16", _i32), ("pad", _i32), ("eps", _f32), ("scale", _f32), ("x", _ptr), ("out", _ptr),
+                ("bf16", _i32), ("cache_bf16", _i32), ("eps", _f32), ("scale", _f32), ("x", _ptr), ("out", _ptr),
                 ("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix),
                 ("down", _Matrix), ("cos", _ptr), ("sin", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
                 ("capacity", _i64), ("length", _i64), ("mask", _ptr), ("words", _i64), ("rms_norm", _ptr),
@@ -144,8 +144,8 @@ def layer_forward(
     x: torch.Tensor,  # [N, H] bfloat16, contiguous
     cos: torch.Tensor,  # [N, D] bfloat16, contiguous
     sin: torch.Tensor,  # [N, D]
-    k_cache: torch.Tensor,  # [Hkv, capacity, D] bfloat16, this layer's (slots [length, length + N) are written)
-    v_cache: torch.Tensor,  # [Hkv, capacity, D]
+    k_cache: torch.Tensor,  # [Hkv, capacity, D] bfloat16 or float32, this layer's (slots [length, length + N) written)
+    v_cache: torch.Tensor,  # [Hkv, capacity, D], k_cache's dtype
     length: int,
     tree_mask: torch.Tensor,  # [N, words] int32, contiguous
 ) -> torch.Tensor:  # [N, H]
@@ -155,6 +155,7 @@ def layer_forward(
     a.rows, a.x, a.out = x.shape[0], x.data_ptr(), out.data_ptr()
     a.cos, a.sin, a.k_cache, a.v_cache = cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     a.capacity, a.length, a.mask, a.words = k_cache.shape[1], length, tree_mask.data_ptr(), tree_mask.shape[-1]
+    a.cache_bf16 = int(k_cache.dtype == torch.bfloat16)
     if lib.fn(ctypes.byref(a)) != 0:
         raise MemoryError(f"decoder_layer: no memory for a {x.shape[0]}-row layer's scratch buffers")
     return out

@@ -17,6 +17,7 @@ layout), autograd recording, a graph being compiled or exported, or no C compile
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,9 @@ class Library:
     """The loaded library's functions, argument types set; `lanes` its vector width in float32; `path` the file."""
 
     linear: ctypes._CFuncPtr
+    pack: ctypes._CFuncPtr
     lanes: int
+    panel: int  # outputs per packed panel
     path: Path
 
 
@@ -48,8 +51,12 @@ def _build() -> Library:
     fn = lib.spectree_stream_linear
     fn.restype = i32
     fn.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, ptr, i64, ptr, ptr, i32]
+    pack = lib.spectree_stream_pack
+    pack.restype = None
+    pack.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
     lib.spectree_stream_lanes.restype = i32
-    return Library(fn, int(lib.spectree_stream_lanes()), path)
+    lib.spectree_stream_panel.restype = i32
+    return Library(fn, pack, int(lib.spectree_stream_lanes()), int(lib.spectree_stream_panel()), path)
 
 
 _library = native_build.Lazy(_build)
@@ -168,8 +175,8 @@ def _check_blocks(weight: torch.Tensor) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Operands:
-    """A weight as the kernel takes it: its format, the addresses of its data, scales and minimums (0: none) and its
-    shape; `keep` holds what the addresses point into."""
+    """A weight as the kernel takes it, packed in panels (stream_linear.c's layouts): its format, the addresses of its
+    packed data, scales and minimums (0: none) and its shape; `keep` holds the packed tensors they point into."""
 
     fmt: int
     data: int
@@ -177,21 +184,67 @@ class Operands:
     minimum: int
     out_features: int
     in_features: int
-    keep: torch.Tensor | BlockWeight
+    keep: tuple[torch.Tensor, ...]
+
+
+# id(weight) -> (weakref to it, its version when packed, its Operands). A weight is packed once, on first use, and
+# again after an in-place edit (its version moves); the entry goes when the weight does. Packing copies the weight:
+# the packed panels are what the kernel reads, the row-major tensor stays the model's parameter (state dicts,
+# exports, the torch route).
+_PACKED: dict[int, tuple[weakref.ref, int, Operands]] = {}
+
+
+def _version(weight: torch.Tensor | BlockWeight) -> int:
+    tensors = (weight,) if isinstance(weight, torch.Tensor) else (weight.data, weight.scale, weight.minimum)
+    return sum(t._version for t in tensors if t is not None and not t.is_inference())
+
+
+def _pack(lib: Library, fmt: int, src: torch.Tensor, scale: torch.Tensor | None, minimum: torch.Tensor | None,
+          out: int, inp: int) -> Operands:
+    panels = -(-out // lib.panel)
+    per_input = {FMT_F32: lib.panel * 4, FMT_BF16: lib.panel * 2, FMT_Q8: lib.panel, FMT_Q4: lib.panel // 2}[fmt]
+    data = torch.empty(panels * inp * per_input, dtype=torch.uint8)
+    blocks = inp // Q_BLOCK
+    pscale = torch.empty(panels * blocks * lib.panel) if scale is not None else None
+    pmin = torch.empty(panels * blocks * lib.panel) if minimum is not None else None
+    lib.pack(fmt, src.data_ptr(), None if scale is None else scale.data_ptr(),
+             None if minimum is None else minimum.data_ptr(), out, inp, data.data_ptr(),
+             None if pscale is None else pscale.data_ptr(), None if pmin is None else pmin.data_ptr())
+    return Operands(fmt, data.data_ptr(), 0 if pscale is None else pscale.data_ptr(),
+                    0 if pmin is None else pmin.data_ptr(), out, inp,
+                    tuple(t for t in (data, pscale, pmin) if t is not None))
 
 
 def operands(weight: torch.Tensor | BlockWeight) -> Operands | None:  # weight [out, in]; None: not taken
-    """The kernel's view of `weight`: a BlockWeight, or a contiguous 2-D float32 / bfloat16 CPU tensor that autograd
-    does not record."""
+    """The kernel's view of `weight` (packed on first use, kept while the weight lives): a BlockWeight, or a
+    contiguous 2-D float32 / bfloat16 CPU tensor that autograd does not record. None also where the library is not
+    built."""
+    hit = _PACKED.get(id(weight))
+    if hit is not None and hit[0]() is weight and hit[1] == _version(weight):
+        return hit[2]
     if isinstance(weight, BlockWeight):
-        return Operands(weight.fmt, weight.data.data_ptr(), weight.scale.data_ptr(),
-                        0 if weight.minimum is None else weight.minimum.data_ptr(), weight.data.shape[0],
-                        weight.in_features, weight)
-    fmt = _FORMATS.get(weight.dtype)
-    if (fmt is None or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous()
-            or (weight.requires_grad and torch.is_grad_enabled())):
+        fmt, src, scale, minimum = weight.fmt, weight.data, weight.scale, weight.minimum
+    else:
+        fmt = _FORMATS.get(weight.dtype)
+        if (fmt is None or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous()
+                or (weight.requires_grad and torch.is_grad_enabled())):
+            return None
+        src, scale, minimum = weight, None, None
+    lib = _library.get()
+    if lib is None:
         return None
-    return Operands(fmt, weight.data_ptr(), 0, 0, weight.shape[0], weight.shape[1], weight)
+    out, inp = weight.shape
+    with torch.no_grad():
+        packed = _pack(lib, fmt, src.detach(), scale, minimum, out, inp)
+    key = id(weight)
+    _PACKED[key] = (weakref.ref(weight), _version(weight), packed)
+    weakref.finalize(weight, _forget, key, packed)
+    return packed
+
+
+def _forget(key: int, packed: Operands) -> None:
+    if key in _PACKED and _PACKED[key][2] is packed:
+        del _PACKED[key]
 
 
 def linear(
@@ -207,6 +260,7 @@ def linear(
     w = operands(weight)
     if w is None:
         return None
+    lib = _library.get()
     out_f, in_f = w.out_features, w.in_features
     if x.shape[-1] != in_f or (x.requires_grad and torch.is_grad_enabled()):
         return None
@@ -214,9 +268,6 @@ def linear(
         if bias.shape != (out_f,) or bias.device.type != "cpu":
             return None
         bias = bias.detach().to(torch.float32).contiguous()
-    lib = _library.get()
-    if lib is None:
-        return None
     rows = x.reshape(-1, in_f)  # a view wherever the rows are evenly strided
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

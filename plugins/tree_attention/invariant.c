@@ -60,11 +60,12 @@ typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
-static inline vf splat(float x) {
-    vf v;
-    for (int i = 0; i < LANES; i++) v[i] = x;
-    return v;
-}
+/* one broadcast (a loop over the lanes compiles to a chain of inserts) */
+#if LANES == 16
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+#endif
 
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
@@ -171,6 +172,8 @@ static inline vf lane_sums(const vf p[LANES]) {
 #define WIDE_TILES 0
 #endif
 #define MAX_TILE 6 /* 24 / 4: the widest tile (head size 64, AVX-512) */
+#define MAX_HEAD 512 /* the largest head size taken (spectree_tree_attention refuses larger ones) */
+#define MAX_CHUNKS (MAX_HEAD / LANES)
 
 /* One tile: up to MAX_TILE (query row, head) pairs of one kv head, which share the run of keys [0, shared): each of
  * those keys and values is loaded once for all of them. Pair i's logical keys: slots [0, min(shared, total[i])), then
@@ -182,8 +185,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     const void *q, const int64_t *qo, const void *k, int64_t ko, int64_t ks, const void *v, int64_t vo, int64_t vs,
     int64_t shared, const int64_t *const *path, const int64_t *total, float *w, int64_t padded, float *const *o,
     int64_t d, int64_t chunks, int64_t tile, float scale, int bf16) {
-    vf qv[tile][chunks], acc[tile][chunks], part[tile][LANES], top[tile];
-    float z[tile];
+    /* fixed bounds, not [tile][chunks]: variable-length arrays stay stack allocations in the inlined loops (measured:
+     * ~3x slower at a head size of 64 on AVX2) */
+    vf qv[MAX_TILE][MAX_CHUNKS], acc[MAX_TILE][MAX_CHUNKS], part[MAX_TILE][LANES], top[MAX_TILE];
+    float z[MAX_TILE];
     int64_t most = 0;
     for (int64_t i = 0; i < tile; i++) {
         for (int64_t c = 0; c < chunks; c++) qv[i][c] = load(q, qo[i], c, d, bf16);
@@ -195,10 +200,18 @@ static inline __attribute__((always_inline)) void attend_tile(
 
     /* scores, LANES logical keys at a time: each key's dot as LANES-lane partial sums over D, then its lane sum */
     for (int64_t blk = 0; blk * LANES < most; blk++) {
+        if (tile == 1 && (blk + 1) * LANES <= shared) {
+            /* a whole block of shared keys: the same sums, the LANES keys' chains interleaved (each key's own sum
+             * still runs over D in order), so that they overlap rather than wait on one another */
+            for (int64_t j = 0; j < LANES; j++) part[0][j] = (vf){0};
+            for (int64_t c = 0; c < chunks; c++)
+                for (int64_t j = 0; j < LANES; j++)
+                    part[0][j] = qv[0][c] * load(k, ko + (blk * LANES + j) * ks, c, d, bf16) + part[0][j];
+        } else
         for (int64_t j = 0; j < LANES; j++) {
             const int64_t t = blk * LANES + j;
             if (t < shared) { /* past a pair's end: a score that the mask below drops */
-                vf kc[chunks];
+                vf kc[MAX_CHUNKS];
                 for (int64_t c = 0; c < chunks; c++) kc[c] = load(k, ko + t * ks, c, d, bf16);
                 for (int64_t i = 0; i < tile; i++) {
                     vf p = {0};
@@ -243,7 +256,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     /* the weighted sum of values in logical order, 16 lanes of D at a time; divided by z at the end */
     for (int64_t t = 0; t < most; t++) {
         if (t < shared) {
-            vf vc[chunks];
+            vf vc[MAX_CHUNKS];
             for (int64_t c = 0; c < chunks; c++) vc[c] = load(v, vo + t * vs, c, d, bf16);
             for (int64_t i = 0; i < tile; i++) {
                 if (t >= total[i]) continue;
