@@ -142,7 +142,7 @@ class _Fused(nn.Module):
             return self.blocks
         if self.packed is not None:
             return self.packed
-        return self.fused_weight, out
+        return self._buffers["fused_weight"], out
 
     def quantize(self, kind: type[QuantizedWeight]) -> None:
         """Run this module's matmuls on quantized copies of its weights (`Int8Weight` / `Int4Weight`; draft heads on
@@ -763,34 +763,52 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor | None:  # [B, N, H]; None: the torch route runs
         """The whole layer in one native call (plugins/decoder_layer: the torch route's kernels, the same bits) for a
         bfloat16 sequence on the CPU with its own KVCache; None elsewhere."""
-        if (x.dtype not in native_layer.DTYPES or x.device.type != "cpu" or x.shape[0] != 1
-                or type(cache) is not KVCache or cache.dtype not in (x.dtype, torch.float32) or cache.batch != 1
-                or self.input_layernorm is None or torch.compiler.is_compiling()
-                or (torch.is_grad_enabled() and (x.requires_grad or self.mlp.fused_weight.requires_grad))
-                or native_attention.load() is None or native_layer.load() is None):
+        if not native_ready(x, cache, (self,)):
             return None
-        attn, mlp = self.self_attn, self.mlp
-        qkv_w, o_w = attn._weights(attn.o_proj.weight)
-        gu_w, down_w = mlp._weights(mlp.down_proj.weight)
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        matrices = ((qkv_w, attn.fused_bias), (o_w, attn.o_proj.bias), (gu_w, mlp.fused_bias),
-                    (down_w, mlp.down_proj.bias))
-        tensors = (*norms, *(t for pair in matrices for t in pair if t is not None))
-        prepared = self._prepared
-        if prepared is None or not prepared.current(tensors):
-            prepared = self._prepared = native_layer.prepare(
-                norms, self.input_layernorm.eps, matrices, (attn.num_heads, attn.num_kv_heads, attn.head_dim),
-                attn.scale)
-            if prepared is None:
-                return None
-        n = x.shape[1]
+        prepared = self.native_prepared()
+        if prepared is None:
+            return None
         if not 0 <= cache_layer < cache.num_layers:
             raise CacheError(f"layer {cache_layer} out of range for a cache with {cache.num_layers} layers")
-        cache.open(n)
+        cache.open(x.shape[1])
         out = native_layer.layer_forward(prepared, x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
                                          cache.k[cache_layer, 0], cache.v[cache_layer, 0], cache.length,
                                          tree_mask[0].contiguous())
         return out.unsqueeze(0)
+
+    def native_prepared(self) -> native_layer.Prepared | None:
+        """This layer's argument block for the one-call route, made again when its weights changed; None where the
+        call does not take them."""
+        # Called for every layer of every forward: the modules' dicts read directly (nn.Module's __getattr__ is
+        # ~1 us a lookup, a measurable share of a one-token step)
+        mods = self._modules
+        attn, mlp = mods["self_attn"], mods["mlp"]
+        o_proj, down_proj = attn._modules["o_proj"], mlp._modules["down_proj"]
+        qkv_w, o_w = attn._weights(o_proj._parameters["weight"])
+        gu_w, down_w = mlp._weights(down_proj._parameters["weight"])
+        norm_in, norm_post = mods["input_layernorm"], mods["post_attention_layernorm"]
+        norms = (norm_in._parameters["weight"], norm_post._parameters["weight"])
+        matrices = ((qkv_w, attn._buffers["fused_bias"]), (o_w, o_proj._parameters["bias"]),
+                    (gu_w, mlp._buffers["fused_bias"]), (down_w, down_proj._parameters["bias"]))
+        tensors = (*norms, *(t for pair in matrices for t in pair if t is not None))
+        prepared = self._prepared
+        if prepared is None or not prepared.current(tensors):
+            prepared = self._prepared = native_layer.prepare(
+                norms, norm_in.eps, matrices, (attn.num_heads, attn.num_kv_heads, attn.head_dim), attn.scale)
+        return prepared
+
+
+def native_ready(x: torch.Tensor, cache: Any, layers: Sequence[DecoderLayer]) -> bool:  # x [B, N, H]
+    """Whether `layers` can run through the one-call route (plugins/decoder_layer) on x with `cache`: a bfloat16
+    sequence (B = 1) on the CPU with its own KVCache (in x's dtype or float32, `kv_dtype`), nothing recording
+    gradients or compiling, every layer with its input norm, and the kernels built."""
+    return (x.dtype in native_layer.DTYPES and x.device.type == "cpu" and x.shape[0] == 1
+            and type(cache) is KVCache and cache.dtype in (x.dtype, torch.float32) and cache.batch == 1
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(
+                layer.mlp.fused_weight.requires_grad for layer in layers)))
+            and all(layer.input_layernorm is not None for layer in layers)
+            and native_attention.load() is not None and native_layer.load() is not None)
 
 
 class Backbone(nn.Module):
@@ -1037,13 +1055,37 @@ class TargetModel(nn.Module):
         x = self.embed(tokens)
         cos_sin = self.rotary(positions, x.dtype)
         features = []
-        for i, layer in enumerate(self.model.layers):
-            if i in feature_layers:
+        layers = self.model.layers
+        bounds = [0, *(i for i in feature_layers if 0 < i < len(layers)), len(layers)]
+        for start, stop in zip(bounds, bounds[1:]):  # the runs of layers between feature layers
+            if start in feature_layers:
                 features.append(x)
-            x = layer(x, positions, cache, i, tree_mask, cos_sin)
-        if len(self.model.layers) in feature_layers:
+            out = self._native_run(x, cos_sin, cache, tree_mask, start, stop)
+            if out is not None:
+                x = out
+                continue
+            for i in range(start, stop):
+                x = layers[i](x, positions, cache, i, tree_mask, cos_sin)
+        if len(layers) in feature_layers:
             features.append(x)
         return self.model.norm(x), features
+
+    def _native_run(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: Any,
+                    tree_mask: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+        """Layers [start, stop) on x # [1, N, H] in one native call (`native_layer.stack_forward`); None where the
+        one-call route does not run (`native_ready`), and the layers then run one by one."""
+        layers = self.model.layers[start:stop]
+        if tree_mask is None or not native_ready(x, cache, layers) or stop > cache.num_layers:
+            return None
+        prepared = [layer.native_prepared() for layer in layers]
+        if any(p is None for p in prepared):
+            return None
+        cache.open(x.shape[1])
+        cos, sin = cos_sin
+        out = native_layer.stack_forward(prepared, x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
+                                         cache.k[start:stop, 0], cache.v[start:stop, 0], cache.length,
+                                         tree_mask[0].contiguous())
+        return out.unsqueeze(0)
 
     @torch.no_grad()
     def forward_segments(self, segments: Sequence[Segment],

@@ -130,3 +130,42 @@ done:
     free(buf);
     return rc ? -1 : 0;
 }
+
+/* Layers[0 .. count) in sequence, one call for a forward's stack (or the run of it between two feature layers): layer
+ * i reads x (i = 0) or layer i - 1's output and writes out (the last) or a scratch row block; its cache is
+ * k_cache / v_cache + i * cache_stride bytes ([hkv, capacity, head_dim] each, in the cache's dtype). The per-call
+ * fields of each layer's block are set here from the arguments. Returns 0, or -1 when memory could not be
+ * allocated. */
+int spectree_decoder_stack(layer_t *const *layers, int64_t count, int64_t rows, const void *x, void *out,
+                           const void *cos, const void *sin, char *k_cache, char *v_cache, int64_t cache_stride,
+                           int64_t capacity, int64_t length, int cache_bf16, const int32_t *mask, int64_t words) {
+    if (count <= 0) return 0;
+    const layer_t *first = layers[0];
+    void *scratch[2] = {out, NULL};
+    if (count > 1) {
+        scratch[1] = malloc((size_t)(rows * first->hidden) * (first->bf16 ? 2 : 4));
+        if (!scratch[1]) return -1;
+    }
+    const void *in = x;
+    int rc = 0;
+    for (int64_t i = 0; i < count && !rc; i++) {
+        layer_t *a = layers[i];
+        void *dst = scratch[(count - 1 - i) % 2]; /* the last layer writes out */
+        a->rows = rows;
+        a->x = in;
+        a->out = dst;
+        a->cos = cos;
+        a->sin = sin;
+        a->k_cache = k_cache + i * cache_stride;
+        a->v_cache = v_cache + i * cache_stride;
+        a->capacity = capacity;
+        a->length = length;
+        a->cache_bf16 = cache_bf16;
+        a->mask = mask;
+        a->words = words;
+        rc = spectree_decoder_layer(a);
+        in = dst;
+    }
+    free(scratch[1]);
+    return rc;
+}

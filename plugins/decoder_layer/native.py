@@ -17,6 +17,7 @@ layers in turn).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class _Layer(ctypes.Structure):
 @dataclass(frozen=True)
 class Library:
     fn: ctypes._CFuncPtr
+    stack: ctypes._CFuncPtr  # spectree_decoder_stack
     kernels: tuple[int, int, int, int, int]  # addresses: rms_norm, rope, silu_mul, linear, attention
     path: Path
 
@@ -67,8 +69,11 @@ def _build() -> Library:
     fn = lib.spectree_decoder_layer
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(_Layer)]
+    stack = lib.spectree_decoder_stack
+    stack.restype = ctypes.c_int
+    stack.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _i64]
     r, s, a = rowwise.load(), stream_linear.load(), attention.load()
-    return Library(fn, (_address(r.rms_norm), _address(r.rope), _address(r.silu_mul), _address(s.linear),
+    return Library(fn, stack, (_address(r.rms_norm), _address(r.rope), _address(r.silu_mul), _address(s.linear),
                         _address(a.fn)), path)
 
 
@@ -111,9 +116,15 @@ class Prepared:
 
 def _identity(tensors: tuple) -> tuple:
     """What makes a prepared block stale: another tensor (a load or a move replaces them) or an in-place edit (its
-    version; an inference tensor has none)."""
-    return tuple((id(t), t._version if isinstance(t, torch.Tensor) and not t.is_inference() else -1)
-                 for t in tensors)
+    version; an inference tensor has none, nor a BlockWeight)."""
+    return tuple((id(t), _version(t)) for t in tensors)
+
+
+def _version(t: torch.Tensor | BlockWeight) -> int:
+    try:
+        return t._version
+    except (AttributeError, RuntimeError):  # a BlockWeight; an inference tensor's counter raises
+        return -1
 
 
 def prepare(
@@ -161,4 +172,26 @@ def layer_forward(
     return out
 
 
-__all__ = ["DTYPES", "Library", "Prepared", "SOURCE", "layer_forward", "load", "prepare", "unavailable"]
+def stack_forward(
+    layers: Sequence[Prepared],  # consecutive layers, the first one's cache at k_cache[0]
+    x: torch.Tensor,  # [N, H] bfloat16, contiguous
+    cos: torch.Tensor,  # [N, D] bfloat16, contiguous
+    sin: torch.Tensor,  # [N, D]
+    k_cache: torch.Tensor,  # [layers, Hkv, capacity, D] bfloat16 or float32, the layers' (slots [length, +N) written)
+    v_cache: torch.Tensor,  # [layers, Hkv, capacity, D], k_cache's dtype, strided as k_cache
+    length: int,
+    tree_mask: torch.Tensor,  # [N, words] int32, contiguous
+) -> torch.Tensor:  # [N, H]: the last layer's output
+    """`layer_forward` of each layer in turn, in one native call (no Python between the layers)."""
+    lib = _library.get()
+    out = torch.empty_like(x)
+    blocks = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(p.args) for p in layers))
+    if lib.stack(blocks, len(layers), x.shape[0], x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0) * k_cache.element_size(), k_cache.shape[2],
+                 length, int(k_cache.dtype == torch.bfloat16), tree_mask.data_ptr(), tree_mask.shape[-1]) != 0:
+        raise MemoryError(f"decoder_layer: no memory for a {x.shape[0]}-row layer's scratch buffers")
+    return out
+
+
+__all__ = ["DTYPES", "Library", "Prepared", "SOURCE", "layer_forward", "load", "prepare", "stack_forward",
+           "unavailable"]

@@ -27,13 +27,24 @@ def ckpts(tmp_path_factory):
     }
 
 
-def _step(model: TargetModel, prefix: int, nodes: int, seed: int, native: bool, monkeypatch):
-    """Logits and hidden states of a prompt chunk then a random tree step, and the cache's keys / values after."""
-    if not native:
-        monkeypatch.setattr(DecoderLayer, "_native", lambda *args, **kwargs: None)
+def count_native_calls(monkeypatch) -> list:
+    """A list that grows by one at every native layer call, one layer (`layer_forward`) or a run of them
+    (`stack_forward`)."""
     calls = []
-    real = decoder_layer.layer_forward
-    monkeypatch.setattr(decoder_layer, "layer_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("layer_forward", "stack_forward"):
+        real = getattr(decoder_layer, name)
+        monkeypatch.setattr(decoder_layer, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _step(model: TargetModel, prefix: int, nodes: int, seed: int, native: bool, monkeypatch, stack: bool = True):
+    """Logits and hidden states of a prompt chunk then a random tree step, and the cache's keys / values after;
+    native=False: the torch route; stack=False: the one-call layers one by one rather than the stack's one call."""
+    if not native:
+        monkeypatch.setattr(runtime.model, "native_ready", lambda *args, **kwargs: False)
+    if not stack:
+        monkeypatch.setattr(TargetModel, "_native_run", lambda *args, **kwargs: None)
+    calls = count_native_calls(monkeypatch)
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     cache = model.new_cache(prefix + nodes + 4)
@@ -76,10 +87,42 @@ def test_negative_control_the_comparison_sees_one_changed_bit(ckpts, monkeypatch
     assert not torch.equal(before[1], after[1])
 
 
+@pytest.mark.parametrize("variant", ["llama3", "qwen2"])
+def test_the_stacks_one_call_gives_the_layer_by_layer_bits(ckpts, variant, monkeypatch):
+    """All layers in one native call (`stack_forward`) against the same layers called one by one."""
+    model = TargetModel.from_pretrained(ckpts[variant], dtype="bfloat16")
+    for seed, (prefix, nodes) in enumerate([(1, 1), (23, 9), (70, 33)]):
+        stacked = _step(model, prefix, nodes, seed, True, monkeypatch)
+        layered = _step(model, prefix, nodes, seed, True, monkeypatch, stack=False)
+        for got, want in zip(stacked, layered):
+            assert torch.equal(got, want), (prefix, nodes)
+
+
+def test_feature_layers_split_the_stack_and_see_the_torch_routes_states(ckpts, monkeypatch):
+    """With feature layers (an EAGLE-3 drafter's), the stack runs as one call per run of layers between them, and the
+    features are the states the torch route sees at those layers."""
+    model = TargetModel.from_pretrained(ckpts["llama3"], dtype="bfloat16")
+    layers = len(model.model.layers)
+    tokens = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(12)[None]
+
+    def stack(native: bool):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(runtime.model, "native_ready", lambda *args, **kwargs: False)
+            calls = count_native_calls(m)
+            hidden, features = model._stack(tokens, positions, model.new_cache(16), causal_mask(12),
+                                            feature_layers=(0, 1, layers))
+        return hidden, features, len(calls)
+
+    (h_native, f_native, calls), (h_torch, f_torch, none) = stack(True), stack(False)
+    assert calls == 2 and none == 0  # layers [0, 1) and [1, layers)
+    assert torch.equal(h_native, h_torch) and len(f_native) == len(f_torch) == 3
+    assert all(torch.equal(a, b) for a, b in zip(f_native, f_torch))
+
+
 def test_what_it_leaves_to_the_torch_route(ckpts, monkeypatch):
-    calls = []
-    real = decoder_layer.layer_forward
-    monkeypatch.setattr(decoder_layer, "layer_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_native_calls(monkeypatch)
     f32 = TargetModel.from_pretrained(ckpts["llama3"], dtype="float32")  # float32 attends through SDPA
     f32.prefill(torch.tensor([[5, 6, 7]]), f32.new_cache(8))
     assert not calls
