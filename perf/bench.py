@@ -329,6 +329,7 @@ def build_decoder(target: Target, spec: DraftSpec | None, name: str | None = Non
     its tree; `name` (the variant's) is in its errors."""
     from runtime.decode import SpecDecoder
     from runtime.drafters import load_drafter
+    from runtime.verify_cost import verify_cost_for
 
     if spec is None:
         drafter = load_drafter(DraftSpec(), target.model)
@@ -340,7 +341,9 @@ def build_decoder(target: Target, spec: DraftSpec | None, name: str | None = Non
     info = describe_drafter(drafter)
     info["tree_nodes"] = min(info["tree_nodes"], spec.max_draft_len + 1)
     info["max_draft_len"] = spec.max_draft_len
-    return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=spec.max_draft_len + 1), info
+    nodes = spec.max_draft_len + 1
+    return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=nodes,
+                       verify_cost=verify_cost_for(spec, target.model, nodes)), info
 
 
 # ---- measurements ------------------------------------------------------------------------------------------

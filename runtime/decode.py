@@ -22,7 +22,7 @@ Speculation counters in vLLM's spec-decode meanings (a tree counts its depth, th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,7 @@ from runtime.model import Segment, TargetModel, causal_mask
 from runtime.protocol import Draft, Drafter, DraftSession, Verdict, feature_layers_of
 from runtime.sampling import Penalties, SamplingParams, greedy_tokens, sample, target_probs, token_logprobs
 from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
-from runtime.tree import Tree
+from runtime.tree import Tree, cost_budget
 from runtime.verify import greedy_walk_computing, likely_path, verify
 
 
@@ -191,11 +191,16 @@ class SpecDecoder:
     """A target model, its tokenizer and a drafter: serves any number of sequential or concurrent requests
     (each request gets its own cache and drafter session; the weights are shared and read-only)."""
 
-    def __init__(self, model: TargetModel, tokenizer: Tokenizer | None, drafter: Drafter, max_tree_nodes: int) -> None:
+    def __init__(self, model: TargetModel, tokenizer: Tokenizer | None, drafter: Drafter, max_tree_nodes: int,
+                 verify_cost: Sequence[float] | None = None) -> None:
+        """verify_cost: cost[n - 1] of a target forward over n nodes relative to one (`runtime.verify_cost`): each
+        step's scored tree is cut to the node count that gives the most expected tokens per cost
+        (`runtime.tree.cost_budget`); None: trees are verified whole."""
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.max_tree_nodes = max_tree_nodes
+        self.verify_cost = None if verify_cost is None else tuple(float(c) for c in verify_cost)
         # the target layers whose features the drafter reads besides the final-norm state (its hidden states widen)
         self.feature_layers = feature_layers_of(drafter)
         eos = model.config.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -397,8 +402,11 @@ class RequestState:
         remaining = min(self.params.max_tokens - len(self.generated),
                         self.decoder.max_context - self.prompt_tokens - len(self.generated))
         room = cache.max_len - cache.length
-        draft = prune_draft(draft, max_depth=remaining - 1,
-                            max_nodes=room if max_nodes is None else min(room, max_nodes))
+        budget = room if max_nodes is None else min(room, max_nodes)
+        costs = self.decoder.verify_cost
+        if costs is not None and draft.scores is not None and draft.tree.num_nodes > 1:
+            budget = min(budget, cost_budget(draft.tree.parent_list, draft.scores.tolist(), costs))
+        draft = prune_draft(draft, max_depth=remaining - 1, max_nodes=budget)
         self.clock.draft += time.perf_counter() - t0
         tree = draft.tree
         cache.reserve(cache.length + tree.num_nodes)

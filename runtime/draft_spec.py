@@ -206,9 +206,17 @@ class PruneOptions:
                     under a kept node stay. On CPU every node beyond ~8 costs a share of a target step (the
                     matmuls are compute-bound there), while the head's path probability tracks how often the target
                     accepts the node: a node the head gives 1% is accepted about 1% of the time.
+    by_cost         also cut each step's tree to the node count that maximises its expected tokens per unit of
+                    target-forward cost (`runtime.tree.cost_budget`), the cost of verifying 1, 2, ... nodes
+                    measured on this machine when the decoder is built (`runtime.verify_cost`): a CPU whose
+                    forward of 8 rows costs twice one row's verifies a few nodes a step, a GPU whose forward of 32
+                    costs what one does keeps the whole tree. The cut reads the drafter's scores and that curve,
+                    never the target, so verification stays exact; a seeded sampled request draws the same tokens
+                    only under the same curve (the same decoder).
     """
 
     min_path_prob: float = setting(0.0, ge=0.0, le=1.0)
+    by_cost: bool = setting(False)
 
     def __post_init__(self) -> None:
         schema.check(self, ConfigError, "pruning")
@@ -565,7 +573,8 @@ class DraftSpec:
         if self.lookup is not None:
             parts.append(f"merged prompt lookup: {_pairs(self.lookup)}" if self.merges_lookup else _pairs(self.lookup))
         if self.pruning is not None:
-            parts.append(f"paths below probability {self.pruning.min_path_prob:g} pruned")
+            parts.append(f"paths below probability {self.pruning.min_path_prob:g} pruned"
+                         + (", trees cut by measured verify cost" if self.pruning.by_cost else ""))
         if self.max_draft_len is not None:
             parts.append(f"max_draft_len {self.max_draft_len}")
         if self.quantization is not None:

@@ -441,6 +441,26 @@ def capped_scores(parents: Sequence[int], scores: Sequence[float]) -> list[float
     return out
 
 
+def cost_budget(
+    parents: Sequence[int],  # [num_nodes] canonical order (a parent before its children), the root's -1
+    scores: Sequence[float],  # [num_nodes] path log-probabilities (Draft.scores), the root's 0
+    cost: Sequence[float],  # [max nodes] cost[n - 1]: a target forward over n nodes, relative to one node's
+) -> int:
+    """The node count n (root included) whose best nodes (`Tree.best_nodes`' order by score) give the most expected
+    tokens per unit of verify cost: argmax over n of (1 + the sum of the n - 1 best non-root nodes' path
+    probabilities) / cost[n - 1]. A node's path probability is what the drafter expects of it being on the accepted
+    path, so the sum is the expected accepted length and the 1 the bonus token; n stops at the tree's size and the
+    curve's length. Ties go to fewer nodes."""
+    probs = sorted((math.exp(s) for s in capped_scores(parents, scores)[1:]), reverse=True)
+    best, best_value, expected = 1, 1.0 / cost[0], 1.0
+    for n in range(2, min(len(parents), len(cost)) + 1):
+        expected += probs[n - 2]
+        value = expected / cost[n - 1]
+        if value > best_value:
+            best, best_value = n, value
+    return best
+
+
 def pool_above(parents: torch.Tensor, scores: torch.Tensor, min_score: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries of a candidate pool that pruning keeps: those whose path scores, the entry's and its ancestors',
     all reach min_score (NaN never does), so what is kept is ancestor-closed.
@@ -538,5 +558,5 @@ def expand_frontier(frontier_scores: torch.Tensor, logprobs: torch.Tensor, top_k
     return Expansion(parent=parent, tokens=top_tok.reshape(-1).to(torch.int64), scores=cum, frontier=frontier)
 
 
-__all__ = ["Tree", "Expansion", "expand_frontier", "select_dynamic_pool", "select_dynamic_tree",
+__all__ = ["Tree", "Expansion", "cost_budget", "expand_frontier", "select_dynamic_pool", "select_dynamic_tree",
            "select_dynamic_tree_lists"]

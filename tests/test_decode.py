@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import runtime
+import runtime.decode
 from runtime.decode import SpecDecoder, StopChecker
 from runtime.draft_spec import DraftSpec
 from runtime.drafters import load_drafter
@@ -642,3 +643,41 @@ def test_bad_requests_name_the_problem(ckpts):
         dec.generate("hi", temprature=0.5)
     with pytest.raises(RequestError, match="max_tokens"):
         dec.stream("hi", max_tokens=0)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
+                         ids=["T1.0", "T0.7"])
+def test_sampled_distribution_with_trees_cut_by_verify_cost(ckpts, tmp_path, monkeypatch, kw):
+    """Trees cut by a verify-cost curve (`PruneOptions.by_cost`, `runtime.tree.cost_budget`): each step verifies the
+    node count the drafter's scores and the curve favour, a function of the drafter's state alone, and the output
+    distribution stays exact. Each node costs 6% of a forward more: the random head's likelier steps keep a few nodes,
+    its flatter ones the root and one; the steps' verified sizes are recorded, and both occur."""
+    from tests.heads import write_eagle_head
+
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3)
+    tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    spec = DraftSpec.create("eagle", path=head, tree=tree, options={"min_path_prob": 0.0001, "by_cost": True})
+    curve = tuple(1.0 + 0.06 * n for n in range(tree.num_nodes))
+    dec = SpecDecoder(model, None, load_drafter(spec, model), tree.num_nodes, verify_cost=curve)
+    sizes: list[int] = []
+    prune = runtime.decode.prune_draft
+    monkeypatch.setattr(runtime.decode, "prune_draft",
+                        lambda draft, **k: (lambda d: sizes.append(d.tree.num_nodes) or d)(prune(draft, **k)))
+    stat, df, _ = distribution_stat(dec, model, PROMPTS[1], kw)
+    assert stat < chi2_threshold(df), (stat, df)
+    assert min(sizes) < max(sizes) < tree.num_nodes and max(sizes) > 1, (min(sizes), max(sizes))
+
+
+def test_greedy_output_with_trees_cut_by_verify_cost_is_plain_decodings(ckpts, tmp_path):
+    from tests.heads import write_eagle_head
+
+    model = TargetModel.from_pretrained(ckpts["llama3"])
+    head = write_eagle_head(tmp_path / "eagle", ckpts["llama3"], seed=3)
+    tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    spec = DraftSpec.create("eagle", path=head, tree=tree, options={"by_cost": True})
+    for curve in [tuple(1.0 + 0.3 * n for n in range(8)), (1.0,) * 8]:
+        dec = SpecDecoder(model, None, load_drafter(spec, model), tree.num_nodes, verify_cost=curve)
+        for prompt in PROMPTS:
+            assert list(dec.generate(prompt, max_tokens=20, ignore_eos=True).token_ids) == greedy_reference(model, prompt,
+                                                                                                         20)

@@ -1,0 +1,91 @@
+"""What verifying n draft nodes costs on this machine, relative to one: the curve `PruneOptions.by_cost` cuts each
+step's tree with (`runtime.tree.cost_budget`).
+
+Measured once per (target model, node budget) in a process, when a decoder that asks for it is built: target
+forwards of n chained tokens over a short prefilled context at a few node counts (1, 2, 3, 4, 6, 8, 12, 16, 24, 32,
+48, 64, up to the budget), passes interleaved, the median of each, then linear between them and made non-decreasing
+(a forward of more rows never counts as cheaper). A CPU takes about a second; `perf verify-cost` is the full
+measurement with its report.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from runtime.draft_spec import DraftSpec
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CONTEXT = 128  # tokens prefilled before the timed forwards
+PASSES = 3
+
+_measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {max_nodes: curve}
+
+
+def verify_cost_for(spec: DraftSpec, model: object, max_nodes: int) -> tuple[float, ...] | None:
+    """The curve a decoder for `spec` cuts its trees with: measured (once per model and budget) where the spec's
+    pruning asks for it (`PruneOptions.by_cost`) and a tree has more than one node; None otherwise."""
+    if spec.pruning is None or not spec.pruning.by_cost or max_nodes < 2:
+        return None
+    curves = _measured.setdefault(model, {})
+    if max_nodes not in curves:
+        curves[max_nodes] = measure(model, max_nodes)
+    return curves[max_nodes]
+
+
+def measure(model, max_nodes: int, sizes: Sequence[int] = SIZES, passes: int = PASSES,
+            context: int = CONTEXT) -> tuple[float, ...]:
+    """cost[n - 1] for n = 1 .. max_nodes: the median time of a target forward over n new chained tokens after
+    `context` prefilled ones, over the time of one, at `sizes` (those up to max_nodes, and max_nodes itself), linear
+    between them, non-decreasing."""
+    from runtime.model import causal_mask
+
+    points = sorted({n for n in sizes if n <= max_nodes} | {1, max_nodes})
+    vocab, device = model.config.vocab_size, model.device
+    cache = model.new_cache(context + max_nodes)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, context), generator=generator).to(device)
+    with torch.no_grad():
+        model.forward(prompt, torch.arange(context, device=device)[None], cache, causal_mask(context, 1, device))
+        cache.advance(context)
+        inputs = {n: (torch.randint(0, vocab, (1, n), generator=generator).to(device),
+                      torch.arange(context, context + n, device=device)[None], causal_mask(n, 1, device))
+                  for n in points}
+        times: dict[int, list[float]] = {n: [] for n in points}
+        for _ in range(passes + 1):  # the first pass warms up
+            for n in points:
+                tokens, positions, mask = inputs[n]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                model.forward(tokens, positions, cache, mask)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[n].append(time.perf_counter() - start)
+    median = {n: statistics.median(t[1:]) for n, t in times.items()}
+    return curve(median, max_nodes)
+
+
+def curve(median: dict[int, float], max_nodes: int) -> tuple[float, ...]:
+    """Measured times at some node counts (1 among them) as cost[n - 1] for every n = 1 .. max_nodes: relative to
+    n = 1, linear between the measured counts, flat past the last, and never decreasing."""
+    points = sorted(median)
+    one = median[1]
+    out, floor = [], 1.0
+    for n in range(1, max_nodes + 1):
+        above = next((p for p in points if p >= n), points[-1])
+        below = max((p for p in points if p <= n), default=points[0])
+        if above == below:
+            t = median[below]
+        else:
+            t = median[below] + (median[above] - median[below]) * (n - below) / (above - below)
+        floor = max(floor, t / one)
+        out.append(floor)
+    return tuple(out)
+
+
+__all__ = ["CONTEXT", "PASSES", "SIZES", "curve", "measure", "verify_cost_for"]
