@@ -113,7 +113,7 @@ def test_bench_cli_writes_json_markdown_and_plots(bench_run):
         assert v["tau"] * v["steps"] + v["prompts"] == pytest.approx(v["generated_tokens"])
     assert (by["medusa:chain-2"]["tree_nodes"], by["medusa:chain-2"]["tree_depth"]) == (3, 2)
     assert (by["small"]["tree_nodes"], by["eagle"]["tree"]) == (4, "dynamic")
-    assert by["pruned"]["pruning"] == {"min_path_prob": 0.1} and "pruning" not in by["eagle"]
+    assert by["pruned"]["pruning"] == {"min_path_prob": 0.1, "by_cost": False} and "pruning" not in by["eagle"]
     assert by["pruned"]["mean_tree_nodes"] < by["pruned"]["tree_nodes"] == 41  # max_draft_len 40; pruned below 10%
     md = (out / "bench.md").read_text()
     assert "| pruned | static pruned ≤41 (mean " in md
