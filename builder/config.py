@@ -9,10 +9,12 @@
                                                  # or {dynamic: {total_tokens: 60, depth: 5, top_k: 10}} (eagle)
       lookup: {max_ngram: 3, num_draft_tokens: 10}   # lookup; on medusa / eagle: merged into their trees
       quantization: int8                         # or int4 (eagle): its head's weights as drafting reads them (CPU)
-      pruning: {min_path_prob: 0.02}             # eagle: nodes the head finds less likely are not verified
+      pruning: {min_path_prob: 0.02, by_cost: true}  # eagle: nodes the head finds less likely are not verified;
+                                                 # by_cost: each step's tree cut by this machine's verify cost
     build:
       dtype: auto                                # auto | float32 | bfloat16 | float16 (default: the checkpoint's;
-                                                 # auto: bfloat16 on a CPU with native bf16, else float32)
+                                                 # auto: bfloat16 where the weight-streaming kernel builds
+                                                 # or the CPU has native bf16, else float32)
       tp_size: 1
       max_seq_len: 2048
       max_draft_len: 63
