@@ -94,6 +94,7 @@ def _matrix(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None, keep:
     w = stream_linear.operands(weight)
     if w is None:
         return None
+    keep.extend(w.keep)  # the packed copy the block points into
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
         keep.append(bias)

@@ -238,12 +238,13 @@ def operands(weight: torch.Tensor | BlockWeight) -> Operands | None:  # weight [
         packed = _pack(lib, fmt, src.detach(), scale, minimum, out, inp)
     key = id(weight)
     _PACKED[key] = (weakref.ref(weight), _version(weight), packed)
-    weakref.finalize(weight, _forget, key, packed)
+    weakref.finalize(weight, _forget, key, id(packed))  # by id: a repacked weight's old copy is freed at once
     return packed
 
 
-def _forget(key: int, packed: Operands) -> None:
-    if key in _PACKED and _PACKED[key][2] is packed:
+def _forget(key: int, packed_id: int) -> None:
+    hit = _PACKED.get(key)
+    if hit is not None and id(hit[2]) == packed_id:
         del _PACKED[key]
 
 

@@ -154,3 +154,34 @@ def test_a_library_is_keyed_by_the_headers_its_source_includes(tmp_path):
     (tmp_path / "h2.h").write_text("")
     src.write_text('#include "h.h"\n#include "llama.h"\n#include <math.h>\n')
     assert [p.name for p in native_build.sources_of(src)] == ["k.c", "h.h", "h2.h"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_is_packed_once_and_again_after_an_in_place_edit(library, dtype):
+    """The kernel reads a packed copy (`operands`): made on first use, reused while the weight is unchanged, made
+    again when it is edited in place, and dropped with the weight."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 33, generator=g).to(dtype)
+    x = torch.randn(3, 33, generator=g).to(dtype)
+    first = stream.operands(w)
+    assert stream.operands(w) is first
+    before = stream.linear(x, w)
+    with torch.no_grad():
+        w[7, 5] += 1.0
+    assert stream.operands(w) is not first
+    after = stream.linear(x, w)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after.double(), _reference(x, w), rtol=1e-2, atol=1e-2)
+    key = id(w)
+    del w
+    assert key not in stream._PACKED
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_packed_block_panels_round_trip_their_values(library, kind):
+    """Through an identity input, each output of a block weight is its dense row: the panel packing puts every value,
+    scale and minimum where the kernel reads it, outputs past a whole panel included."""
+    g = torch.Generator().manual_seed(5)
+    bw = stream.QUANT_FORMATS[kind](torch.randn(2 * library.panel + 3, 64, generator=g))
+    eye = torch.eye(64)
+    torch.testing.assert_close(stream.linear(eye, bw), bw.dense().T, rtol=0, atol=0)
