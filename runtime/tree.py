@@ -461,6 +461,26 @@ def cost_budget(
     return best
 
 
+def deeper_pays(
+    tree: Tree,
+    scores: Sequence[float],  # [num_nodes] path log-probabilities, known to depth `known` (the rest anything)
+    known: int,
+    cost: Sequence[float],  # as `cost_budget`'s
+) -> bool:
+    """Whether a node deeper than `known` could be among those the verify-cost cut keeps (`cost_budget`, then
+    `Tree.best_nodes`), each such node counted at its deepest known ancestor's score (no child is likelier than its
+    parent). False: drafting them cannot change what the cut keeps, so a drafter may stop. Why: with every unknown node
+    at that bound the cut keeps known nodes only; at their real scores the unknown nodes rank no earlier and each
+    count's expected tokens are no more, so the best count is no larger and its nodes the same known ones."""
+    depth = tree.depth.tolist()
+    parents = tree.parent_list
+    bound = [0.0] * tree.num_nodes
+    for i in range(1, tree.num_nodes):  # parents first: an unknown node takes its parent's (bounded) score
+        bound[i] = float(scores[i]) if depth[i] <= known else bound[parents[i]]
+    n = cost_budget(parents, bound, cost)
+    return any(depth[i] > known for i in tree.best_nodes(n, scores=bound))
+
+
 def pool_above(parents: torch.Tensor, scores: torch.Tensor, min_score: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries of a candidate pool that pruning keeps: those whose path scores, the entry's and its ancestors',
     all reach min_score (NaN never does), so what is kept is ancestor-closed.
@@ -558,5 +578,5 @@ def expand_frontier(frontier_scores: torch.Tensor, logprobs: torch.Tensor, top_k
     return Expansion(parent=parent, tokens=top_tok.reshape(-1).to(torch.int64), scores=cum, frontier=frontier)
 
 
-__all__ = ["Tree", "Expansion", "cost_budget", "expand_frontier", "select_dynamic_pool", "select_dynamic_tree",
+__all__ = ["Tree", "Expansion", "cost_budget", "deeper_pays", "expand_frontier", "select_dynamic_pool", "select_dynamic_tree",
            "select_dynamic_tree_lists"]

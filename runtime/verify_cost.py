@@ -1,11 +1,11 @@
 """What verifying n draft nodes costs on this machine, relative to one: the curve `PruneOptions.by_cost` cuts each
 step's tree with (`runtime.tree.cost_budget`).
 
-Measured once per (target model, node budget) in a process, when a decoder that asks for it is built: target
+Measured once per target model in a process, when the first decoder or drafter that asks for it is built: target
 forwards of n chained tokens over a short prefilled context at a few node counts (1, 2, 3, 4, 6, 8, 12, 16, 24, 32,
-48, 64, up to the budget), passes interleaved, the median of each, then linear between them and made non-decreasing
-(a forward of more rows never counts as cheaper). A CPU takes about a second; `perf verify-cost` is the full
-measurement with its report.
+48, 64), passes interleaved, the median of each, then linear between them and made non-decreasing (a forward of more
+rows never counts as cheaper). SmolLM2 on 2 CPU cores takes ~3 s; `perf verify-cost` is the full measurement with
+its report.
 """
 
 from __future__ import annotations
@@ -23,18 +23,29 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CONTEXT = 128  # tokens prefilled before the timed forwards
 PASSES = 3
 
-_measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {max_nodes: curve}
+CAP = 64  # the most nodes measured; the curve goes on linearly past it
+
+_measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its curve up to CAP nodes
 
 
 def verify_cost_for(spec: DraftSpec, model: object, max_nodes: int) -> tuple[float, ...] | None:
-    """The curve a decoder for `spec` cuts its trees with: measured (once per model and budget) where the spec's
-    pruning asks for it (`PruneOptions.by_cost`) and a tree has more than one node; None otherwise."""
+    """The curve a decoder for `spec` cuts its trees with (`costs`) where the spec's pruning asks for it
+    (`PruneOptions.by_cost`) and a tree has more than one node; None otherwise."""
     if spec.pruning is None or not spec.pruning.by_cost or max_nodes < 2:
         return None
-    curves = _measured.setdefault(model, {})
-    if max_nodes not in curves:
-        curves[max_nodes] = measure(model, max_nodes)
-    return curves[max_nodes]
+    return costs(model, max_nodes)
+
+
+def costs(model: object, max_nodes: int) -> tuple[float, ...]:
+    """cost[n - 1] for n = 1 .. max_nodes on `model`, from one measurement per model in this process (up to CAP
+    nodes, or what its context leaves; past that, the last two points' slope goes on)."""
+    if model not in _measured:
+        _measured[model] = measure(model, max(2, min(CAP, model.config.max_context - CONTEXT)))
+    curve_ = _measured[model]
+    if max_nodes <= len(curve_):
+        return curve_[:max_nodes]
+    slope = curve_[-1] - curve_[-2]
+    return curve_ + tuple(curve_[-1] + slope * k for k in range(1, max_nodes - len(curve_) + 1))
 
 
 def measure(model, max_nodes: int, sizes: Sequence[int] = SIZES, passes: int = PASSES,
@@ -88,4 +99,4 @@ def curve(median: dict[int, float], max_nodes: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-__all__ = ["CONTEXT", "PASSES", "SIZES", "curve", "measure", "verify_cost_for"]
+__all__ = ["CAP", "CONTEXT", "PASSES", "SIZES", "costs", "curve", "measure", "verify_cost_for"]

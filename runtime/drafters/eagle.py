@@ -60,7 +60,7 @@ from runtime.kv_cache import KVCache
 from runtime.model import (QUANT_MAX_ROWS, QUANTIZED_WEIGHTS, AttendingCache, DecoderLayer, Int8Weight, PackedWeight,
                            QuantizedWeight, causal_mask, linear)
 from runtime.protocol import Draft, Proposal
-from runtime.tree import CandidatePool, Tree, expand_frontier, pruned_pool, select_dynamic_tree
+from runtime.tree import CandidatePool, Tree, deeper_pays, expand_frontier, pruned_pool, select_dynamic_tree
 
 NAME = "eagle"
 CONFIG_FILE = "config.json"
@@ -479,6 +479,13 @@ class EagleDrafter:
             raise ConfigError(f"pruning must be PruneOptions or None, got {pruning!r}")
         self.pruning = pruning
         self.min_score = None if pruning is None else pruning.min_score  # None: every node is verified
+        # PruneOptions.by_cost on a static tree: the verify-cost curve, so that a step stops drafting levels whose
+        # nodes the decoder's cut would not verify (`runtime.tree.deeper_pays`)
+        self.verify_cost = None
+        if pruning is not None and pruning.by_cost and tree is not None and tree.num_nodes > 1:
+            from runtime.verify_cost import costs
+
+            self.verify_cost = costs(model, tree.num_nodes)
         weight = model.lm_head_weight
         self.lm_weight = head.output_weight(model)  # [K, H] the draft output layer
         if quantization is not None and quantization not in QUANTIZATIONS:
@@ -712,10 +719,14 @@ class EagleSession:
         self._reserve(plan.forwarded)
         step = DraftTreeCache(self.head, self.cache)
         base = step.base  # a node at depth d sits at position L - 1 + d = base - 1 + d
+        costs = self.drafter.verify_cost
+        depth = tree.depth.tolist() if costs is not None else None  # the levels' depths, for the cost check
         try:
             for level in plan.levels:
                 if scores is not None and all(scores[i] < min_score for i in level.nodes):
                     break  # the next levels hold only their descendants: pruned too
+                if costs is not None and not deeper_pays(tree, scores, depth[level.nodes[0]], costs):
+                    break  # the verify-cost cut would keep none of them
                 new_tokens = torch.tensor([tokens[i] for i in level.nodes], dtype=torch.int64, device=device)
                 out[level.new] = step.forward(self._embed(new_tokens), out[level.parents], base + level.offsets,
                                               level.visible)
