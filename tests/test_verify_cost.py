@@ -117,3 +117,20 @@ def test_a_static_eagle_step_stops_drafting_levels_the_cut_would_not_verify(tmp_
         outputs[name + " forwards"] = len(forwards)
     assert outputs["flat"] == outputs["steep"]
     assert outputs["steep forwards"] == 0 < outputs["flat forwards"]  # the depth-1 nodes come from the root's output
+
+
+def test_a_builder_plans_with_a_cost_cut_drafter_on_a_weightless_target(tmp_path):
+    """The curve is measured on a drafter's first draft, not when it is made: the builder validates heads on a meta
+    target that cannot run."""
+    from builder.plan import meta_target
+    from runtime.drafters import load_drafter
+    from runtime.model import TargetModel
+    from tests.heads import write_eagle_head
+    from tests.tiny import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "m", "llama3", seed=2)
+    config = TargetModel.from_pretrained(ckpt).config
+    head = write_eagle_head(tmp_path / "eagle", ckpt, seed=3)
+    spec = DraftSpec.create("eagle", path=head, tree=Tree.from_choices([[0], [0, 0]]), options={"by_cost": True})
+    drafter = load_drafter(spec, meta_target(config))
+    assert drafter._wants_cost and drafter._verify_cost is None
