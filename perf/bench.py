@@ -329,7 +329,6 @@ def build_decoder(target: Target, spec: DraftSpec | None, name: str | None = Non
     its tree; `name` (the variant's) is in its errors."""
     from runtime.decode import SpecDecoder
     from runtime.drafters import load_drafter
-    from runtime.verify_cost import verify_cost_for
 
     if spec is None:
         drafter = load_drafter(DraftSpec(), target.model)
@@ -341,9 +340,7 @@ def build_decoder(target: Target, spec: DraftSpec | None, name: str | None = Non
     info = describe_drafter(drafter)
     info["tree_nodes"] = min(info["tree_nodes"], spec.max_draft_len + 1)
     info["max_draft_len"] = spec.max_draft_len
-    nodes = spec.max_draft_len + 1
-    return SpecDecoder(target.model, target.tokenizer, drafter, max_tree_nodes=nodes,
-                       verify_cost=verify_cost_for(spec, target.model, nodes)), info
+    return SpecDecoder.for_spec(target.model, target.tokenizer, drafter, spec), info
 
 
 # ---- measurements ------------------------------------------------------------------------------------------

@@ -205,12 +205,11 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_w
               "aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise", "spectree::stream_linear")
 # Whole decoder layers in one native call (plugins/decoder_layer: one layer, or the stack's run of layers): their
 # matmuls, attention and small ops together
-LAYER_OPS = ("spectree::decoder_layer", "spectree::decoder_stack")
+LAYER_OPS = ("spectree::decoder_layer",)
 # The native calls the runtime makes through ctypes, which the profiler cannot see: named for it while profiling
 # (module, function, op name)
 _NATIVE_CALLS = (("plugins.stream_linear.native", "linear", "spectree::stream_linear"),
-                 ("plugins.decoder_layer.native", "layer_forward", "spectree::decoder_layer"),
-                 ("plugins.decoder_layer.native", "stack_forward", "spectree::decoder_stack"))
+                 ("plugins.decoder_layer.native", "stack_forward", "spectree::decoder_layer"))
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_cudnn_attention", "spectree::tree_attention")

@@ -16,7 +16,6 @@ from runtime.drafters import load_drafter
 from runtime.errors import CheckpointError, ConfigError
 from runtime.model import TargetModel
 from runtime.tokenizer import Tokenizer
-from runtime.verify_cost import verify_cost_for
 
 
 
@@ -117,8 +116,7 @@ def build(config: LoadConfig) -> SpecDecoder:
             model.quantize_weights(config.target_quantization)
     with field_names("load"):
         drafter = load_drafter(spec, model)
-    nodes = spec.max_draft_len + 1
-    return SpecDecoder(model, tokenizer, drafter, max_tree_nodes=nodes, verify_cost=verify_cost_for(spec, model, nodes))
+    return SpecDecoder.for_spec(model, tokenizer, drafter, spec)
 
 
 def load(

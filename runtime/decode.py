@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.draft_spec import DraftSpec
 from runtime.errors import RequestError
 from runtime.kv_cache import KVCache
 from runtime.model import Segment, TargetModel, causal_mask
@@ -35,6 +36,7 @@ from runtime.sampling import Penalties, SamplingParams, greedy_tokens, sample, t
 from runtime.tokenizer import ChatMessage, Tokenizer, is_chat
 from runtime.tree import Tree, cost_budget
 from runtime.verify import greedy_walk_computing, likely_path, verify
+from runtime.verify_cost import verify_cost_for
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,13 @@ class SpecDecoder:
         self.feature_layers = feature_layers_of(drafter)
         eos = model.config.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def for_spec(cls, model: TargetModel, tokenizer: Tokenizer | None, drafter: Drafter, spec: DraftSpec) -> SpecDecoder:
+        """The decoder of `drafter`, made from `spec`: trees of at most spec.max_draft_len + 1 nodes, cut by this
+        machine's verify cost where the spec's pruning asks for it (`runtime.verify_cost.verify_cost_for`)."""
+        nodes = spec.max_draft_len + 1
+        return cls(model, tokenizer, drafter, max_tree_nodes=nodes, verify_cost=verify_cost_for(spec, model, nodes))
 
     @property
     def max_context(self) -> int:

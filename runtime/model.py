@@ -763,18 +763,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor | None:  # [B, N, H]; None: the torch route runs
         """The whole layer in one native call (plugins/decoder_layer: the torch route's kernels, the same bits) for a
         bfloat16 sequence on the CPU with its own KVCache; None elsewhere."""
-        if not native_ready(x, cache, (self,)):
-            return None
-        prepared = self.native_prepared()
-        if prepared is None:
-            return None
-        if not 0 <= cache_layer < cache.num_layers:
-            raise CacheError(f"layer {cache_layer} out of range for a cache with {cache.num_layers} layers")
-        cache.open(x.shape[1])
-        out = native_layer.layer_forward(prepared, x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
-                                         cache.k[cache_layer, 0], cache.v[cache_layer, 0], cache.length,
-                                         tree_mask[0].contiguous())
-        return out.unsqueeze(0)
+        return native_run((self,), cache_layer, x, cos, sin, cache, tree_mask)
 
     def native_prepared(self) -> native_layer.Prepared | None:
         """This layer's argument block for the one-call route, made again when its weights changed; None where the
@@ -796,6 +785,32 @@ class DecoderLayer(nn.Module):
             prepared = self._prepared = native_layer.prepare(
                 norms, norm_in.eps, matrices, (attn.num_heads, attn.num_kv_heads, attn.head_dim), attn.scale)
         return prepared
+
+
+def native_run(
+    layers: Sequence[DecoderLayer],  # consecutive layers, the first one's cache layer `first`
+    first: int,
+    x: torch.Tensor,  # [B, N, H]
+    cos: torch.Tensor,  # [B, N, D]
+    sin: torch.Tensor,  # [B, N, D]
+    cache: Any,
+    tree_mask: torch.Tensor,  # [B, N, ceil(N / 32)] int32
+) -> torch.Tensor | None:  # [B, N, H]; None: the layers run one by one through the torch route
+    """`layers` in one native call (`native_layer.stack_forward`) where `native_ready` says they can and each takes its
+    weights (`DecoderLayer.native_prepared`); CacheError where their cache layers are out of range."""
+    if not native_ready(x, cache, layers):
+        return None
+    stop = first + len(layers)
+    if not 0 <= first < stop <= cache.num_layers:
+        raise CacheError(f"layers [{first}, {stop}) out of range for a cache with {cache.num_layers} layers")
+    prepared = [layer.native_prepared() for layer in layers]
+    if any(p is None for p in prepared):
+        return None
+    cache.open(x.shape[1])
+    out = native_layer.stack_forward(prepared, x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
+                                     cache.k[first:stop, 0], cache.v[first:stop, 0], cache.length,
+                                     tree_mask[0].contiguous())
+    return out.unsqueeze(0)
 
 
 def native_ready(x: torch.Tensor, cache: Any, layers: Sequence[DecoderLayer]) -> bool:  # x [B, N, H]
@@ -1074,18 +1089,9 @@ class TargetModel(nn.Module):
                     tree_mask: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
         """Layers [start, stop) on x # [1, N, H] in one native call (`native_layer.stack_forward`); None where the
         one-call route does not run (`native_ready`), and the layers then run one by one."""
-        layers = self.model.layers[start:stop]
-        if tree_mask is None or not native_ready(x, cache, layers) or stop > cache.num_layers:
+        if tree_mask is None:
             return None
-        prepared = [layer.native_prepared() for layer in layers]
-        if any(p is None for p in prepared):
-            return None
-        cache.open(x.shape[1])
-        cos, sin = cos_sin
-        out = native_layer.stack_forward(prepared, x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
-                                         cache.k[start:stop, 0], cache.v[start:stop, 0], cache.length,
-                                         tree_mask[0].contiguous())
-        return out.unsqueeze(0)
+        return native_run(self.model.layers[start:stop], start, x, *cos_sin, cache, tree_mask)
 
     @torch.no_grad()
     def forward_segments(self, segments: Sequence[Segment],

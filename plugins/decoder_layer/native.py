@@ -9,8 +9,8 @@ stream_linear.c, the tree-attention kernel), passed in as function pointers, so 
 every path of the runtime (one sequence, packed batches, drafter features) keeps greedy identity whichever it takes.
 
 `prepare` builds a layer's argument block once for its weights (None where the torch route must run: a weight the
-call does not take, or a library that did not build: `unavailable()` says why); `layer_forward` runs it on a step's
-inputs. One argument block per layer: the calls of one process never overlap on a layer (a decode step runs its
+call does not take, or a library that did not build: `unavailable()` says why); `stack_forward` runs a run of layers
+(one, or a forward's whole stack) on a step's inputs. One argument block per layer: the calls of one process never overlap on a layer (a decode step runs its
 layers in turn).
 """
 
@@ -50,7 +50,6 @@ class _Layer(ctypes.Structure):
 
 @dataclass(frozen=True)
 class Library:
-    fn: ctypes._CFuncPtr
     stack: ctypes._CFuncPtr  # spectree_decoder_stack
     kernels: tuple[int, int, int, int, int]  # addresses: rms_norm, rope, silu_mul, linear, attention
     path: Path
@@ -66,14 +65,11 @@ def _build() -> Library:
     if missing:
         raise RuntimeError("; ".join(missing))
     lib, path, _ = native_build.build(SOURCE, "decoder_layer")
-    fn = lib.spectree_decoder_layer
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(_Layer)]
     stack = lib.spectree_decoder_stack
     stack.restype = ctypes.c_int
     stack.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _i64]
     r, s, a = rowwise.load(), stream_linear.load(), attention.load()
-    return Library(fn, stack, (_address(r.rms_norm), _address(r.rope), _address(r.silu_mul), _address(s.linear),
+    return Library(stack, (_address(r.rms_norm), _address(r.rope), _address(r.silu_mul), _address(s.linear),
                         _address(a.fn)), path)
 
 
@@ -117,15 +113,8 @@ class Prepared:
 
 def _identity(tensors: tuple) -> tuple:
     """What makes a prepared block stale: another tensor (a load or a move replaces them) or an in-place edit (its
-    version; an inference tensor has none, nor a BlockWeight)."""
-    return tuple((id(t), _version(t)) for t in tensors)
-
-
-def _version(t: torch.Tensor | BlockWeight) -> int:
-    try:
-        return t._version
-    except (AttributeError, RuntimeError):  # a BlockWeight; an inference tensor's counter raises
-        return -1
+    version, `stream_linear.version`)."""
+    return tuple((id(t), stream_linear.version(t)) for t in tensors)
 
 
 def prepare(
@@ -151,28 +140,6 @@ def prepare(
     return Prepared(args, (*keep, *tensors), _identity(tensors))
 
 
-def layer_forward(
-    prepared: Prepared,
-    x: torch.Tensor,  # [N, H] bfloat16, contiguous
-    cos: torch.Tensor,  # [N, D] bfloat16, contiguous
-    sin: torch.Tensor,  # [N, D]
-    k_cache: torch.Tensor,  # [Hkv, capacity, D] bfloat16 or float32, this layer's (slots [length, length + N) written)
-    v_cache: torch.Tensor,  # [Hkv, capacity, D], k_cache's dtype
-    length: int,
-    tree_mask: torch.Tensor,  # [N, words] int32, contiguous
-) -> torch.Tensor:  # [N, H]
-    lib = _library.get()
-    out = torch.empty_like(x)
-    a = prepared.args
-    a.rows, a.x, a.out = x.shape[0], x.data_ptr(), out.data_ptr()
-    a.cos, a.sin, a.k_cache, a.v_cache = cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-    a.capacity, a.length, a.mask, a.words = k_cache.shape[1], length, tree_mask.data_ptr(), tree_mask.shape[-1]
-    a.cache_bf16 = int(k_cache.dtype == torch.bfloat16)
-    if lib.fn(ctypes.byref(a)) != 0:
-        raise MemoryError(f"decoder_layer: no memory for a {x.shape[0]}-row layer's scratch buffers")
-    return out
-
-
 def stack_forward(
     layers: Sequence[Prepared],  # consecutive layers, the first one's cache at k_cache[0]
     x: torch.Tensor,  # [N, H] bfloat16, contiguous
@@ -183,7 +150,8 @@ def stack_forward(
     length: int,
     tree_mask: torch.Tensor,  # [N, words] int32, contiguous
 ) -> torch.Tensor:  # [N, H]: the last layer's output
-    """`layer_forward` of each layer in turn, in one native call (no Python between the layers)."""
+    """The layers in turn on a step's inputs, in one native call (no Python between the layers): layer i reads layer
+    i - 1's output and its cache at k_cache[i] / v_cache[i]."""
     lib = _library.get()
     out = torch.empty_like(x)
     blocks = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(p.args) for p in layers))
@@ -194,5 +162,4 @@ def stack_forward(
     return out
 
 
-__all__ = ["DTYPES", "Library", "Prepared", "SOURCE", "layer_forward", "load", "prepare", "stack_forward",
-           "unavailable"]
+__all__ = ["DTYPES", "Library", "Prepared", "SOURCE", "load", "prepare", "stack_forward", "unavailable"]

@@ -194,9 +194,12 @@ class Operands:
 _PACKED: dict[int, tuple[weakref.ref, int, Operands]] = {}
 
 
-def _version(weight: torch.Tensor | BlockWeight) -> int:
-    tensors = (weight,) if isinstance(weight, torch.Tensor) else (weight.data, weight.scale, weight.minimum)
-    return sum(t._version for t in tensors if t is not None and not t.is_inference())
+def version(weight: torch.Tensor | BlockWeight) -> int:
+    """A count that an in-place edit of the weight moves (torch's version counter; a BlockWeight's tensors' summed):
+    with the weight's identity, what makes a copy made from it stale. -1 for an inference tensor, which has none."""
+    if isinstance(weight, torch.Tensor):
+        return -1 if weight.is_inference() else weight._version
+    return sum(version(t) for t in (weight.data, weight.scale, weight.minimum) if t is not None)
 
 
 def _pack(lib: Library, fmt: int, src: torch.Tensor, scale: torch.Tensor | None, minimum: torch.Tensor | None,
@@ -220,7 +223,7 @@ def operands(weight: torch.Tensor | BlockWeight) -> Operands | None:  # weight [
     contiguous 2-D float32 / bfloat16 CPU tensor that autograd does not record. None also where the library is not
     built."""
     hit = _PACKED.get(id(weight))
-    if hit is not None and hit[0]() is weight and hit[1] == _version(weight):
+    if hit is not None and hit[0]() is weight and hit[1] == version(weight):
         return hit[2]
     if isinstance(weight, BlockWeight):
         fmt, src, scale, minimum = weight.fmt, weight.data, weight.scale, weight.minimum
@@ -237,7 +240,7 @@ def operands(weight: torch.Tensor | BlockWeight) -> Operands | None:  # weight [
     with torch.no_grad():
         packed = _pack(lib, fmt, src.detach(), scale, minimum, out, inp)
     key = id(weight)
-    _PACKED[key] = (weakref.ref(weight), _version(weight), packed)
+    _PACKED[key] = (weakref.ref(weight), version(weight), packed)
     weakref.finalize(weight, _forget, key, id(packed))  # by id: a repacked weight's old copy is freed at once
     return packed
 
@@ -283,5 +286,5 @@ def linear(
 
 
 __all__ = ["BlockWeight", "DTYPES", "FMT_BF16", "FMT_F32", "FMT_Q4", "FMT_Q8", "Library", "Operands", "QUANT_FORMATS",
-           "Q_BLOCK", "bf16_missing", "bf16_route", "operands",
+           "Q_BLOCK", "bf16_missing", "bf16_route", "operands", "version",
            "SOURCE", "covers", "linear", "load", "unavailable"]
