@@ -7,9 +7,13 @@ cached under `$SPECTREE_CACHE_DIR` (default `$XDG_CACHE_HOME/spectree` or `~/.ca
 source and the local headers it includes (`sources_of`), the flags, the compiler's version and this CPU's feature
 flags as the process sees them; written to a temporary name and renamed, so concurrent processes never load a
 half-written file. Where the cache folder cannot be written, a private folder of this user's under the system temp
-folder is used. `build` raises with the compiler's
-message where nothing builds; each kernel's module turns that into "unavailable, and why" and keeps its torch
-route.
+folder is used. `build` raises with the compiler's message where nothing builds; each kernel's module turns that into
+"unavailable, and why" and keeps its torch route.
+
+Emulation, for tests (`SPECTREE_EMULATE=avx512` or `avx512-bf16`, on a CPU without AVX-512): every kernel is built
+with plugins/emulate_avx512.h forced in, which defines the AVX-512 (and AVX512-BF16) macros and the intrinsics the
+kernels call as portable vector code, so the kernels' AVX-512 routes run, slowly, on an AVX2-only machine (.ci/run
+checks them there). Python sees those routes as the CPU's own: each kernel reports its lane width and routes itself.
 """
 
 from __future__ import annotations
@@ -38,6 +42,27 @@ COMPILE_TIMEOUT_S = 60  # each kernel builds in seconds (the attention kernel ~1
 CACHE_ENV = "SPECTREE_CACHE_DIR"
 # what a failed build raises (callers catch these and report the message)
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
+EMULATE_ENV = "SPECTREE_EMULATE"
+EMULATE_HEADER = Path(__file__).with_name("emulate_avx512.h")
+# what each emulation adds to the flags besides the forced header, and the instruction set it stands for
+EMULATIONS = {"avx512": ((), "AVX-512"), "avx512-bf16": (("-DSPECTREE_EMULATE_BF16",), "AVX-512 + BF16")}
+
+
+def emulation() -> str | None:
+    """The emulated instruction set SPECTREE_EMULATE names (a key of EMULATIONS), None when unset; ValueError naming the
+    variable, its value and the choices for any other value (a typo must not quietly build the CPU's own routes)."""
+    value = os.environ.get(EMULATE_ENV) or None
+    if value is not None and value not in EMULATIONS:
+        raise ValueError(f"{EMULATE_ENV}={value!r}: expected one of {', '.join(EMULATIONS)} (or unset)")
+    return value
+
+
+def _emulation_flags() -> tuple[str, ...]:
+    """The forced header and its macros; -O1 because GCC's -O3 takes minutes over 64-byte vectors on a target without
+    them (the attention kernel's wide tiles: ~4 minutes against ~8 s), and optimisation levels do not change the
+    arithmetic (no -ffast-math; contraction is each kernel's own flag)."""
+    name = emulation()
+    return () if name is None else ("-O1", "-include", str(EMULATE_HEADER), *EMULATIONS[name][0])
 
 
 def cache_dir() -> Path:
@@ -120,11 +145,13 @@ def build(source: Path, stem: str, extra_flags: tuple[str, ...] = (),
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     features = cpu.features()
     # what the library depends on besides its flags: the source, the compiler, the CPU -march=native targets
+    emulated = _emulation_flags()
     built_from = [*(f.read_bytes() for f in sources_of(source)), version.encode(),
-                  " ".join(sorted(features.flags)).encode() or (platform.processor() or platform.machine()).encode()]
+                  " ".join(sorted(features.flags)).encode() or (platform.processor() or platform.machine()).encode(),
+                  *((EMULATE_HEADER.read_bytes(),) if emulated else ())]
     errors = []
     for threaded in (True, False) if openmp else (False,):
-        flags = FLAGS + (f"-march={features.march}",) + extra_flags + ((OPENMP,) if threaded else ())
+        flags = FLAGS + (f"-march={features.march}",) + extra_flags + emulated + ((OPENMP,) if threaded else ())
         key = hashlib.sha256(b"\0".join([" ".join(flags).encode(), *built_from])).hexdigest()[:16]
         try:
             lib, path = _load_or_compile(cc, flags, source, f"{stem}_{key}.so")
@@ -142,7 +169,11 @@ _ISA_MACROS = (("__AVX512BF16__", "AVX-512 + BF16"), ("__AVX512F__", "AVX-512"),
 @functools.lru_cache(maxsize=1)
 def compiled_isa() -> str:
     """The widest instruction set the kernels are compiled for here (from the compiler's predefined macros at this
-    process's -march), e.g. "AVX-512 + BF16" or "AVX2"; "unknown" where the compiler cannot say."""
+    process's -march), e.g. "AVX-512 + BF16" or "AVX2"; "unknown" where the compiler cannot say; an emulated one
+    (SPECTREE_EMULATE) as "AVX-512 (emulated)"."""
+    name = emulation()
+    if name is not None:
+        return f"{EMULATIONS[name][1]} (emulated)"
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
         return "unknown"
@@ -180,4 +211,5 @@ class Lazy(Generic[T]):
         return self._value
 
 
-__all__ = ["BUILD_ERRORS", "CACHE_ENV", "FLAGS", "Lazy", "OPENMP", "build", "cache_dir", "compiled_isa", "sources_of"]
+__all__ = ["BUILD_ERRORS", "CACHE_ENV", "EMULATE_ENV", "EMULATE_HEADER", "EMULATIONS", "FLAGS", "Lazy", "OPENMP", "build",
+           "cache_dir", "compiled_isa", "emulation", "sources_of"]

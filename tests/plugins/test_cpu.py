@@ -158,6 +158,7 @@ def test_asking_for_bfloat16_where_it_is_slow_is_refused_by_name(machine):
 
 def test_the_forced_level_builds_portable_kernels_that_say_so(fresh, tmp_path):
     fresh.setenv(cpu.ISA_ENV, "avx2")
+    fresh.delenv(native_build.EMULATE_ENV, raising=False)
     fresh.setenv(native_build.CACHE_ENV, str(tmp_path))
     native_build.compiled_isa.cache_clear()
     try:
@@ -170,3 +171,53 @@ def test_the_forced_level_builds_portable_kernels_that_say_so(fresh, tmp_path):
         assert rounds(64, 1) == 0  # no AVX512-BF16 route in an x86-64-v3 build
     finally:
         native_build.compiled_isa.cache_clear()
+
+
+# ---- the AVX-512 routes emulated (SPECTREE_EMULATE) --------------------------------------------------------------
+
+
+def _native_avx512() -> bool:
+    native_build.compiled_isa.cache_clear()
+    try:
+        return native_build.compiled_isa().startswith("AVX-512") and native_build.emulation() is None
+    finally:
+        native_build.compiled_isa.cache_clear()
+
+
+def test_emulation_builds_the_avx512_routes_and_says_so(fresh, tmp_path):
+    fresh.delenv(native_build.EMULATE_ENV, raising=False)
+    if _native_avx512():
+        pytest.skip("this CPU runs the AVX-512 routes natively (the emulation refuses to build here)")
+    fresh.setenv(native_build.EMULATE_ENV, "avx512-bf16")
+    fresh.setenv(native_build.CACHE_ENV, str(tmp_path))
+    native_build.compiled_isa.cache_clear()
+    try:
+        from plugins.stream_linear import native as stream
+        from plugins.tree_attention import native
+
+        lib, _, _ = native_build.build(native.SOURCE, "tree_attention", native.EXTRA_FLAGS)
+        assert native_build.compiled_isa() == "AVX-512 + BF16 (emulated)"
+        assert lib.spectree_rounds_weights(64, 1) == 1  # the AVX512-BF16 route, emulated
+        assert lib.spectree_rounds_weights(64, 0) == 0
+        slib, _, _ = native_build.build(stream.SOURCE, "stream_linear", stream.EXTRA_FLAGS)
+        assert slib.spectree_stream_lanes() == 16 and slib.spectree_stream_panel() == 32
+        fresh.setenv(native_build.EMULATE_ENV, "avx512")  # without BF16: the float32 route for bf16 too
+        lib, _, _ = native_build.build(native.SOURCE, "tree_attention", native.EXTRA_FLAGS)
+        assert lib.spectree_rounds_weights(64, 1) == 0
+    finally:
+        native_build.compiled_isa.cache_clear()
+
+
+def test_emulation_refuses_an_unknown_name_and_a_cpu_with_avx512(fresh, tmp_path):
+    from plugins.stream_linear import native as stream
+
+    fresh.setenv(native_build.CACHE_ENV, str(tmp_path))
+    fresh.setenv(native_build.EMULATE_ENV, "avx-512")
+    with pytest.raises(ValueError, match=r"SPECTREE_EMULATE='avx-512': expected one of avx512, avx512-bf16"):
+        native_build.build(stream.SOURCE, "stream_linear", stream.EXTRA_FLAGS)
+    fresh.delenv(native_build.EMULATE_ENV)
+    if not _native_avx512():
+        return
+    fresh.setenv(native_build.EMULATE_ENV, "avx512")
+    with pytest.raises(RuntimeError, match="nothing to emulate"):
+        native_build.build(stream.SOURCE, "stream_linear", stream.EXTRA_FLAGS)

@@ -185,3 +185,59 @@ def test_packed_block_panels_round_trip_their_values(library, kind):
     bw = stream.QUANT_FORMATS[kind](torch.randn(2 * library.panel + 3, 64, generator=g))
     eye = torch.eye(64)
     torch.testing.assert_close(stream.linear(eye, bw), bw.dense().T, rtol=0, atol=0)
+
+
+def _call(lib: stream.Library, x: torch.Tensor, weight) -> torch.Tensor:  # x [rows, in] float32 / bf16 -> [rows, out]
+    """`lib` run directly (not through `linear`, whose packing cache holds this process's library's panels)."""
+    if isinstance(weight, BlockWeight):
+        fmt, src, scale, minimum = weight.fmt, weight.data, weight.scale, weight.minimum
+    else:
+        fmt, src, scale, minimum = stream._FORMATS[weight.dtype], weight, None, None
+    out, inp = weight.shape
+    packed = stream._pack(lib, fmt, src, scale, minimum, out, inp)
+    xfmt = stream._FORMATS[x.dtype]
+    y = torch.empty(x.shape[0], out, dtype=x.dtype)
+    assert lib.linear(x.data_ptr(), xfmt, x.shape[0], inp, x.stride(0), fmt, packed.data, packed.scale or None,
+                      packed.minimum or None, out, None, y.data_ptr(), xfmt) == 0
+    return y
+
+
+@pytest.fixture(scope="module")
+def other_width(library):
+    """The kernel built for the other vector width: AVX-512 (emulated, SPECTREE_EMULATE) where this build is AVX2,
+    the forced AVX2 level (SPECTREE_CPU_ISA) where it is AVX-512, the CPU's own where this build is emulated."""
+    from plugins import cpu
+
+    with pytest.MonkeyPatch.context() as mp:
+        if native_build.emulation() is not None:
+            mp.delenv(native_build.EMULATE_ENV)
+        elif library.lanes == 8:
+            mp.setenv(native_build.EMULATE_ENV, "avx512")
+        else:
+            mp.setenv(cpu.ISA_ENV, "avx2")
+        cpu.features.cache_clear()
+        try:
+            other = stream._build()
+        finally:
+            cpu.features.cache_clear()
+    if other.lanes == library.lanes:
+        pytest.skip(f"no other vector width builds here (both {library.lanes} lanes)")
+    return other
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "q8", "q4"])
+def test_avx2_and_avx512_routes_give_the_same_bits(library, other_width, fmt):
+    """A (row, output) pair is one lane summing its inputs in order whatever the vector width (stream_linear.c), so
+    the 8-lane and 16-lane builds (tiles of up to 6 and 8 rows, panels of 16 and 32 outputs) agree bit for bit: a
+    model gives the same tokens on both kinds of machine. Outputs past a whole panel, every row count a tile plan
+    meets."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(2 * 32 + 5, 96, generator=g)
+    if fmt in ("q8", "q4"):
+        weight, dtype = stream.QUANT_FORMATS[fmt](w), torch.float32
+    else:
+        dtype = getattr(torch, fmt)
+        weight = w.to(dtype)
+    for rows in (1, 2, 3, 5, 7, 8, 9, 16, 17, 70):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        assert torch.equal(_call(library, x, weight), _call(other_width, x, weight)), rows
