@@ -36,8 +36,9 @@ class LoadConfig:
     # "int8" / "int4": the draft head's weights as drafting reads them (DraftSpec.quantization); None: an engine's own
     # choice, else the weights' dtype
     draft_quantization: str | None = None
-    # "q8" / "q4": the target's weight matmuls run on block-quantised copies (TargetModel.quantize_weights; CPU): the
-    # quantised model is then the target that decoding is lossless against. None: the dtype's own weights
+    # "q8" / "q4": the target's weight matmuls run on block-quantised copies (TargetModel.quantize_weights; CPU; q4
+    # with int8 activations, as llama.cpp's Q4_1): the quantised model is then the target that decoding is lossless
+    # against. None: the dtype's own weights
     target_quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -144,8 +145,9 @@ def load(
     device       where the weights live and the loop runs ("cpu", "cuda", ...)
     draft_quantization  "int8" / "int4": the EAGLE head runs on int8 / int4 copies of its weights (CPU; drafts
                  change slightly, the output never)
-    target_quantization  "q8" / "q4": the target runs on block-quantised weights (CPU; GGUF Q8_0 / Q4_1 layouts): a
-                 quantised target, which decoding is then lossless against
+    target_quantization  "q8" / "q4": the target runs on block-quantised weights (CPU; GGUF Q8_0 / Q4_1 layouts; q4
+                 also quantises its activations to int8, as llama.cpp does): a quantised target, which decoding is
+                 then lossless against
     draft_options  the drafter's options (EAGLE-2: total_tokens, depth, top_k; EAGLE: min_path_prob, the path
                  probability below which drafted nodes are not verified; lookup: max_ngram, ...; lookup's on medusa /
                  eagle merge prompt lookup into their trees)

@@ -518,7 +518,7 @@ def linear(
         if out is not None:
             return out
     if isinstance(plain, BlockWeight):
-        return F.linear(x, plain.dense().to(x.dtype), bias)
+        return plain.torch_linear(x, bias)
     if torch.compiler.is_compiling():
         return F.linear(x, plain, bias)
     if not batch_invariant(plain.dtype, plain.device):
@@ -910,7 +910,8 @@ class TargetModel(nn.Module):
     def quantize_weights(self, kind: str) -> None:
         """Run every weight matmul of the forward (q/k/v, o, gate/up, down, lm_head) on block-quantised copies:
         "q8" (int8 in blocks of 32 with a scale, GGUF Q8_0's layout) or "q4" (4-bit in blocks of 32 with a scale and
-        a minimum, Q4_1's), through the weight-streaming kernel. The quantised model is then the target: plain and
+        a minimum, Q4_1's, times activations quantised to int8 per block as llama.cpp's Q4_1 matmuls do), through the
+        weight-streaming kernel. The quantised model is then the target: plain and
         speculative decoding both run it, and losslessness holds against it. The embedding lookup keeps its dense
         rows. Undone by any later load or move of the weights. CPU only (`streams`)."""
         if kind not in TARGET_QUANTIZATIONS:

@@ -1,5 +1,6 @@
 """A block-quantised target (TargetModel.quantize_weights, `target_quantization`: GGUF Q8_0 / Q4_1 layouts through the
-weight-streaming kernel): its logits are those of the dense model holding the quantised values, greedy speculative
+weight-streaming kernel): its logits are those of the dense model holding the quantised values (Q4 also quantising
+the activations it multiplies, as llama.cpp does), and the torch route's of the same blocks; greedy speculative
 output equals plain decoding of that quantised target, sampled output follows its distribution, and bad requests are
 refused naming the field."""
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import runtime
+from plugins.decoder_layer import native as native_layer
 from plugins.stream_linear import native as stream
 from runtime.errors import ConfigError
 from runtime.config import TARGET_QUANTIZATIONS
@@ -43,10 +45,21 @@ def test_logits_are_the_dense_model_of_the_quantised_values(ckpts, variant, kind
         head = quant._block_lm_head.dense()
     tokens = torch.tensor([PROMPTS[3]])
     q_logits, _ = quant.prefill(tokens, quant.new_cache(tokens.shape[1]))
-    # the embedding keeps its dense rows; the lm_head (tied or not) reads the blocks
-    d_hidden = dense.prefill(tokens, dense.new_cache(tokens.shape[1]))[1]
-    d_logits = d_hidden.float() @ head.T
-    assert torch.allclose(q_logits, d_logits, atol=1e-4, rtol=1e-4)
+    if kind == "q8":  # weight-only: the dense twin is the model
+        # the embedding keeps its dense rows; the lm_head (tied or not) reads the blocks
+        d_hidden = dense.prefill(tokens, dense.new_cache(tokens.shape[1]))[1]
+        d_logits = d_hidden.float() @ head.T
+        assert torch.allclose(q_logits, d_logits, atol=1e-4, rtol=1e-4)
+    # the torch route of the same blocks (BlockWeight.torch_linear: Q4's activations quantised in torch ops), with the
+    # kernels withheld
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "linear", lambda *args, **kwargs: None)
+        mp.setattr(native_layer, "load", lambda: None)
+        t_logits, _ = quant.prefill(tokens, quant.new_cache(tokens.shape[1]))
+    assert torch.allclose(q_logits, t_logits, atol=1e-4, rtol=1e-4)
+    if kind == "q4":  # and the activations' quantisation is part of it: the dense twin differs
+        d_hidden = dense.prefill(tokens, dense.new_cache(tokens.shape[1]))[1]
+        assert not torch.allclose(q_logits, d_hidden.float() @ head.T, atol=1e-4, rtol=1e-4)
     # and quantisation did change the model (the test compares something)
     plain_logits, _ = TargetModel.from_pretrained(ckpts[variant], dtype="float32").prefill(
         tokens, dense.new_cache(tokens.shape[1]))

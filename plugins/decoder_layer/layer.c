@@ -24,8 +24,7 @@ typedef void (*rope_fn)(const void *x, int64_t batch, int64_t tokens, int64_t he
                         void *out, int64_t os_b, int64_t os_n, int64_t os_h, int bf16);
 typedef void (*silu_mul_fn)(const void *gu, int64_t rows, int64_t inter, int64_t gu_row_stride, void *out, int bf16);
 typedef int (*linear_fn)(const void *x, int x_bf16, int64_t rows, int64_t in, int64_t x_stride, int fmt,
-                         const void *wdata, const float *scale, const float *minimum, int64_t out, const float *bias,
-                         void *y, int y_bf16);
+                         const void *wdata, const float *scale, int64_t out, const float *bias, void *y, int y_bf16);
 typedef int (*attention_fn)(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sn, const void *k, int64_t k_sb,
                             int64_t k_sh, int64_t k_ss, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
                             const int32_t *mask, int64_t words, float *out, int64_t batch, int64_t hq, int64_t hkv,
@@ -35,8 +34,7 @@ typedef struct {
     int32_t fmt;           /* stream_linear.c FMT_* */
     int32_t pad;
     const void *data;      /* the weight, or its blocks */
-    const float *scale;    /* block formats */
-    const float *minimum;  /* FMT_Q4 */
+    const float *scale;    /* FMT_Q8's packed scales (FMT_Q4 keeps its own in its panels) */
     const float *bias;     /* float32 [out], or NULL */
     int64_t out;
 } matrix_t;
@@ -64,7 +62,7 @@ typedef struct {
 
 
 static int matmul(const layer_t *a, const matrix_t *m, const void *x, int64_t in, void *y) {
-    return a->linear(x, a->bf16, a->rows, in, in, m->fmt, m->data, m->scale, m->minimum, m->out, m->bias, y, a->bf16);
+    return a->linear(x, a->bf16, a->rows, in, in, m->fmt, m->data, m->scale, m->out, m->bias, y, a->bf16);
 }
 
 /* Returns 0, or -1 when memory could not be allocated. */

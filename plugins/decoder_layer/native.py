@@ -35,7 +35,7 @@ _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes
 
 
 class _Matrix(ctypes.Structure):
-    _fields_ = [("fmt", _i32), ("pad", _i32), ("data", _ptr), ("scale", _ptr), ("minimum", _ptr), ("bias", _ptr),
+    _fields_ = [("fmt", _i32), ("pad", _i32), ("data", _ptr), ("scale", _ptr), ("bias", _ptr),
                 ("out", _i64)]
 
 
@@ -94,7 +94,7 @@ def _matrix(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None, keep:
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
         keep.append(bias)
-    return _Matrix(w.fmt, 0, w.data, w.scale or None, w.minimum or None, None if bias is None else bias.data_ptr(),
+    return _Matrix(w.fmt, 0, w.data, w.scale or None, None if bias is None else bias.data_ptr(),
                    w.out_features)
 
 

@@ -7,7 +7,8 @@ and many-row kernels read the weights far below the bandwidth, switch kernels be
 and a tree step round differently: batch invariance needed 32-row blocks and a measured row plan), and bfloat16 is
 ~10x slower than float32 where the CPU has no native bf16 (AVX2). This kernel streams each weight row once for all
 rows of a call, widens bfloat16 by a shift on any x86 vector unit, reads int8 and 4-bit blocks (GGUF's Q8_0 / Q4_1
-layouts), and is batch-invariant by construction: a row's outputs do not depend on the other rows (stream_linear.c
+layouts; 4-bit blocks multiply int8-quantised activations in integer products, as llama.cpp does), and is
+batch-invariant by construction: a row's outputs do not depend on the other rows (stream_linear.c
 says how), so greedy speculative output equals plain decoding with no blocks and no measurement.
 
 `linear` returns None where the caller's torch route must run: a weight or input it does not take (dtype, device,
@@ -40,6 +41,7 @@ class Library:
 
     linear: ctypes._CFuncPtr
     pack: ctypes._CFuncPtr
+    packed_size: ctypes._CFuncPtr
     lanes: int
     panel: int  # outputs per packed panel
     path: Path
@@ -50,13 +52,16 @@ def _build() -> Library:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     fn = lib.spectree_stream_linear
     fn.restype = i32
-    fn.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, ptr, i64, ptr, ptr, i32]
+    fn.argtypes = [ptr, i32, i64, i64, i64, i32, ptr, ptr, i64, ptr, ptr, i32]
     pack = lib.spectree_stream_pack
     pack.restype = None
-    pack.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    pack.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, ptr]
+    size = lib.spectree_stream_packed_size
+    size.restype = None
+    size.argtypes = [i32, i64, i64, ctypes.POINTER(i64), ctypes.POINTER(i64)]
     lib.spectree_stream_lanes.restype = i32
     lib.spectree_stream_panel.restype = i32
-    return Library(fn, pack, int(lib.spectree_stream_lanes()), int(lib.spectree_stream_panel()), path)
+    return Library(fn, pack, size, int(lib.spectree_stream_lanes()), int(lib.spectree_stream_panel()), path)
 
 
 _library = native_build.Lazy(_build)
@@ -95,11 +100,21 @@ def bf16_route() -> str:
     return f"{cpu.features().row} multiplies bf16 natively"
 
 
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:  # x [..., in] float32, in a multiple of Q_BLOCK
+    """x as a Q4 weight's product sees it (stream_linear.c): per block of Q_BLOCK inputs, dx = amax / 127 and
+    round(x / dx) to nearest even, times dx; float32, x's shape. GGUF's rule for the activations of Q4_1 matmuls."""
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // Q_BLOCK, Q_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d))), torch.zeros_like(blocks))
+    return (q.clamp(-127, 127) * d).reshape(x.shape)
+
+
 @dataclass(frozen=True)
 class BlockWeight:
     """A target weight held quantised in blocks of Q_BLOCK inputs along each row (GGUF's Q8_0 / Q4_1 layouts with
     float32 scales): what the forward multiplies by, and what losslessness is defined against. `dense()` gives the
-    exact values it stands for (for exports, state dicts and the torch route)."""
+    exact values it stands for (for exports and state dicts); a Q4 weight also quantises the activations it multiplies
+    (`quantized_activations`, llama.cpp's arithmetic); `torch_linear` is the product in torch ops."""
 
     fmt: int  # FMT_Q8 or FMT_Q4
     data: torch.Tensor  # Q8: [out, in] int8; Q4: [out, in / 2] uint8 (input j low nibble, j + 16 high, per block)
@@ -126,6 +141,18 @@ class BlockWeight:
         packed = self.data.view(out, blocks, Q_BLOCK // 2)
         q = torch.cat([packed & 15, packed >> 4], dim=-1).to(torch.float32)  # [out, blocks, 32]
         return (q * self.scale[..., None] + self.minimum[..., None]).view(out, self.in_features)
+
+    def torch_linear(
+        self,
+        x: torch.Tensor,  # [..., in]
+        bias: torch.Tensor | None = None,  # [out]
+    ) -> torch.Tensor:  # [..., out] in x's dtype
+        """What the kernel computes, in torch ops (the torch route: compiled and exported graphs, no kernel): the same
+        values up to float32 rounding, summed in another order. For Q4, sum_b (isum * d * dx + m * sx) is the dense
+        weight times the quantised activations' values."""
+        if self.fmt == FMT_Q4:
+            x = quantized_activations(x.float()).to(x.dtype)
+        return torch.nn.functional.linear(x, self.dense().to(x.dtype), bias)
 
     @classmethod
     def q8(cls, weight: torch.Tensor) -> BlockWeight:  # weight [out, in], in a multiple of Q_BLOCK
@@ -176,12 +203,12 @@ def _check_blocks(weight: torch.Tensor) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Operands:
     """A weight as the kernel takes it, packed in panels (stream_linear.c's layouts): its format, the addresses of its
-    packed data, scales and minimums (0: none) and its shape; `keep` holds the packed tensors they point into."""
+    packed data and Q8's packed scales (0: none; Q4 keeps its scales and minimums in its panels) and its shape; `keep`
+    holds the packed tensors they point into."""
 
     fmt: int
     data: int
     scale: int
-    minimum: int
     out_features: int
     in_features: int
     keep: tuple[torch.Tensor, ...]
@@ -204,18 +231,15 @@ def version(weight: torch.Tensor | BlockWeight) -> int:
 
 def _pack(lib: Library, fmt: int, src: torch.Tensor, scale: torch.Tensor | None, minimum: torch.Tensor | None,
           out: int, inp: int) -> Operands:
-    panels = -(-out // lib.panel)
-    per_input = {FMT_F32: lib.panel * 4, FMT_BF16: lib.panel * 2, FMT_Q8: lib.panel, FMT_Q4: lib.panel // 2}[fmt]
-    data = torch.empty(panels * inp * per_input, dtype=torch.uint8)
-    blocks = inp // Q_BLOCK
-    pscale = torch.empty(panels * blocks * lib.panel) if scale is not None else None
-    pmin = torch.empty(panels * blocks * lib.panel) if minimum is not None else None
+    nbytes, nfloats = ctypes.c_int64(), ctypes.c_int64()
+    lib.packed_size(fmt, out, inp, ctypes.byref(nbytes), ctypes.byref(nfloats))
+    data = torch.empty(nbytes.value, dtype=torch.uint8)
+    pscale = torch.empty(nfloats.value) if nfloats.value else None
     lib.pack(fmt, src.data_ptr(), None if scale is None else scale.data_ptr(),
              None if minimum is None else minimum.data_ptr(), out, inp, data.data_ptr(),
-             None if pscale is None else pscale.data_ptr(), None if pmin is None else pmin.data_ptr())
-    return Operands(fmt, data.data_ptr(), 0 if pscale is None else pscale.data_ptr(),
-                    0 if pmin is None else pmin.data_ptr(), out, inp,
-                    tuple(t for t in (data, pscale, pmin) if t is not None))
+             None if pscale is None else pscale.data_ptr())
+    return Operands(fmt, data.data_ptr(), 0 if pscale is None else pscale.data_ptr(), out, inp,
+                    tuple(t for t in (data, pscale) if t is not None))
 
 
 def operands(weight: torch.Tensor | BlockWeight) -> Operands | None:  # weight [out, in]; None: not taken
@@ -279,12 +303,12 @@ def linear(
     if n == 0:
         return x.new_empty(*x.shape[:-1], out_f)
     y = torch.empty(*x.shape[:-1], out_f, dtype=x.dtype)
-    if lib.linear(rows.data_ptr(), xfmt, n, in_f, rows.stride(0), w.fmt, w.data, w.scale or None, w.minimum or None,
-                  out_f, None if bias is None else bias.data_ptr(), y.data_ptr(), xfmt) != 0:
+    if lib.linear(rows.data_ptr(), xfmt, n, in_f, rows.stride(0), w.fmt, w.data, w.scale or None, out_f,
+                  None if bias is None else bias.data_ptr(), y.data_ptr(), xfmt) != 0:
         raise MemoryError(f"stream_linear: no memory for a float32 copy of a [{n}, {in_f}] input")
     return y
 
 
 __all__ = ["BlockWeight", "DTYPES", "FMT_BF16", "FMT_F32", "FMT_Q4", "FMT_Q8", "Library", "Operands", "QUANT_FORMATS",
-           "Q_BLOCK", "bf16_missing", "bf16_route", "operands", "version",
+           "Q_BLOCK", "bf16_missing", "bf16_route", "operands", "quantized_activations", "version",
            "SOURCE", "covers", "linear", "load", "unavailable"]
