@@ -13,10 +13,18 @@ GPU), written to perf/results/<date>-<gpu>/gpu_check.json and gpu_check.md.
                 configs/smollm2.yaml against plain decoding on held-out chat prompts, greedy, timed after an untimed
                 pass over every prompt (kernel compiles); every speculative output must equal plain decoding's
                 token for token
+    eagle3      the same target, prompts, dtype and timing with an EAGLE-3 drafter (`runtime.drafters.eagle3`), a static
+                tree (the config's) and EAGLE-2's dynamic tree, greedy, each against plain decoding token for token
+                (tau and acceptance by depth per tree), then one seeded sampled run that must finish. The head is
+                --eagle3-head when that directory exists, else one with seeded random weights in the published
+                layout, made by train-heads' own code (`builder.drafters.eagle3`) in a temporary directory; the report
+                names it ("random (seed N)" or the path, with its sha256 and training summary), so a random head's
+                tau, near 1, is not read as a trained one's
 
-Exit status 1 when a kernel check fails or greedy identity breaks, 2 on bad settings or without CUDA. `--dry-run`
-runs every section on the CPU with tiny shapes (the kernel sections then exercise torch.ops.spectree.tree_attention's
-CPU path, not the Triton kernel) so CI checks the shapes and the files; its numbers mean nothing.
+Exit status 1 when a kernel check fails, greedy identity breaks or the sampled EAGLE-3 run fails, 2 on bad settings
+or without CUDA. `--dry-run` runs every section on the CPU with tiny shapes (the kernel sections then exercise
+torch.ops.spectree.tree_attention's CPU path, not the Triton kernel) so CI checks the shapes and the files; its
+numbers mean nothing.
 
 On a lent GPU (the device tool), from the repository root:
     python -m perf gpu-check --out perf/results/{date}-{machine}
@@ -31,6 +39,7 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +60,8 @@ REPORT_FORMAT = "spectree-gpu-check"
 REPORT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 480.0  # all sections together (the issue's "under 8 minutes")
+SECTION_NAMES = ("kernel", "bandwidth", "verify", "e2e", "eagle3")  # the run's order (`SECTIONS`)
+EAGLE3_SAMPLING = {"temperature": 0.7}  # the eagle3 section's sampled run (its seed: GpuCheckConfig.seed)
 
 
 @dataclass(frozen=True)
@@ -106,9 +117,12 @@ class GpuCheckConfig:
     e2e_draft: str | None = None  # a drafter kind overriding the config's (e.g. lookup: no head weights needed)
     # None: the config's build dtype (bf16 and fp16 run batch-invariant on CUDA: runtime/model.py `pads_rows`)
     e2e_dtype: str | None = setting(None, choices=tuple(DTYPES))
+    # the eagle3 section's head (published EAGLE-3 layout); absent or None: seeded random weights (seed below).
+    # The default is where demo/smollm2/train-eagle3.yaml writes the SmolLM2 head (not trained yet)
+    eagle3_head: Path | None = REPO_ROOT / "demo" / "smollm2" / "eagle3"
     prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
     seed: int = 0
-    sections: tuple[str, ...] = ("kernel", "bandwidth", "verify", "e2e")  # a subset reruns only those
+    sections: tuple[str, ...] = SECTION_NAMES  # a subset reruns only those
     shapes: Shapes = field(default_factory=Shapes.full)
 
     def __post_init__(self) -> None:
@@ -118,10 +132,12 @@ class GpuCheckConfig:
                 drafter_kind(self.e2e_draft)
             except DraftSpecError as exc:
                 raise ConfigError(f"e2e_draft: {exc.detail}") from exc
-        known = ("kernel", "bandwidth", "verify", "e2e")
-        if not self.sections or any(x not in known for x in self.sections):
+        if not self.sections or any(x not in SECTION_NAMES for x in self.sections):
             raise ConfigError(f"sections: got {list(self.sections)}, expected a non-empty subset of "
-                                f"{', '.join(known)}")
+                                f"{', '.join(SECTION_NAMES)}")
+        if self.eagle3_head is not None and self.eagle3_head.exists() and not self.eagle3_head.is_dir():
+            raise ConfigError(f"eagle3_head: got {self.eagle3_head}, expected an EAGLE-3 head directory (or a path "
+                              f"that does not exist: a random head then)")
 
     @property
     def device(self) -> torch.device:
@@ -306,9 +322,45 @@ def _ran_in(model) -> dict[str, Any]:
             "batch_invariant": batch_invariant(model.dtype, model.device)}
 
 
+def _e2e_target(config: GpuCheckConfig) -> tuple[Path, Any, int, str]:
+    """The model sections' target: (checkpoint, its builder config (configs/smollm2.yaml: the demo engine's drafter,
+    tree and dtype), max_draft_len, the dtype to load it in)."""
+    from builder.config import load_config
+
+    path = _smollm2(config)
+    build = load_config(config.smollm2_config)
+    return path, build, build.build.max_draft_len, config.e2e_dtype or build.build.dtype
+
+
+def _timed(decoders: dict[str, Any], prompts: list[Any], tokens: int,
+           device: torch.device) -> tuple[float, list[dict[str, tuple[float, Any]]]]:
+    """Every prompt decoded by every decoder once untimed, then once timed, the decoders interleaved per prompt:
+    (warm-up seconds, per prompt {decoder name: (seconds, GenerationResult)})."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # Warm-up: Triton compiles a kernel variant for each new launch shape class (tile plan, split count, ints equal to
+    # 1 or divisible by 16), and the first H200 runs' early prompts paid those compiles inside their timings
+    # (2026-12-04: per-prompt speedups 0.5x first, 2.5-3x later).
+    t0 = time.perf_counter()
+    for p in prompts:
+        for decoder in decoders.values():
+            decoder.generate(p.as_input(), max_tokens=tokens)
+    sync()
+    warm_seconds = time.perf_counter() - t0
+    runs = []
+    for p in prompts:
+        timed = {}
+        for name, decoder in decoders.items():
+            sync()
+            t0 = time.perf_counter()
+            result = decoder.generate(p.as_input(), max_tokens=tokens)
+            sync()
+            timed[name] = (time.perf_counter() - t0, result)
+        runs.append(timed)
+    return warm_seconds, runs
+
+
 def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     """Speculative vs plain decoding of the SmolLM2 target on the device, greedy, same prompts, interleaved."""
-    from builder.config import load_config
     from perf import stats
     from perf.bench import Target, build_decoder
     from perf.prompt_sets import load_prompts
@@ -316,9 +368,7 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     from runtime.tokenizer import Tokenizer
 
     s = config.shapes
-    path = _smollm2(config)
-    build = load_config(config.smollm2_config)  # the demo engine's config: its drafter (a DraftSpec) and dtype
-    limit, dtype = build.build.max_draft_len, config.e2e_dtype or build.build.dtype
+    path, build, limit, dtype = _e2e_target(config)
     draft = (DraftSpec.create(config.e2e_draft, max_draft_len=limit) if config.e2e_draft is not None
              else build.draft.spec(max_draft_len=limit))
     if config.device.type != "cpu":  # quantized draft weights are CPU kernels': on the GPU the head runs as stored
@@ -329,25 +379,9 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     spec, _ = build_decoder(target, draft)
     tree = draft.static_tree
     prompts = load_prompts([config.prompts], limit=s.e2e_prompts)
-    sync = torch.cuda.synchronize if config.device.type == "cuda" else (lambda: None)
+    warm_seconds, runs = _timed({"plain": plain, "speculative": spec}, prompts, s.e2e_tokens, config.device)
     rows = []
-    # Warm-up: every prompt once by both decoders, untimed. Triton compiles a kernel variant for each new launch
-    # shape class (tile plan, split count, ints equal to 1 or divisible by 16), and the first H200 runs' early
-    # prompts paid those compiles inside their timings (2026-12-04: per-prompt speedups 0.5x first, 2.5-3x later).
-    t0 = time.perf_counter()
-    for p in prompts:
-        for decoder in (plain, spec):
-            decoder.generate(p.as_input(), max_tokens=s.e2e_tokens)
-    sync()
-    warm_seconds = time.perf_counter() - t0
-    for p in prompts:
-        timed = {}
-        for name, decoder in (("plain", plain), ("speculative", spec)):
-            sync()
-            t0 = time.perf_counter()
-            result = decoder.generate(p.as_input(), max_tokens=s.e2e_tokens)
-            sync()
-            timed[name] = (time.perf_counter() - t0, result)
+    for p, timed in zip(prompts, runs):
         (tp, rp), (ts, rs) = timed["plain"], timed["speculative"]
         rows.append({"prompt": p.key, "tokens": len(rs.token_ids), "identical": rp.token_ids == rs.token_ids,
                      "first_difference": stats.first_difference(rp.token_ids, rs.token_ids),
@@ -362,8 +396,120 @@ def end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
             "speedup": total_plain / total_spec if total_spec else None}
 
 
+def _eagle3_head(config: GpuCheckConfig, target_path: Path, model: Any, tmp: Path) -> tuple[Path, dict[str, Any]]:
+    """The eagle3 section's head directory and what the report says of it: config.eagle3_head when it exists, else
+    a head with seeded random weights written into `tmp` by train-heads' own code (the module train-heads starts a
+    head with, saved as a trained one is)."""
+    from runtime.drafters.eagle import WEIGHT_FILES
+    from runtime.engine import sha256_file
+
+    asked = config.eagle3_head
+    if asked is not None and asked.is_dir():
+        head, info = asked, {"head": str(asked)}
+        summary = asked / "training_summary.json"
+        info["head_training"] = read_json_object(summary, ConfigError) if summary.is_file() else None
+    else:
+        head = _random_eagle3_head(config.seed, target_path, model, tmp)
+        info = {"head": f"random (seed {config.seed})", "head_training": None,
+                "head_asked": None if asked is None else f"{asked} (absent)"}
+    weights = next((head / name for name in WEIGHT_FILES if (head / name).is_file()), None)
+    info["head_weights"] = None if weights is None else weights.name
+    info["head_sha256"] = None if weights is None else sha256_file(weights)
+    return head, info
+
+
+def _random_eagle3_head(seed: int, target_path: Path, model: Any, tmp: Path) -> Path:
+    """An EAGLE-3 head for the target with seeded random weights (lm_head: the target's rows), in the published
+    layout: `builder.drafters.eagle3`'s train_module and save_head, as train-heads starts and saves one."""
+    from transformers import AutoConfig
+
+    from builder.drafters import TrainingTarget, builder_kind
+    from builder.train_heads import FrozenTargetView
+    from builder.training.config import Eagle3Section, HeadsSection
+    from runtime.drafters.eagle3 import NAME, default_feature_layers
+
+    hf = AutoConfig.from_pretrained(target_path)
+    layers = default_feature_layers(hf.num_hidden_layers)
+    if len(layers) != 3 or layers[0] < 0:
+        raise ConfigError(f"eagle3_head: absent, and a random head reads the default feature layers (2, L // 2, "
+                          f"L - 3), which are not 3 distinct layers of this {hf.num_hidden_layers}-layer target "
+                          f"({target_path}); expected a target of at least 7 layers or an EAGLE-3 head directory")
+    kind = builder_kind(NAME)
+    section = Eagle3Section(output=tmp / "head")
+    heads = HeadsSection(target=target_path, work_dir=tmp, eagle3=section)
+    lm = model.lm_head_weight.detach().float().cpu()
+    view = FrozenTargetView(model.model.embed_tokens.weight.detach().float().cpu(), lm)
+    with torch.random.fork_rng(devices=[]):  # the head's initialisation draws from the global generator
+        torch.manual_seed(seed)
+        module = kind.train_module(section, TrainingTarget(view, hf, lm), None)
+    tmp.mkdir(parents=True, exist_ok=True)
+    log = tmp / "init_log.jsonl"  # save_head keeps a head's training log beside it
+    log.write_text(json.dumps({"random_init": True, "seed": seed, "steps": 0}) + "\n", encoding="utf-8")
+    return kind.save_head(module, section, heads, hf, log, None)
+
+
+def eagle3_end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
+    """EAGLE-3 speculative decoding (a static and the dynamic tree) vs plain decoding of the e2e section's target on
+    the device, greedy, its prompts and timing; then one seeded sampled run."""
+    from perf import stats
+    from perf.bench import Target, build_decoder
+    from perf.prompt_sets import load_prompts
+    from runtime.drafters.eagle3 import NAME
+    from runtime.errors import SpectreeError
+    from runtime.model import TargetModel
+    from runtime.tokenizer import Tokenizer
+
+    s = config.shapes
+    path, build, limit, dtype = _e2e_target(config)
+    model = TargetModel.from_pretrained(path, dtype=dtype, device=config.device)
+    static = build.draft.spec(max_draft_len=limit).static_tree or "mc_sim_7b_63"
+    with tempfile.TemporaryDirectory(prefix="gpu-check-eagle3-") as tmp:
+        head, head_info = _eagle3_head(config, path, model, Path(tmp))
+        specs = {name: DraftSpec.create(NAME, path=head, tree=tree, max_draft_len=limit)
+                 for name, tree in (("static", static), ("dynamic", "dynamic"))}
+        target = Target("checkpoint", path, model, Tokenizer.from_dir(path), specs["static"])
+        decoders = {"plain": build_decoder(target, None)[0],
+                    **{name: build_decoder(target, spec, name)[0] for name, spec in specs.items()}}
+        layers = decoders["static"].drafter.feature_layers
+    prompts = load_prompts([config.prompts], limit=s.e2e_prompts)
+    warm_seconds, runs = _timed(decoders, prompts, s.e2e_tokens, config.device)
+    rows = []
+    for name, spec in specs.items():
+        per_prompt, accepted = [], []
+        for p, timed in zip(prompts, runs):
+            (tp, rp), (ts, rs) = timed["plain"], timed[name]
+            accepted += rs.stats.accepted_per_step
+            per_prompt.append({"prompt": p.key, "tokens": len(rs.token_ids), "identical": rp.token_ids == rs.token_ids,
+                               "first_difference": stats.first_difference(rp.token_ids, rs.token_ids),
+                               "speedup": tp / ts if ts > 0 else None, "tau": rs.stats.tau})
+        tokens = sum(len(t["plain"][1].token_ids) for t in runs)
+        plain_s, spec_s = sum(t["plain"][0] for t in runs), sum(t[name][0] for t in runs)
+        tree = spec.static_tree
+        rows.append({"tree": name, "draft": spec.describe(),
+                     "choices": json.dumps([list(c) for c in tree.choices]) if tree is not None else None,
+                     "tokens": tokens, "identical": all(r["identical"] for r in per_prompt),
+                     "plain_tok_s": tokens / plain_s if plain_s > 0 else None,
+                     "spec_tok_s": sum(r["tokens"] for r in per_prompt) / spec_s if spec_s > 0 else None,
+                     "speedup": plain_s / spec_s if spec_s > 0 else None,
+                     "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
+                     "acceptance_by_depth": stats.reach_by_depth(accepted, spec.max_tree_depth),
+                     "prompts": per_prompt})
+    sampled = {"tree": "dynamic", **EAGLE3_SAMPLING, "seed": config.seed, "prompt": prompts[0].key}
+    try:  # lossless in distribution is tests/'s to show; here it must run on the device
+        result = decoders["dynamic"].generate(prompts[0].as_input(), max_tokens=s.e2e_tokens, seed=config.seed,
+                                              **EAGLE3_SAMPLING)
+        sampled.update(tokens=len(result.token_ids), tau=result.stats.tau,
+                       verification=result.stats.verification, error=None)
+    except (SpectreeError, RuntimeError) as exc:  # recorded (the run's other results are kept); fails the check
+        sampled["error"] = f"{type(exc).__name__}: {exc}"
+    return {"target": str(path), "drafter": NAME, **head_info, "feature_layers": list(layers), **_ran_in(model),
+            "requested_dtype": dtype, "rows": rows, "identical": all(r["identical"] for r in rows),
+            "warmup_seconds": warm_seconds, "sampled": sampled}
+
+
 SECTIONS: dict[str, Callable[[GpuCheckConfig], dict[str, Any]]] = {
     "kernel": check_kernel, "bandwidth": kernel_bandwidth, "verify": verify_ratios, "e2e": end_to_end,
+    "eagle3": eagle3_end_to_end,
 }
 
 
@@ -394,7 +540,9 @@ def run_gpu_check(config: GpuCheckConfig, log: Callable[[str], None] = lambda s:
 def _conclude(report: dict[str, Any]) -> dict[str, Any]:
     report["within_budget"] = report["seconds"] <= BUDGET_SECONDS
     sections = report["sections"]
-    report["ok"] = sections.get("kernel", {}).get("failed", 0) == 0 and sections.get("e2e", {}).get("identical", True)
+    eagle3 = sections.get("eagle3", {})
+    report["ok"] = (sections.get("kernel", {}).get("failed", 0) == 0 and sections.get("e2e", {}).get("identical", True)
+                    and eagle3.get("identical", True) and eagle3.get("sampled", {}).get("error") is None)
     return report
 
 
@@ -456,6 +604,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += _verify_md(s["verify"])
     if "e2e" in s:
         lines += _e2e_md(s["e2e"])
+    if "eagle3" in s:
+        lines += _eagle3_md(s["eagle3"])
     return "\n".join(lines) + "\n"
 
 
@@ -485,6 +635,38 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
     lines += [f"| {r['prompt']} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
               f"{r['speedup']:.2f} | {r['tau']:.2f} | {_identical(r)} |" for r in e["rows"]]
     return lines
+
+
+def _eagle3_md(e: dict[str, Any]) -> list[str]:
+    head = e["head"] + (f", asked for {e['head_asked']}" if e.get("head_asked") else "")
+    lines = ["", f"## End to end, EAGLE-3: head {e['head']} vs plain decoding ({e['dtype']}), greedy identical: "
+             f"{'yes' if e['identical'] else 'NO'}", "",
+             f"Head {head}; weights {e['head_weights']} sha256 {e['head_sha256']}; feature layers "
+             f"{e['feature_layers']}.", ""]
+    if e["head"].startswith("random"):
+        lines += ["Random weights: tau and speedup measure the drafting machinery, not a trained head.", ""]
+    elif e.get("head_training"):
+        t = e["head_training"]
+        lines += [f"Trained: {t.get('steps')} steps, {t.get('labels')} labels, target {t.get('target')}.", ""]
+    lines += [f"Weights {e['dtype']} (asked: {e['requested_dtype']}), {_ran_md(e)}", "",
+              f"Timed after an untimed pass over every prompt by every decoder ({e['warmup_seconds']:.0f} s).", "",
+              "| tree | tokens | plain tok/s | speculative tok/s | speedup | tau | accepted length >= d | identical |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in e["rows"]:
+        differ = [f"{p['prompt']} from token {p['first_difference']}" for p in r["prompts"] if not p["identical"]]
+        reach = ", ".join(f"{x:.2f}" for x in r["acceptance_by_depth"])
+        lines.append(f"| {r['tree']} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+                     f"{r['speedup']:.2f} | {_fmt(r['tau'])} | {reach} | "
+                     f"{'yes' if r['identical'] else 'NO (' + '; '.join(differ) + ')'} |")
+    x = e["sampled"]
+    lines += ["", f"Sampled (tree {x['tree']}, temperature {x['temperature']}, seed {x['seed']}, {x['prompt']}): " +
+              (f"{x['tokens']} tokens, tau {_fmt(x['tau'])}, {x['verification']}." if x["error"] is None
+               else f"FAILED: {x['error']}")]
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ran_md(ran: dict[str, Any]) -> str:
@@ -522,13 +704,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="builder YAML naming the drafter, its weights and tree")
     p.add_argument("--e2e-draft", default=defaults.e2e_draft, help="override the drafter of the e2e section")
     p.add_argument("--e2e-dtype", default=defaults.e2e_dtype,
-                   help="dtype of the e2e section's model (default: the config's build dtype)")
+                   help="dtype of the e2e and eagle3 sections' model (default: the config's build dtype)")
     p.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
                    help="measure nothing: merge the gpu_check.json of runs of disjoint sections into --out")
-    p.add_argument("--prompts", type=Path, default=defaults.prompts, help="JSON Lines prompt file of the e2e section")
+    p.add_argument("--prompts", type=Path, default=defaults.prompts,
+                   help="JSON Lines prompt file of the e2e and eagle3 sections")
+    p.add_argument("--eagle3-head", type=Path, default=defaults.eagle3_head, metavar="DIR",
+                   help="EAGLE-3 head of the eagle3 section (published layout); when absent, seeded random weights")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--sections", default=",".join(defaults.sections),
-                   help="comma-separated subset of kernel,bandwidth,verify,e2e")
+                   help=f"comma-separated subset of {','.join(SECTION_NAMES)}")
     ns = p.parse_args(argv)
     if ns.merge:
         try:
@@ -541,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report["ok"] else 1
     try:
         config = GpuCheckConfig(out=ns.out, dry_run=ns.dry_run, smollm2=ns.smollm2, smollm2_config=ns.smollm2_config,
-                                e2e_draft=ns.e2e_draft, e2e_dtype=ns.e2e_dtype, prompts=ns.prompts, seed=ns.seed,
+                                e2e_draft=ns.e2e_draft, e2e_dtype=ns.e2e_dtype, eagle3_head=ns.eagle3_head,
+                                prompts=ns.prompts, seed=ns.seed,
                                 sections=tuple(x.strip() for x in ns.sections.split(",") if x.strip()),
                                 shapes=Shapes.tiny() if ns.dry_run else Shapes.full())
         report = run_gpu_check(config, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -5,7 +5,8 @@
 # 98 MB, so each call carries half the GGUF beside the tree without what gpu-check never reads (perf/README.md).
 #   scripts/gpu-check-device.sh prepare   # trims what travels, splits the GGUF, fetches the gguf wheel; prints the
 #                                         # two run() calls to make, back to back, and the merge to run here
-#                                         # (~1.5 + ~5 minutes on an H200; their limits, 5 + 8, fit a 15-minute lease)
+#                                         # (~1.5 + ~8.5 minutes on an H200, the eagle3 section's ~4 estimated; their
+#                                         # limits, 5 + 10, and the machine's start about fill a 15-minute lease)
 #   scripts/gpu-check-device.sh restore   # the index and .git/info/exclude as they were; the halves and wheel deleted
 # prepare takes the large files out of the index only (they stay on disk, ignored while the calls run); restore
 # puts them back with `git reset`, so prepare refuses to start with changes staged.
@@ -47,10 +48,11 @@ prepared: $((sent / 1000000)) MB of the tree travels, + $(($(stat -c%s .gguf_a/p
 $(($(stat -c%s .gguf_b/part) / 1000000)) MB in the second (64 MiB = 67 MB each). GGUF sha256 $sha.
 1. run(carry=[".gguf_a"], timeout_s=300, command=
    "export PYTHONUNBUFFERED=1; cp .gguf_a/part /tmp/gguf_a; python3 -m perf gpu-check --sections kernel,bandwidth,verify --out \$OUT/kv")
-2. at once (the machine stays warm 30 s), run(carry=[".gguf_b", ".whl"], timeout_s=480, command=
-   "export PYTHONUNBUFFERED=1; test -f /tmp/gguf_a || exit 3; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 4; cat /tmp/gguf_a .gguf_b/part > /tmp/s.gguf; echo '$sha  /tmp/s.gguf' | sha256sum -c || exit 5; python3 -m builder import-gguf --gguf /tmp/s.gguf --output models/smollm2-135m-instruct >/dev/null && python3 -m perf gpu-check --sections e2e --out \$OUT/e2e; python3 -m perf gpu-check --sections e2e --e2e-dtype float32 --out \$OUT/e2e-fp32")
-   (exit status 3: a fresh machine came, without the first half; make call 1 again)
-3. here: $0 restore; python -m perf gpu-check --merge FILES_AT_1/kv FILES_AT_2/e2e --out out/gpu-check
+2. at once (the machine stays warm 30 s), run(carry=[".gguf_b", ".whl"], timeout_s=600, command=
+   "export PYTHONUNBUFFERED=1; test -f /tmp/gguf_a || exit 3; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 4; cat /tmp/gguf_a .gguf_b/part > /tmp/s.gguf; echo '$sha  /tmp/s.gguf' | sha256sum -c || exit 5; python3 -m builder import-gguf --gguf /tmp/s.gguf --output models/smollm2-135m-instruct >/dev/null && python3 -m perf gpu-check --sections e2e --out \$OUT/e2e; python3 -m perf gpu-check --sections e2e --e2e-dtype float32 --out \$OUT/e2e-fp32; python3 -m perf gpu-check --sections eagle3 --out \$OUT/eagle3")
+   (exit status 3: a fresh machine came, without the first half; make call 1 again; eagle3 runs last, so a call
+   that runs out of time keeps the e2e runs)
+3. here: $0 restore; python -m perf gpu-check --merge FILES_AT_1/kv FILES_AT_2/e2e FILES_AT_2/eagle3 --out out/gpu-check
    and copy FILES_AT_2/e2e-fp32 to out/gpu-check/float32/; then, to make it the GPU's record (perf/README.md),
    python -m perf results --record out/gpu-check --kind gpu-nvidia-h200
 EOF

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from perf.__main__ import main
-from perf.gpu_check import GpuCheckConfig, Shapes, merge_reports, run_gpu_check
+from perf.gpu_check import SECTION_NAMES, SECTIONS, GpuCheckConfig, Shapes, merge_reports, run_gpu_check
 from runtime.errors import ConfigError
 from tests.tiny import make_checkpoint
 
@@ -16,17 +16,18 @@ from tests.tiny import make_checkpoint
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_check")
-    ck = make_checkpoint(root / "llama", "llama3")
+    ck = make_checkpoint(root / "llama", "llama3", num_hidden_layers=8)  # EAGLE-3 default feature layers: 2, 4, 5
     prompts = root / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": text}) for i, text in enumerate(
         ["The quick brown fox jumps over the lazy dog. The quick brown fox", "one two three one two three one"])) + "\n")
-    return {"root": root, "ck": ck, "prompts": prompts}
+    # absent: the eagle3 section makes a random head (the default, demo/smollm2/eagle3, would not fit this target)
+    return {"root": root, "ck": ck, "prompts": prompts, "no_head": root / "no-eagle3-head"}
 
 
 def test_dry_run_writes_every_section(tiny, capsys):
     out = tiny["root"] / "results" / "{date}-{machine}"
     assert main(["gpu-check", "--dry-run", "--out", str(out), "--smollm2", str(tiny["ck"]), "--e2e-draft", "lookup",
-                 "--prompts", str(tiny["prompts"])]) == 0
+                 "--prompts", str(tiny["prompts"]), "--eagle3-head", str(tiny["no_head"])]) == 0
     written = list((tiny["root"] / "results").glob("*/gpu_check.json"))
     assert len(written) == 1 and (written[0].parent / "gpu_check.md").is_file()
     assert written[0].parent.name.endswith("-cpu-" + written[0].parent.name.split("-cpu-")[-1])  # {machine} filled
@@ -47,9 +48,47 @@ def test_dry_run_writes_every_section(tiny, capsys):
     e2e = s["e2e"]
     assert e2e["drafter"] == "lookup" and e2e["identical"] and len(e2e["rows"]) == 2
     assert all(r["tokens"] > 0 for r in e2e["rows"]) and e2e["warmup_seconds"] > 0
+    e3 = s["eagle3"]
+    assert e3["drafter"] == "eagle3" and e3["head"] == "random (seed 0)" and e3["head_training"] is None
+    assert e3["head_asked"] == f"{tiny['no_head']} (absent)" and len(e3["head_sha256"]) == 64
+    assert e3["feature_layers"] == [2, 4, 5] and e3["identical"] and e3["warmup_seconds"] > 0
+    assert [r["tree"] for r in e3["rows"]] == ["static", "dynamic"]
+    for r in e3["rows"]:
+        assert r["identical"] and r["tokens"] > 0 and r["tau"] >= 1 and len(r["prompts"]) == 2
+        assert all(p["first_difference"] is None for p in r["prompts"])
+        assert 0 <= min(r["acceptance_by_depth"]) <= max(r["acceptance_by_depth"]) <= 1
+    assert len(e3["rows"][0]["acceptance_by_depth"]) == 3  # the config's static tree: depth 3
+    assert e3["sampled"]["error"] is None and e3["sampled"]["tokens"] > 0
+    assert e3["sampled"]["verification"].startswith("rejection_sampling")
     md = (written[0].parent / "gpu_check.md").read_text()
     assert "DRY RUN" in md and "verify(N) / verify(1)" in md and "greedy identical: yes" in md
+    assert "EAGLE-3: head random (seed 0)" in md and "not a trained head" in md
     assert "wrote" in capsys.readouterr().out
+
+
+def test_eagle3_section_runs_a_given_head(tiny):
+    """A head directory given is the one run and named; a greedy mismatch there fails the report."""
+    import torch
+
+    from perf.gpu_check import _random_eagle3_head, eagle3_end_to_end
+    from runtime.model import TargetModel
+
+    model = TargetModel.from_pretrained(tiny["ck"], dtype="float32", device=torch.device("cpu"))
+    head = _random_eagle3_head(3, tiny["ck"], model, tiny["root"] / "head3")
+    config = GpuCheckConfig(dry_run=True, smollm2=tiny["ck"], prompts=tiny["prompts"], eagle3_head=head,
+                            sections=("eagle3",), shapes=Shapes.tiny())
+    report = run_gpu_check(config)
+    e3 = report["sections"]["eagle3"]
+    assert e3["head"] == str(head) and "head_asked" not in e3 and report["ok"]
+    assert e3["head_sha256"] == __import__("hashlib").sha256((head / e3["head_weights"]).read_bytes()).hexdigest()
+    assert len(e3["rows"]) == 2 and all(r["identical"] for r in e3["rows"])
+    broken = {**e3, "identical": False}
+    assert not merge_reports([{**report, "sections": {"eagle3": broken}}])["ok"]
+    failed = {**e3, "sampled": {**e3["sampled"], "error": "RuntimeError: x"}}
+    assert not merge_reports([{**report, "sections": {"eagle3": failed}}])["ok"]
+    with pytest.raises(ConfigError, match="eagle3_head"):
+        GpuCheckConfig(eagle3_head=head / "config.json")  # a file, not a head directory
+    assert eagle3_end_to_end is SECTIONS["eagle3"] and tuple(SECTIONS) == SECTION_NAMES
 
 
 def test_full_shapes_are_the_issue_s(tmp_path):
