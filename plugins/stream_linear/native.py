@@ -49,6 +49,12 @@ class Library:
 
 def _build() -> Library:
     lib, path, _ = native_build.build(SOURCE, "stream_linear", EXTRA_FLAGS)
+    return bind(lib, path)
+
+
+def bind(lib: ctypes.CDLL, path: Path) -> Library:
+    """The functions of a library built from SOURCE (by `_build`, or by a test for another route), argument types
+    set."""
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     fn = lib.spectree_stream_linear
     fn.restype = i32
@@ -226,7 +232,9 @@ def version(weight: torch.Tensor | BlockWeight) -> int:
     with the weight's identity, what makes a copy made from it stale. -1 for an inference tensor, which has none."""
     if isinstance(weight, torch.Tensor):
         return -1 if weight.is_inference() else weight._version
-    return sum(version(t) for t in (weight.data, weight.scale, weight.minimum) if t is not None)
+    # read for every matrix of every layer of every forward (the decoder layer's staleness check): no generator
+    minimum = weight.minimum
+    return version(weight.data) + version(weight.scale) + (0 if minimum is None else version(minimum))
 
 
 def _pack(lib: Library, fmt: int, src: torch.Tensor, scale: torch.Tensor | None, minimum: torch.Tensor | None,
@@ -311,4 +319,4 @@ def linear(
 
 __all__ = ["BlockWeight", "DTYPES", "FMT_BF16", "FMT_F32", "FMT_Q4", "FMT_Q8", "Library", "Operands", "QUANT_FORMATS",
            "Q_BLOCK", "bf16_missing", "bf16_route", "operands", "quantized_activations", "version",
-           "SOURCE", "covers", "linear", "load", "unavailable"]
+           "SOURCE", "bind", "covers", "linear", "load", "unavailable"]

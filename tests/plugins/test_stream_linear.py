@@ -259,3 +259,33 @@ def test_avx2_and_avx512_routes_give_the_same_bits(library, other_width, fmt):
     for rows in (1, 2, 3, 5, 7, 8, 9, 16, 17, 70):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         assert torch.equal(_call(library, x, weight), _call(other_width, x, weight)), rows
+
+
+@pytest.fixture(scope="module")
+def portable(library):
+    """The kernel's portable route (no AVX2, no FMA, no AVX-512: GCC vector extensions, each product rounded before
+    it is added), built on this machine whatever it has, so the fallback for CPUs without them is tested everywhere."""
+    lib, path, _ = native_build.build(stream.SOURCE, "stream_linear_portable",
+                                      stream.EXTRA_FLAGS + ("-mno-avx512f", "-mno-avx2", "-mno-fma"))
+    return stream.bind(lib, path)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "q8", "q4"])
+def test_the_portable_route_computes_the_same_values(library, portable, fmt):
+    """Against the fast route: the same values to float32 rounding (not the same bits: separate multiply and add),
+    every row its lone result, outputs past a whole panel."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(2 * 32 + 5, 96, generator=g)
+    if fmt in ("q8", "q4"):
+        weight, dtype = stream.QUANT_FORMATS[fmt](w), torch.float32
+    else:
+        dtype = getattr(torch, fmt)
+        weight = w.to(dtype)
+    x = torch.randn(9, 96, generator=g).to(dtype)
+    y = _call(portable, x, weight)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    fast = _call(library, x, weight)
+    torch.testing.assert_close(y.float(), fast.float(), rtol=tol, atol=tol)
+    assert torch.equal(torch.cat([_call(portable, x[r:r + 1], weight) for r in range(9)]), y)
+    if fmt == "float32":  # and it is another route: products rounded before they are added
+        assert not torch.equal(y, fast)
