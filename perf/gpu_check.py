@@ -52,6 +52,7 @@ from perf.machine import expand_out, machine_info, now_iso, settings_dict
 from runtime import schema
 from runtime.config import DTYPES
 from runtime.draft_spec import DraftSpec, DraftSpecError, drafter_kind
+from runtime.drafters.eagle3 import NAME as EAGLE3  # the eagle3 section: the kind's own name
 from runtime.errors import ConfigError
 from runtime.files import read_json_object
 from runtime.schema import setting
@@ -60,7 +61,7 @@ REPORT_FORMAT = "spectree-gpu-check"
 REPORT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 480.0  # all sections together (the "under 8 minutes")
-SECTION_NAMES = ("kernel", "bandwidth", "verify", "e2e", "eagle3")  # the run's order (`SECTIONS`)
+SECTION_NAMES = ("kernel", "bandwidth", "verify", "e2e", EAGLE3)  # the run's order (`SECTIONS`); eagle3: the kind's
 EAGLE3_SAMPLING = {"temperature": 0.7}  # the eagle3 section's sampled run (its seed: GpuCheckConfig.seed)
 
 
@@ -119,7 +120,7 @@ class GpuCheckConfig:
     e2e_dtype: str | None = setting(None, choices=tuple(DTYPES))
     # the eagle3 section's head (published EAGLE-3 layout); absent or None: seeded random weights (seed below).
     # The default is where demo/smollm2/train-eagle3.yaml writes the SmolLM2 head (not trained yet)
-    eagle3_head: Path | None = REPO_ROOT / "demo" / "smollm2" / "eagle3"
+    eagle3_head: Path | None = REPO_ROOT / "demo" / "smollm2" / EAGLE3
     prompts: Path = REPO_ROOT / "perf" / "prompts" / "chat.jsonl"
     seed: int = 0
     sections: tuple[str, ...] = SECTION_NAMES  # a subset reruns only those
@@ -426,7 +427,7 @@ def _random_eagle3_head(seed: int, target_path: Path, model: Any, tmp: Path) -> 
     from builder.drafters import TrainingTarget, builder_kind
     from builder.train_heads import FrozenTargetView
     from builder.training.config import Eagle3Section, HeadsSection
-    from runtime.drafters.eagle3 import NAME, default_feature_layers
+    from runtime.drafters.eagle3 import default_feature_layers
 
     hf = AutoConfig.from_pretrained(target_path)
     layers = default_feature_layers(hf.num_hidden_layers)
@@ -434,7 +435,7 @@ def _random_eagle3_head(seed: int, target_path: Path, model: Any, tmp: Path) -> 
         raise ConfigError(f"eagle3_head: absent, and a random head reads the default feature layers (2, L // 2, "
                           f"L - 3), which are not 3 distinct layers of this {hf.num_hidden_layers}-layer target "
                           f"({target_path}); expected a target of at least 7 layers or an EAGLE-3 head directory")
-    kind = builder_kind(NAME)
+    kind = builder_kind(EAGLE3)
     section = Eagle3Section(output=tmp / "head")
     heads = HeadsSection(target=target_path, work_dir=tmp, eagle3=section)
     lm = model.lm_head_weight.detach().float().cpu()
@@ -454,7 +455,6 @@ def eagle3_end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     from perf import stats
     from perf.bench import Target, build_decoder
     from perf.prompt_sets import load_prompts
-    from runtime.drafters.eagle3 import NAME
     from runtime.errors import SpectreeError
     from runtime.model import TargetModel
     from runtime.tokenizer import Tokenizer
@@ -465,7 +465,7 @@ def eagle3_end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
     static = build.draft.spec(max_draft_len=limit).static_tree or "mc_sim_7b_63"
     with tempfile.TemporaryDirectory(prefix="gpu-check-eagle3-") as tmp:
         head, head_info = _eagle3_head(config, path, model, Path(tmp))
-        specs = {name: DraftSpec.create(NAME, path=head, tree=tree, max_draft_len=limit)
+        specs = {name: DraftSpec.create(EAGLE3, path=head, tree=tree, max_draft_len=limit)
                  for name, tree in (("static", static), ("dynamic", "dynamic"))}
         target = Target("checkpoint", path, model, Tokenizer.from_dir(path), specs["static"])
         decoders = {"plain": build_decoder(target, None)[0],
@@ -502,14 +502,14 @@ def eagle3_end_to_end(config: GpuCheckConfig) -> dict[str, Any]:
                        verification=result.stats.verification, error=None)
     except (SpectreeError, RuntimeError) as exc:  # recorded (the run's other results are kept); fails the check
         sampled["error"] = f"{type(exc).__name__}: {exc}"
-    return {"target": str(path), "drafter": NAME, **head_info, "feature_layers": list(layers), **_ran_in(model),
+    return {"target": str(path), "drafter": EAGLE3, **head_info, "feature_layers": list(layers), **_ran_in(model),
             "requested_dtype": dtype, "rows": rows, "identical": all(r["identical"] for r in rows),
             "warmup_seconds": warm_seconds, "sampled": sampled}
 
 
 SECTIONS: dict[str, Callable[[GpuCheckConfig], dict[str, Any]]] = {
     "kernel": check_kernel, "bandwidth": kernel_bandwidth, "verify": verify_ratios, "e2e": end_to_end,
-    "eagle3": eagle3_end_to_end,
+    EAGLE3: eagle3_end_to_end,
 }
 
 
@@ -540,7 +540,7 @@ def run_gpu_check(config: GpuCheckConfig, log: Callable[[str], None] = lambda s:
 def _conclude(report: dict[str, Any]) -> dict[str, Any]:
     report["within_budget"] = report["seconds"] <= BUDGET_SECONDS
     sections = report["sections"]
-    eagle3 = sections.get("eagle3", {})
+    eagle3 = sections.get(EAGLE3, {})
     report["ok"] = (sections.get("kernel", {}).get("failed", 0) == 0 and sections.get("e2e", {}).get("identical", True)
                     and eagle3.get("identical", True) and eagle3.get("sampled", {}).get("error") is None)
     return report
@@ -604,8 +604,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += _verify_md(s["verify"])
     if "e2e" in s:
         lines += _e2e_md(s["e2e"])
-    if "eagle3" in s:
-        lines += _eagle3_md(s["eagle3"])
+    if EAGLE3 in s:
+        lines += _eagle3_md(s[EAGLE3])
     return "\n".join(lines) + "\n"
 
 
