@@ -75,27 +75,19 @@ EMU __m512i emu_slli_epi32(__m512i a, unsigned n) { return (__m512i)(n > 31 ? (e
 EMU __m512i emu_srli_epi32(__m512i a, unsigned n) { return (__m512i)(n > 31 ? (emu_u16x){0} : (emu_u16x)a >> n); }
 EMU __m512i emu_and_si512(__m512i a, __m512i b) { return a & b; }
 EMU __m512 emu_cvtepi32_ps(__m512i a) { return (__m512)__builtin_convertvector((emu_i16x)a, emu_f16x); }
-EMU __m512i emu_cvtepi8_epi32(__m128i a) {
-    int8_t b[16];
-    memcpy(b, &a, sizeof b);
-    emu_i16x r;
-    for (int i = 0; i < 16; i++) r[i] = b[i];
-    return (__m512i)r;
-}
-EMU __m512i emu_cvtepu8_epi32(__m128i a) {
-    uint8_t b[16];
-    memcpy(b, &a, sizeof b);
-    emu_i16x r;
-    for (int i = 0; i < 16; i++) r[i] = b[i];
-    return (__m512i)r;
-}
-EMU __m512i emu_cvtepu16_epi32(__m256i a) {
-    uint16_t b[16];
-    memcpy(b, &a, sizeof b);
-    emu_i16x r;
-    for (int i = 0; i < 16; i++) r[i] = b[i];
-    return (__m512i)r;
-}
+/* _mm512_cvtepi8_epi32, _mm512_cvtepu8_epi32, _mm512_cvtepu16_epi32: 16 narrow integers widened to int32 lanes */
+#define EMU_WIDEN(name, narrow_t, from_t)                                                                              \
+    EMU __m512i name(from_t a) {                                                                                       \
+        narrow_t b[16];                                                                                                \
+        memcpy(b, &a, sizeof b);                                                                                       \
+        emu_i16x r;                                                                                                    \
+        for (int i = 0; i < 16; i++) r[i] = b[i];                                                                      \
+        return (__m512i)r;                                                                                             \
+    }
+EMU_WIDEN(emu_cvtepi8_epi32, int8_t, __m128i)
+EMU_WIDEN(emu_cvtepu8_epi32, uint8_t, __m128i)
+EMU_WIDEN(emu_cvtepu16_epi32, uint16_t, __m256i)
+#undef EMU_WIDEN
 /* _mm512_set_epi16(e31, ..., e0): element i is e_i, the last argument first */
 EMU __m512i emu_set_epi16(short e31, short e30, short e29, short e28, short e27, short e26, short e25, short e24,
                           short e23, short e22, short e21, short e20, short e19, short e18, short e17, short e16,

@@ -31,6 +31,13 @@ def without_library(tmp_path, monkeypatch):
     monkeypatch.setattr(stream, "_library", native_build.Lazy(stream._build))
 
 
+def _weight(fmt: str, w: torch.Tensor):  # fmt: a dtype's name or a block format's -> (weight, the inputs' dtype)
+    if fmt in stream.QUANT_FORMATS:
+        return stream.QUANT_FORMATS[fmt](w), torch.float32
+    dtype = getattr(torch, fmt)
+    return w.to(dtype), dtype
+
+
 def _reference(x, dense, bias=None):  # float64: x [rows, in], dense [out, in] -> [rows, out]
     out = x.double() @ dense.double().T
     return out if bias is None else out + bias.double()
@@ -113,11 +120,7 @@ def test_each_row_is_its_lone_result_at_every_row_count(library, fmt):
     rows and outputs, row blocks, the odd tail), so a tree step reproduces plain decoding's one-token steps."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(200, 96, generator=g)
-    if fmt in ("q8", "q4"):
-        weight, dtype = stream.QUANT_FORMATS[fmt](w), torch.float32
-    else:
-        dtype = getattr(torch, fmt)
-        weight = w.to(dtype)
+    weight, dtype = _weight(fmt, w)
     x = torch.randn(70, 96, generator=g).to(dtype)
     alone = torch.cat([stream.linear(x[r:r + 1], weight) for r in range(70)])
     for n in (2, 3, 4, 5, 7, 16, 64, 65, 70):
@@ -251,11 +254,7 @@ def test_avx2_and_avx512_routes_give_the_same_bits(library, other_width, fmt):
     meets."""
     g = torch.Generator().manual_seed(6)
     w = torch.randn(2 * 32 + 5, 96, generator=g)
-    if fmt in ("q8", "q4"):
-        weight, dtype = stream.QUANT_FORMATS[fmt](w), torch.float32
-    else:
-        dtype = getattr(torch, fmt)
-        weight = w.to(dtype)
+    weight, dtype = _weight(fmt, w)
     for rows in (1, 2, 3, 5, 7, 8, 9, 16, 17, 70):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         assert torch.equal(_call(library, x, weight), _call(other_width, x, weight)), rows
@@ -265,8 +264,10 @@ def test_avx2_and_avx512_routes_give_the_same_bits(library, other_width, fmt):
 def portable(library):
     """The kernel's portable route (no AVX2, no FMA, no AVX-512: GCC vector extensions, each product rounded before
     it is added), built on this machine whatever it has, so the fallback for CPUs without them is tested everywhere."""
-    lib, path, _ = native_build.build(stream.SOURCE, "stream_linear_portable",
-                                      stream.EXTRA_FLAGS + ("-mno-avx512f", "-mno-avx2", "-mno-fma"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(native_build.EMULATE_ENV, raising=False)  # the emulation would define the AVX-512 route again
+        lib, path, _ = native_build.build(stream.SOURCE, "stream_linear_portable",
+                                          stream.EXTRA_FLAGS + ("-mno-avx512f", "-mno-avx2", "-mno-fma"))
     return stream.bind(lib, path)
 
 
@@ -276,11 +277,7 @@ def test_the_portable_route_computes_the_same_values(library, portable, fmt):
     every row its lone result, outputs past a whole panel."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(2 * 32 + 5, 96, generator=g)
-    if fmt in ("q8", "q4"):
-        weight, dtype = stream.QUANT_FORMATS[fmt](w), torch.float32
-    else:
-        dtype = getattr(torch, fmt)
-        weight = w.to(dtype)
+    weight, dtype = _weight(fmt, w)
     x = torch.randn(9, 96, generator=g).to(dtype)
     y = _call(portable, x, weight)
     tol = 1e-5 if dtype == torch.float32 else 2**-7
