@@ -16,9 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build", action="store_true",
                         help="also build the C kernels for this level now (cached), and say which routes they take")
     args = parser.parse_args(argv)
+    from plugins import native_build  # no torch: --env runs before torch should load
+
     try:
         cpu.features()
-    except cpu.CpuLevelError as exc:
+        native_build.emulation()
+    except (cpu.CpuLevelError, ValueError) as exc:
         parser.error(str(exc))
     if args.env:
         print("\n".join(f"{k}={v}" for k, v in cpu.forced_env(args.env).items()))
@@ -30,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     missing = stream_linear.bf16_missing()  # builds the weight-streaming kernel (cached)
     print(f"dtype auto -> {'float32: ' + missing if missing else 'bfloat16: ' + stream_linear.bf16_route()}")
     if args.build:
-        from plugins import native_build
         from plugins.decoder_layer import native as decoder_layer
         from plugins.draft_layer import native as draft_layer
         from plugins.rowwise import native as rowwise
