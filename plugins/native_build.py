@@ -211,5 +211,5 @@ class Lazy(Generic[T]):
         return self._value
 
 
-__all__ = ["BUILD_ERRORS", "CACHE_ENV", "EMULATE_ENV", "EMULATE_HEADER", "EMULATIONS", "FLAGS", "Lazy", "OPENMP", "build",
-           "cache_dir", "compiled_isa", "emulation", "sources_of"]
+__all__ = ["BUILD_ERRORS", "CACHE_ENV", "EMULATE_ENV", "EMULATE_HEADER", "EMULATIONS", "FLAGS", "Lazy", "OPENMP",
+           "build", "cache_dir", "compiled_isa", "emulation", "sources_of"]

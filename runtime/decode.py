@@ -209,11 +209,12 @@ class SpecDecoder:
         self.eos_token_ids = frozenset(eos)
 
     @classmethod
-    def for_spec(cls, model: TargetModel, tokenizer: Tokenizer | None, drafter: Drafter, spec: DraftSpec) -> SpecDecoder:
+    def for_spec(cls, model: TargetModel, tokenizer: Tokenizer | None, drafter: Drafter,
+                 spec: DraftSpec) -> SpecDecoder:
         """The decoder of `drafter`, made from `spec`: trees of at most spec.max_draft_len + 1 nodes, cut by this
         machine's verify cost where the spec's pruning asks for it (`runtime.verify_cost.verify_cost_for`)."""
         nodes = spec.max_draft_len + 1
-        return cls(model, tokenizer, drafter, max_tree_nodes=nodes, verify_cost=verify_cost_for(spec, model, nodes))
+        return cls(model, tokenizer, drafter, max_tree_nodes=nodes, verify_cost=verify_cost_for(spec.pruning, model, nodes))
 
     @property
     def max_context(self) -> int:

@@ -578,5 +578,5 @@ def expand_frontier(frontier_scores: torch.Tensor, logprobs: torch.Tensor, top_k
     return Expansion(parent=parent, tokens=top_tok.reshape(-1).to(torch.int64), scores=cum, frontier=frontier)
 
 
-__all__ = ["Tree", "Expansion", "cost_budget", "deeper_pays", "expand_frontier", "select_dynamic_pool", "select_dynamic_tree",
-           "select_dynamic_tree_lists"]
+__all__ = ["Tree", "Expansion", "cost_budget", "deeper_pays", "expand_frontier", "select_dynamic_pool",
+           "select_dynamic_tree", "select_dynamic_tree_lists"]

@@ -1,7 +1,8 @@
 """What verifying n draft nodes costs on this machine, relative to one: the curve `PruneOptions.by_cost` cuts each
 step's tree with (`runtime.tree.cost_budget`).
 
-Measured once per target model in a process, when the first decoder or drafter that asks for it is built: target
+Measured once per target model in a process, when the first decoder that asks for it is built or a drafter that
+asks for it first drafts: target
 forwards of n chained tokens over a short prefilled context at a few node counts (1, 2, 3, 4, 6, 8, 12, 16, 24, 32,
 48, 64), passes interleaved, the median of each, then linear between them and made non-decreasing (a forward of more
 rows never counts as cheaper). SmolLM2 on 2 CPU cores takes ~3 s; `perf verify-cost` is the full measurement with
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.draft_spec import DraftSpec
+from runtime.draft_spec import PruneOptions
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CONTEXT = 128  # tokens prefilled before the timed forwards
@@ -28,10 +29,11 @@ CAP = 64  # the most nodes measured; the curve goes on linearly past it
 _measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its curve up to CAP nodes
 
 
-def verify_cost_for(spec: DraftSpec, model: object, max_nodes: int) -> tuple[float, ...] | None:
-    """The curve a decoder for `spec` cuts its trees with (`costs`) where the spec's pruning asks for it
-    (`PruneOptions.by_cost`) and a tree has more than one node; None otherwise."""
-    if spec.pruning is None or not spec.pruning.by_cost or max_nodes < 2:
+def verify_cost_for(pruning: PruneOptions | None, model: object, max_nodes: int) -> tuple[float, ...] | None:
+    """The curve trees of at most `max_nodes` nodes are cut with (`costs`) where `pruning` (a DraftSpec's, a drafter's)
+    asks for it (`PruneOptions.by_cost`) and a tree has more than one node; None otherwise. The one rule for the
+    decoder's cut (`SpecDecoder.for_spec`) and a drafter's stop (`EagleDrafter.verify_cost`)."""
+    if pruning is None or not pruning.by_cost or max_nodes < 2:
         return None
     return costs(model, max_nodes)
 

@@ -57,17 +57,18 @@ def test_measure_gives_one_entry_per_node_count_starting_at_one(tmp_path):
 
 def test_a_spec_asks_for_the_curve_only_with_by_cost(monkeypatch):
     calls = []
-    monkeypatch.setattr(verify_cost, "measure", lambda model, n: calls.append(n) or tuple(1.0 + 0.5 * k for k in range(n)))
+    monkeypatch.setattr(verify_cost, "measure",
+                        lambda model, n: calls.append(n) or tuple(1.0 + 0.5 * k for k in range(n)))
     model = type("Model", (), {"config": type("Config", (), {"max_context": 1000})})()
     tree = Tree.from_choices([[0], [1], [0, 0]])
     plain = DraftSpec.create("eagle", path="unused", tree=tree, options={"min_path_prob": 0.1})
-    assert verify_cost.verify_cost_for(plain, model, 4) is None
+    assert verify_cost.verify_cost_for(plain.pruning, model, 4) is None
     cut = DraftSpec.create("eagle", path="unused", tree=tree, options={"by_cost": True})
-    assert verify_cost.verify_cost_for(cut, model, 4) == (1.0, 1.5, 2.0, 2.5)
-    assert verify_cost.verify_cost_for(cut, model, 3) == (1.0, 1.5, 2.0)
+    assert verify_cost.verify_cost_for(cut.pruning, model, 4) == (1.0, 1.5, 2.0, 2.5)
+    assert verify_cost.verify_cost_for(cut.pruning, model, 3) == (1.0, 1.5, 2.0)
     assert verify_cost.costs(model, verify_cost.CAP + 2)[-3:] == tuple(1.0 + 0.5 * k for k in range(63, 66))
     assert calls == [verify_cost.CAP]  # measured once per model, up to the cap; sliced and extended after
-    assert verify_cost.verify_cost_for(cut, model, 1) is None  # a root-only budget has nothing to cut
+    assert verify_cost.verify_cost_for(cut.pruning, model, 1) is None  # a root-only budget has nothing to cut
     assert "cut by measured verify cost" in cut.describe()
 
 
@@ -84,7 +85,8 @@ def test_deeper_levels_pay_only_if_their_bound_would_be_kept():
     scores = _scores([0.9, 0.05, 0.0, 0.0])  # depth 1 known; nodes 3 and 4 not drafted yet (bounded by 0.9)
     cheap = (1.0, 1.05, 1.1, 1.15, 1.2)
     assert deeper_pays(tree, scores, 1, cheap)  # node 3 at up to 0.9 would be kept
-    # 1.9 / 1.5 = 1.27 beats 2.8 / 2.5 (a third node even at 0.9): the cut keeps node 1 alone, whose child ranks after it
+    # 1.9 / 1.5 = 1.27 beats 2.8 / 2.5 (a third node even at 0.9): the cut keeps node 1 alone, whose child ranks
+    # after it
     steep = (1.0, 1.5, 2.5, 3.5, 4.5)
     assert not deeper_pays(tree, scores, 1, steep)
     assert not deeper_pays(tree, _scores([0.01, 0.01, 0.0, 0.0]), 1, (1.0, 1.2, 1.4, 1.6, 1.8))  # nothing pays
@@ -133,4 +135,4 @@ def test_a_builder_plans_with_a_cost_cut_drafter_on_a_weightless_target(tmp_path
     head = write_eagle_head(tmp_path / "eagle", ckpt, seed=3)
     spec = DraftSpec.create("eagle", path=head, tree=Tree.from_choices([[0], [0, 0]]), options={"by_cost": True})
     drafter = load_drafter(spec, meta_target(config))
-    assert drafter._wants_cost and drafter._verify_cost is None
+    assert drafter.pruning.by_cost and drafter.model not in verify_cost._measured  # asks for the curve, not measured

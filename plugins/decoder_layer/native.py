@@ -10,8 +10,8 @@ every path of the runtime (one sequence, packed batches, drafter features) keeps
 
 `prepare` builds a layer's argument block once for its weights (None where the torch route must run: a weight the
 call does not take, or a library that did not build: `unavailable()` says why); `stack_forward` runs a run of layers
-(one, or a forward's whole stack) on a step's inputs. One argument block per layer: the calls of one process never overlap on a layer (a decode step runs its
-layers in turn).
+(one, or a forward's whole stack) on a step's inputs. One argument block per layer: the calls of one process never
+overlap on a layer (a decode step runs its layers in turn).
 """
 
 from __future__ import annotations

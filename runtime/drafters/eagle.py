@@ -479,8 +479,6 @@ class EagleDrafter:
             raise ConfigError(f"pruning must be PruneOptions or None, got {pruning!r}")
         self.pruning = pruning
         self.min_score = None if pruning is None else pruning.min_score  # None: every node is verified
-        self._wants_cost = pruning is not None and pruning.by_cost and tree is not None and tree.num_nodes > 1
-        self._verify_cost: tuple[float, ...] | None = None
         weight = model.lm_head_weight
         self.lm_weight = head.output_weight(model)  # [K, H] the draft output layer
         if quantization is not None and quantization not in QUANTIZATIONS:
@@ -536,14 +534,15 @@ class EagleDrafter:
 
     @property
     def verify_cost(self) -> tuple[float, ...] | None:
-        """PruneOptions.by_cost on a static tree: the verify-cost curve (`runtime.verify_cost.costs`, measured on the
-        first draft, not when a builder only plans with the drafter), so that a step stops drafting levels whose nodes
-        the decoder's cut would not verify (`runtime.tree.deeper_pays`); None otherwise."""
-        if self._wants_cost and self._verify_cost is None:
-            from runtime.verify_cost import costs
+        """PruneOptions.by_cost on a static tree: the verify-cost curve (`runtime.verify_cost.verify_cost_for`, the
+        decoder's rule; measured once per model on the first draft, not when a builder only plans with the drafter),
+        so that a step stops drafting levels whose nodes the decoder's cut would not verify
+        (`runtime.tree.deeper_pays`); None otherwise."""
+        if self.tree is None:
+            return None
+        from runtime.verify_cost import verify_cost_for
 
-            self._verify_cost = costs(self.model, self.tree.num_nodes)
-        return self._verify_cost
+        return verify_cost_for(self.pruning, self.model, self.tree.num_nodes)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features # [n, H] -> logits over the draft vocabulary # [n, K] float32 (K = V without a reduced one)."""
