@@ -1,9 +1,9 @@
 """The native EAGLE draft layer (plugins/draft_layer): one call per head forward on int8 weights. Checked against the
 torch route over the same int8 copies (the catch-up forward over a KVCache with a causal mask, level forwards over a
-DraftTreeCache with tree masks, with and without q/k/v biases, heads 16 and 24 wide (the vector and the scalar
+DraftTreeCache with tree masks, with and without q/k/v biases, heads 16 and 20 wide (the vector and the scalar
 attention), float32 and bfloat16), the keys and values it writes into the head's cache, its int8 matmul against
-torch's int8 kernel, the heads it cannot run (which keep the torch route), the portable build (no AVX-512) against
-this CPU's, and greedy output through it: plain decoding's, static and EAGLE-2 trees."""
+torch's int8 kernel, the heads it cannot run (which keep the torch route), the other routes' builds (AVX2, portable)
+against this CPU's, and greedy output through it: plain decoding's, static and EAGLE-2 trees."""
 
 from __future__ import annotations
 
@@ -74,12 +74,14 @@ def _close(got, want, dtype):
 
 @pytest.fixture(scope="module")
 def odd_head_dir(tmp_path_factory):
-    """A target whose EAGLE head has 24-wide heads (96 / 4): attention off the 16-lane route, RoPE over 12 pairs."""
-    return make_checkpoint(tmp_path_factory.mktemp("native24") / "llama2", "llama2", hidden_size=96)
+    """A target whose EAGLE head has 20-wide heads (160 / 8): attention off every vector route (8 and 16 lanes), RoPE
+    over 10 pairs."""
+    return make_checkpoint(tmp_path_factory.mktemp("native20") / "llama2", "llama2", hidden_size=160,
+                           num_attention_heads=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_fast_bf16)])
-@pytest.mark.parametrize("qkv_bias,head_size", [(False, 16), (True, 16), (False, 24)])
+@pytest.mark.parametrize("qkv_bias,head_size", [(False, 16), (True, 16), (False, 20)])
 def test_catch_up_forward_matches_the_torch_route(target_dir, odd_head_dir, tmp_path, dtype, qkv_bias, head_size):
     model, native, plain = _drafters(target_dir if head_size == 16 else odd_head_dir, tmp_path, dtype, qkv_bias)
     assert native.head.native.head_dim == head_size
@@ -134,13 +136,17 @@ def test_matmul_matches_torchs_int8_kernel(rows):
         native_layer.matmul(native_layer.Int8Matrix.of(q, scale), torch.randn(rows, 64))
 
 
-@pytest.fixture(scope="module")
-def portable():
-    """The kernels built without AVX-512: the loops a CPU without it runs (skipped where the compiler refuses)."""
+# The routes a CPU may run besides its own: AVX2 + FMA (what a CPU without AVX-512 runs) and the portable loops.
+OTHER_ROUTES = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_ROUTES))
+def portable(request):
+    """The kernels built for another route than this CPU's best (skipped where the compiler refuses)."""
     try:
-        lib, _, _ = native_build.build(native_layer.SOURCE, "eagle_layer_portable", ("-mno-avx512f",))
+        lib, _, _ = native_build.build(native_layer.SOURCE, f"eagle_layer_{request.param}", OTHER_ROUTES[request.param])
     except native_build.BUILD_ERRORS as exc:
-        pytest.skip(f"no build without AVX-512 here: {exc}")
+        pytest.skip(f"no {request.param} build here: {exc}")
     return native_layer.bind(lib)
 
 

@@ -16,57 +16,93 @@
 
 #include "../bf16.h"
 
-#define LANES 16
+#define LANES 16 /* the chunk `in` is a multiple of (with 2x: WIDTH_MULTIPLE in native.py); one or two vectors */
 
 
 #define ROWS 4  /* rows a weight chunk is multiplied into at once (independent accumulators) */
 
-#ifdef __AVX512F__
+/* One vector type for the routes below: VL float32 lanes. AVX-512 where the CPU has it, else AVX2 + FMA, else the
+   portable loops. Which route runs changes draft bits only within rounding, never what verification accepts. */
+#if defined(__AVX512F__)
 #include <immintrin.h>
-
-static inline __m512 load_i8(const int8_t *p) {  /* 16 int8 weights as float32 */
+#define VL 16
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfmadd _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+#define vset1 _mm512_set1_ps
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+static inline vec load_i8(const int8_t *p) {  /* VL int8 weights as float32 */
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-
-/* sum_i x[i] * w[i] for one row, `in` a multiple of LANES; four accumulators */
-static inline float dot_row(const float *x, const int8_t *w, int64_t in) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 4 * LANES <= in; i += 4 * LANES) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_i8(w + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + LANES), load_i8(w + i + LANES), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 2 * LANES), load_i8(w + i + 2 * LANES), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 3 * LANES), load_i8(w + i + 3 * LANES), a3);
-    }
-    for (; i < in; i += LANES) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load_i8(w + i), a0);
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-
-/* out[r] = sum_i x[r * in + i] * w[i] for R rows at once (two accumulators a row), `in` a multiple of 2 * LANES */
-#define DOT_ROWS(R)                                                                                          \
-    static inline void dot_rows_##R(const float *x, const int8_t *w, int64_t in, float *out) {               \
-        __m512 a[R][2];                                                                                      \
-        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                                 \
-        for (int64_t i = 0; i < in; i += 2 * LANES) {                                                        \
-            __m512 w0 = load_i8(w + i), w1 = load_i8(w + i + LANES);                                         \
-            for (int r = 0; r < R; r++) {                                                                    \
-                a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * in + i), w0, a[r][0]);                     \
-                a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * in + i + LANES), w1, a[r][1]);             \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));          \
-    }
-DOT_ROWS(2)
-DOT_ROWS(3)
-DOT_ROWS(4)
-
-static inline __m512 load_cache(const void *base, int is_bf16, int64_t idx) {  /* 16 cache values as float32 */
+static inline vec load_cache(const void *base, int is_bf16, int64_t idx) {  /* VL cache values as float32 */
     if (is_bf16) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     return _mm512_loadu_ps((const float *)base + idx);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfmadd _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+#define vset1 _mm256_set1_ps
+static inline float vsum(vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vec load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vec load_cache(const void *base, int is_bf16, int64_t idx) {
+    if (is_bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + idx);
+}
+#endif
+
+#ifdef VL
+/* sum_i x[i] * w[i] for one row, `in` a multiple of LANES; four accumulators */
+static inline float dot_row(const float *x, const int8_t *w, int64_t in) {
+    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    int64_t i = 0;
+    for (; i + 4 * VL <= in; i += 4 * VL) {
+        a0 = vfmadd(vload(x + i), load_i8(w + i), a0);
+        a1 = vfmadd(vload(x + i + VL), load_i8(w + i + VL), a1);
+        a2 = vfmadd(vload(x + i + 2 * VL), load_i8(w + i + 2 * VL), a2);
+        a3 = vfmadd(vload(x + i + 3 * VL), load_i8(w + i + 3 * VL), a3);
+    }
+    for (; i < in; i += VL) a0 = vfmadd(vload(x + i), load_i8(w + i), a0);
+    return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+}
+
+/* out[r] = sum_i x[r * in + i] * w[i] for R rows at once (two accumulators a row), `in` a multiple of 2 * LANES */
+#define DOT_ROWS(R)                                                                                          \
+    static inline void dot_rows_##R(const float *x, const int8_t *w, int64_t in, float *out) {               \
+        vec a[R][2];                                                                                         \
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = vzero();                                             \
+        for (int64_t i = 0; i < in; i += 2 * VL) {                                                           \
+            vec w0 = load_i8(w + i), w1 = load_i8(w + i + VL);                                               \
+            for (int r = 0; r < R; r++) {                                                                    \
+                a[r][0] = vfmadd(vload(x + r * in + i), w0, a[r][0]);                                        \
+                a[r][1] = vfmadd(vload(x + r * in + i + VL), w1, a[r][1]);                                   \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) out[r] = vsum(vadd(a[r][0], a[r][1]));                                   \
+    }
+DOT_ROWS(2)
+DOT_ROWS(3)
+DOT_ROWS(4)
 #else
 static inline float dot_row(const float *x, const int8_t *w, int64_t in) {
     float acc[LANES] = {0};
@@ -180,12 +216,11 @@ int spectree_eagle_layer(
             if (j >= base && !vrow[j - base]) { s[j] = -INFINITY; continue; }
             int64_t at = g * stride_h + j * stride_s;
             float acc = 0.f;
-#ifdef __AVX512F__
-            if (d % LANES == 0) {
-                __m512 a = _mm512_setzero_ps();
-                for (int64_t i = 0; i < d; i += LANES)
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_cache(k_cache, is_bf16, at + i), a);
-                acc = _mm512_reduce_add_ps(a);
+#ifdef VL
+            if (d % VL == 0) {
+                vec a = vzero();
+                for (int64_t i = 0; i < d; i += VL) a = vfmadd(vload(q + i), load_cache(k_cache, is_bf16, at + i), a);
+                acc = vsum(a);
             } else
 #endif
             for (int64_t i = 0; i < d; i++) acc += q[i] * elem_load(k_cache, at + i, is_bf16);
@@ -200,12 +235,11 @@ int spectree_eagle_layer(
             float w = expf(s[j] - mx);
             sum += w;
             int64_t at = g * stride_h + j * stride_s;
-#ifdef __AVX512F__
-            if (d % LANES == 0) {
-                __m512 wv = _mm512_set1_ps(w);
-                for (int64_t i = 0; i < d; i += LANES)
-                    _mm512_storeu_ps(o + i, _mm512_fmadd_ps(wv, load_cache(v_cache, is_bf16, at + i),
-                                                            _mm512_loadu_ps(o + i)));
+#ifdef VL
+            if (d % VL == 0) {
+                vec wv = vset1(w);
+                for (int64_t i = 0; i < d; i += VL)
+                    vstore(o + i, vfmadd(wv, load_cache(v_cache, is_bf16, at + i), vload(o + i)));
                 continue;
             }
 #endif

@@ -6,7 +6,9 @@ forward is ~60 small ops (int8 matmuls, RoPE, the cache write, a masked attentio
 dispatch, not the 4 MB of int8 weights, was most of its time: on SmolLM2-135M's head on 2 AMD EPYC cores, ~1.3 ms
 for a 2-row forward with cold caches against ~0.2 ms to read the weights; drafting went from 4.2 to 2.9 ms per step
 (commit 79251af). Here the forward is one call: the matmuls multiply a few rows into each int8 weight row as it
-streams by (AVX-512 where the CPU has it), and everything between them runs on float32 rows in place.
+streams by (AVX-512 where the CPU has it, else AVX2 + FMA, else portable loops), and everything between them runs
+on float32 rows in place. On an AVX2-only EPYC the AVX2 route runs the head's int8 matmuls 2-3.5x faster than the
+portable loops (the 8192-row draft lm_head: 0.22 ms for one row, at the machine's bandwidth).
 
 Arithmetic: the torch route rounds activations to the model's dtype (bf16) between ops; this keeps float32 from the
 layer's input to its output, and writes the new keys and values to the cache in the cache's dtype (as the torch
