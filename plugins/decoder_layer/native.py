@@ -17,6 +17,7 @@ overlap on a layer (a decode step runs its layers in turn).
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,20 +102,20 @@ def _matrix(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None, keep:
 @dataclass(frozen=True)
 class Prepared:
     """A layer's weights as the call reads them (`prepare`): the argument block with its static fields filled, what
-    it points into kept alive, and the identity of the tensors it was made from (`current`)."""
+    it points into kept alive, and what makes it stale (`current`)."""
 
     args: _Layer
     keep: tuple
-    made_from: tuple
+    made_from: tuple  # the weight objects it was made from (tensors, BlockWeights), in the caller's order
+    leaves: tuple[torch.Tensor, ...]  # their tensors with version counters (`stream_linear.version_leaves`)
+    versions: list[int]  # those counters when it was made
 
     def current(self, tensors: tuple) -> bool:
-        return _identity(tensors) == self.made_from
-
-
-def _identity(tensors: tuple) -> tuple:
-    """What makes a prepared block stale: another tensor (a load or a move replaces them) or an in-place edit (its
-    version, `stream_linear.version`)."""
-    return tuple((id(t), stream_linear.version(t)) for t in tensors)
+        """Whether these are the objects it was made from, none edited in place since. Checked for every layer of
+        every forward: identity and version counters compared directly (~1 us a layer)."""
+        made = self.made_from
+        return (len(tensors) == len(made) and all(map(operator.is_, tensors, made))
+                and [t._version for t in self.leaves] == self.versions)
 
 
 def prepare(
@@ -137,7 +138,8 @@ def prepare(
     args = _Layer(0, h, hq, hkv, d, inter, 1, 0, eps, scale, None, None, norms[0].data_ptr(), norms[1].data_ptr(),
                   *mats, None, None, None, None, 0, 0, None, 0, *lib.kernels)
     tensors = (*norms, *(t for pair in matrices for t in pair if t is not None))
-    return Prepared(args, (*keep, *tensors), _identity(tensors))
+    leaves = tuple(leaf for t in tensors for leaf in stream_linear.version_leaves(t))
+    return Prepared(args, (*keep, *tensors), tensors, leaves, [t._version for t in leaves])
 
 
 def stack_forward(

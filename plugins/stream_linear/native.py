@@ -227,14 +227,18 @@ class Operands:
 _PACKED: dict[int, tuple[weakref.ref, int, Operands]] = {}
 
 
+def version_leaves(weight: torch.Tensor | BlockWeight) -> tuple[torch.Tensor, ...]:
+    """The tensors whose version counters an in-place edit of the weight moves (a BlockWeight's data, scale and
+    minimum); an inference tensor has none, so it is left out."""
+    tensors = (weight,) if isinstance(weight, torch.Tensor) else (
+        (weight.data, weight.scale) if weight.minimum is None else (weight.data, weight.scale, weight.minimum))
+    return tuple(t for t in tensors if not t.is_inference())
+
+
 def version(weight: torch.Tensor | BlockWeight) -> int:
-    """A count that an in-place edit of the weight moves (torch's version counter; a BlockWeight's tensors' summed):
-    with the weight's identity, what makes a copy made from it stale. -1 for an inference tensor, which has none."""
-    if isinstance(weight, torch.Tensor):
-        return -1 if weight.is_inference() else weight._version
-    # read for every matrix of every layer of every forward (the decoder layer's staleness check): no generator
-    minimum = weight.minimum
-    return version(weight.data) + version(weight.scale) + (0 if minimum is None else version(minimum))
+    """A count that an in-place edit of the weight moves (the summed version counters of its `version_leaves`): with
+    the weight's identity, what makes a copy made from it stale."""
+    return sum(t._version for t in version_leaves(weight))
 
 
 def _pack(lib: Library, fmt: int, src: torch.Tensor, scale: torch.Tensor | None, minimum: torch.Tensor | None,
@@ -318,5 +322,5 @@ def linear(
 
 
 __all__ = ["BlockWeight", "DTYPES", "FMT_BF16", "FMT_F32", "FMT_Q4", "FMT_Q8", "Library", "Operands", "QUANT_FORMATS",
-           "Q_BLOCK", "bf16_missing", "bf16_route", "operands", "quantized_activations", "version",
+           "Q_BLOCK", "bf16_missing", "bf16_route", "operands", "quantized_activations", "version", "version_leaves",
            "SOURCE", "bind", "covers", "linear", "load", "unavailable"]

@@ -74,15 +74,26 @@ def test_the_native_layer_gives_the_torch_routes_bits(ckpts, variant, quantizati
             assert torch.equal(got, want), (prefix, nodes)
 
 
-def test_negative_control_the_comparison_sees_one_changed_bit(ckpts, monkeypatch):
-    """The equality above can fail: one weight moved by one bf16 step changes the compared outputs."""
+@pytest.mark.parametrize("quantization", [None, "q4"])
+def test_negative_control_the_comparison_sees_one_changed_bit(ckpts, quantization, monkeypatch):
+    """The equality above can fail: one weight moved by one bf16 step (q4: one block's scale, in place) changes the
+    compared outputs. So an in-place edit after a forward reaches the next one (the layer's prepared arguments are
+    made again: `Prepared.current`), and gives what a model made with the edit gives."""
     model = TargetModel.from_pretrained(ckpts["llama3"], dtype="bfloat16")
+    if quantization:
+        model.quantize_weights(quantization)
     before = _step(model, 23, 9, 0, True, monkeypatch)
     with torch.no_grad():
-        w = model.model.layers[1].mlp.down_proj.weight
-        w[3, 5] = torch.nextafter(w[3, 5].float(), torch.tensor(10.0)).bfloat16() + w[3, 5] * 2**-7
+        if quantization:
+            model.model.layers[1].mlp.blocks[1].scale[3, 0] *= 1.25
+        else:
+            w = model.model.layers[1].mlp.down_proj.weight
+            w[3, 5] = torch.nextafter(w[3, 5].float(), torch.tensor(10.0)).bfloat16() + w[3, 5] * 2**-7
     after = _step(model, 23, 9, 0, True, monkeypatch)
     assert not torch.equal(before[1], after[1])
+    for layer in model.model.layers:
+        layer._prepared = None
+    assert torch.equal(after[1], _step(model, 23, 9, 0, True, monkeypatch)[1])
 
 
 @pytest.mark.parametrize("variant", ["llama3", "qwen2"])
