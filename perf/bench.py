@@ -77,9 +77,10 @@ class VariantSpec:
         NAME   optional label for reports (default: DRAFT as written), e.g. "medusa-tuned=medusa:[[0],...]"
         DRAFT  a drafter in DraftSpec's grammar, KIND[:TREE][+KEY=VALUE...] (runtime.draft_spec.DraftSpec.parse);
                "plain" is kind PLAIN (plain decoding, already a baseline). What it leaves unset comes from the
-               configured drafter (`resolve`): the tree (its options, quantization and pruning) when KIND is the
-               configured drafter's and neither a tree nor options are given, the weights from --draft-model or the
-               configured drafter's, max_draft_len (most draft nodes per step, which cuts a static tree to a prefix
+               configured drafter (`resolve`): the tree (its options and pruning) when KIND is the configured
+               drafter's and neither a tree nor options are given; the head's quantization whenever KIND is the
+               configured drafter's (a tree compared with the configured one runs the same head); the weights from
+               --draft-model or the configured drafter's, max_draft_len (most draft nodes per step, which cuts a static tree to a prefix
                of its canonical order) from the config's / engine's limit.
     e.g. "medusa:mc_sim_7b_63", "medusa:chain-3", "eagle", "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4".
     """
@@ -297,10 +298,11 @@ def resolve(spec: VariantSpec, target: Target, draft_models: Mapping[str, Path])
             raise BenchConfigError(
                 f"drafter spec {spec.name!r} needs {draft.kind} head weights: pass --draft-model {draft.kind}=DIR "
                 f"(the {target.kind} was configured for drafter {conf.kind!r})")
+    if same and draft.quantization is None:
+        draft = dataclasses.replace(draft, quantization=conf.quantization)
     if same and draft.dynamic is None and draft.lookup is None:  # no options given: the configured ones
         if draft.tree is None:
             draft = dataclasses.replace(draft, tree=conf.tree, dynamic=conf.dynamic, lookup=conf.lookup,
-                                        quantization=draft.quantization or conf.quantization,
                                         pruning=draft.pruning or conf.pruning)
         elif draft.tree == DYNAMIC and conf.static_tree is None:
             draft = dataclasses.replace(draft, dynamic=conf.dynamic)

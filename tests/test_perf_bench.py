@@ -20,10 +20,12 @@ from perf.bench import (
     BenchConfig,
     BenchConfigError,
     Run,
+    Target,
     Variant,
     VariantSpec,
     check_identity,
     parse_specs,
+    resolve,
     speedup_interval,
     split_specs,
     summarize,
@@ -225,6 +227,21 @@ def test_spec_grammar():
     assert split_specs("lookup, medusa:[[0],[1],[0,0]] ,eagle:chain-2") == ["lookup", "medusa:[[0],[1],[0,0]]",
                                                                            "eagle:chain-2"]
     assert [s.draft.kind for s in parse_specs("medusa:mc_sim_7b_63,eagle,lookup")] == ["medusa", "eagle", "lookup"]
+
+
+def test_a_variant_of_the_configured_kind_runs_the_configured_heads_quantization(tmp_path):
+    """Whatever tree a variant names, its head runs as configured (int8 here) unless it says otherwise; its tree,
+    options and pruning come from the configuration only when it names none."""
+    conf = DraftSpec("eagle", path=tmp_path, tree=Tree.from_choices([[0], [1], [0, 0]]), quantization="int8",
+                     max_draft_len=8)
+    target = Target("checkpoint", tmp_path, None, None, conf)
+    chain = resolve(VariantSpec.parse("eagle:chain-2"), target, {})
+    assert (chain.quantization, chain.tree, Path(chain.path)) == ("int8", Tree.from_choices([[0], [0, 0]]), tmp_path)
+    assert resolve(VariantSpec.parse("eagle:chain-2+quantization=int4"), target, {}).quantization == "int4"
+    assert resolve(VariantSpec.parse("eagle"), target, {}).tree == conf.tree
+    other = DraftSpec("medusa", path=tmp_path, max_draft_len=8)  # another kind configured: nothing of it
+    assert resolve(VariantSpec.parse("eagle:chain-2"), Target("checkpoint", tmp_path, None, None, other),
+                   {"eagle": tmp_path}).quantization is None
 
 
 @pytest.mark.parametrize("text,message", [
