@@ -7,6 +7,8 @@ against this CPU's, and greedy output through it: plain decoding's, static and E
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,9 +16,10 @@ import runtime
 from plugins import native_build
 from plugins.draft_layer import native as native_layer
 from runtime.drafters.eagle import DraftTreeCache, EagleDrafter, load_eagle_head
+from runtime.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from runtime.model import TargetModel, causal_mask
 from runtime.tree import Tree
-from tests.heads import write_eagle_head
+from tests.heads import write_eagle3_head, write_eagle_head
 from tests.tiny import make_checkpoint
 from tests.cpu_marks import needs_fast_bf16
 
@@ -30,12 +33,31 @@ def target_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("native") / "llama3", "llama3")
 
 
-def _qkv_biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _qkv_biases(state: dict[str, torch.Tensor], prefix: str = "layers.0.") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     for name in ("q", "k", "v"):
-        rows = state[f"layers.0.self_attn.{name}_proj.weight"].shape[0]
-        state[f"layers.0.self_attn.{name}_proj.bias"] = 0.3 * torch.randn(rows, generator=gen)
+        rows = state[f"{prefix}self_attn.{name}_proj.weight"].shape[0]
+        state[f"{prefix}self_attn.{name}_proj.bias"] = 0.3 * torch.randn(rows, generator=gen)
     return state
+
+
+@pytest.fixture(scope="module")
+def target3_dir(tmp_path_factory):
+    """A target deep enough for an EAGLE-3 head's default feature layers."""
+    return make_checkpoint(tmp_path_factory.mktemp("native3") / "llama3", "llama3", num_hidden_layers=8)
+
+
+def _eagle3_drafters(target_dir, tmp_path, dtype, qkv_bias=False, norm_before_residual=False):
+    """As `_drafters`, for an EAGLE-3 head (its midlayer: attention over the normed [embeddings | features])."""
+    model = TargetModel.from_pretrained(target_dir, dtype=dtype)
+    heads = write_eagle3_head(tmp_path / "eagle3", target_dir, seed=3,
+                              config_overrides={"attention_bias": qkv_bias or None,
+                                                "norm_before_residual": norm_before_residual or None},
+                              state_hook=(lambda st: _qkv_biases(st, "midlayer.")) if qkv_bias else None)
+    native, plain = (Eagle3Drafter(load_eagle3_head(heads, model), model, tree=TREE, quantization="int8")
+                     for _ in range(2))
+    plain.head.native, plain.lm_native = None, None
+    return model, native, plain
 
 
 def _drafters(target_dir, tmp_path, dtype, qkv_bias=False, **head_kw):
@@ -96,6 +118,41 @@ def test_catch_up_forward_matches_the_torch_route(target_dir, odd_head_dir, tmp_
         for k in ("k", "v"):  # the new keys and values land where the torch route writes them
             new = [getattr(c, k)[0, 0, :, 20:20 + n] for c in caches]
             _close(new[0], new[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_fast_bf16)])
+@pytest.mark.parametrize("qkv_bias,norm_before_residual", [(False, False), (True, False), (False, True)])
+def test_an_eagle3_midlayer_matches_its_torch_route(target3_dir, tmp_path, dtype, qkv_bias, norm_before_residual):
+    """EAGLE-3's midlayer through the native call: the catch-up forward, its keys and values, and the level forwards
+    over a draft tree, against the torch route over the same int8 copies; its draft logits through the native
+    matmul against the torch route's."""
+    model, native, plain = _eagle3_drafters(target3_dir, tmp_path, dtype, qkv_bias, norm_before_residual)
+    assert native.head.native is not None and native.head.native.fc is None and native.lm_native is not None
+    assert native.head.native.norm_before_residual == norm_before_residual
+    for n in (1, 3, 5, 9):
+        caches = [_prefilled(d, model, 20) for d in (native, plain)]
+        embeds, feats = _inputs(model, n, n)
+        positions = torch.arange(20, 20 + n)[None]
+        got, want = (d.head(embeds, feats, positions, c, causal_mask(n)) for d, c in zip((native, plain), caches))
+        assert got.shape == want.shape == (1, n, model.config.hidden_size) and got.dtype == want.dtype == dtype
+        _close(got, want, dtype)
+        _close(native.draft_logits(got[0]), plain.draft_logits(want[0]), dtype)
+        for k in ("k", "v"):
+            new = [getattr(c, k)[0, 0, :, 20:20 + n] for c in caches]
+            _close(new[0], new[1], dtype)
+    for got, want in zip(_levels(native, model, LEVEL_2), _levels(plain, model, LEVEL_2)):
+        _close(got, want, dtype)
+
+
+def test_eagle3_negative_control_the_residual_is_seen(target3_dir, tmp_path):
+    """The comparison above sees which residual the layer adds: a native layer told the other one differs."""
+    model, native, plain = _eagle3_drafters(target3_dir, tmp_path, torch.float32)
+    embeds, feats = _inputs(model, 3, 3)
+    positions = torch.arange(20, 23)[None]
+    want = plain.head(embeds, feats, positions, _prefilled(plain, model, 20), causal_mask(3))
+    native.head.native = dataclasses.replace(native.head.native, norm_before_residual=True)
+    got = native.head(embeds, feats, positions, _prefilled(native, model, 20), causal_mask(3))
+    assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
 # a static tree's levels: two nodes that see themselves only, then three under them (node 2 and 3 under 0, 4 under 1)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import runtime
+from plugins.draft_layer import native as native_layer
 from runtime.draft_spec import DraftSpec
 from runtime.drafters import load_drafter
 from runtime.drafters.draft_vocab import DraftVocab
@@ -205,12 +206,14 @@ def head_dir(tmp_path_factory, target_dir):
     ('[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]', {}, None),
     ('[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]', {"min_path_prob": 0.05}, None),
     (None, {"total_tokens": 10, "depth": 3, "top_k": 3}, "int8"),
+    ('[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]', {}, "int8"),
     ("chain-3", {"num_draft_tokens": 4}, None),  # prompt lookup merged into its trees
 ])
 def test_greedy_output_is_plain_decoding(target_dir, head_dir, tree, opts, quantization):
     plain = runtime.load(target_dir)
     spec = runtime.load(target_dir, draft_model=head_dir, tree=tree, draft_quantization=quantization, **opts)
     assert spec.drafter.name == "eagle3"  # told by its layout: no draft= given
+    assert (spec.drafter.head.native is not None) == (quantization == "int8" and native_layer.load() is not None)
     drafted = 0
     for prompt in PROMPTS[:4]:
         a = plain.generate(prompt, max_tokens=20, ignore_eos=True)
@@ -250,11 +253,13 @@ def _accepting_head(tmp_path, target_dir, model: TargetModel) -> tuple[Path, lis
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_k=5, top_p=0.95)],
                          ids=["T1.0", "T0.7"])
-def test_sampled_output_follows_the_target(tmp_path, target_dir, target, kw):
+@pytest.mark.parametrize("quantization", [None, "int8"])  # int8: the midlayer's native one-call route
+def test_sampled_output_follows_the_target(tmp_path, target_dir, target, kw, quantization):
     head, keep = _accepting_head(tmp_path, target_dir, target)
     tree = Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
-    drafter = load_drafter(DraftSpec.create("eagle3", path=head, tree=tree), target)
+    drafter = load_drafter(DraftSpec.create("eagle3", path=head, tree=tree, quantization=quantization), target)
     assert drafter.head.vocab.target_ids.tolist() == keep
+    assert (drafter.head.native is not None) == (quantization == "int8" and native_layer.load() is not None)
     from runtime.decode import SpecDecoder
 
     dec = SpecDecoder(target, None, drafter, tree.num_nodes)

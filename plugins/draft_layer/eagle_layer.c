@@ -1,8 +1,12 @@
-/* One EAGLE-1 draft layer forward on int8 weights, in one call (plugins/draft_layer/native.py says why).
+/* One EAGLE draft layer forward on int8 weights, in one call (plugins/draft_layer/native.py says why).
 
-   x0 = fc([embeds | features])                 (no input norm: EAGLE-1's layer 0)
-   x1 = x0 + o(attention(rope(q(x0)), cache + rope(k(x0)), cache + v(x0)))
-   out = x1 + down(silu(gate(norm(x1))) * up(norm(x1)))
+   EAGLE-1 (fc given; its layer 0 has no input norm):
+     x0 = fc([embeds | features]);  a = x0;  residual = x0
+   EAGLE-3 (no fc: the "midlayer", attention over 2H):
+     a = [input_norm(embeds) | hidden_norm(features)];  residual = features (or hidden_norm(features))
+   then, both:
+     x1 = residual + o(attention(rope(q(a)), cache + rope(k(a)), cache + v(a)))
+     out = x1 + down(silu(gate(norm(x1))) * up(norm(x1)))
 
    Weights are int8 with one float scale per output row (runtime.model.Int8Weight: w ~= scale[o] * q[o, i]).
    Activations stay float32 throughout (the torch route rounds to bf16 between ops); the new keys and values are
@@ -153,6 +157,18 @@ static void rope_angles(float *cs, int64_t half, int64_t pos, const float *inv_f
     }
 }
 
+/* y [n, hidden] = RMSNorm of each row of x (row stride x_stride) with weight w, into y's rows (stride y_stride). */
+static void rms_rows(const float *x, int64_t x_stride, int64_t n, int64_t hidden, const float *w, float eps, float *y,
+                     int64_t y_stride) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * x_stride;
+        float ss = 0.f;
+        for (int64_t i = 0; i < hidden; i++) ss += xr[i] * xr[i];
+        float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) y[r * y_stride + i] = xr[i] * inv * w[i];
+    }
+}
+
 /* Rotate-half RoPE of one head vector x [d] in place, by its position's angles cs [d] (rope_angles). */
 static void rope(float *x, int64_t d, const float *cs) {
     int64_t half = d / 2;
@@ -167,10 +183,14 @@ static void rope(float *x, int64_t d, const float *cs) {
 int spectree_eagle_layer(
     const float *x_in, int64_t n, int64_t hidden,            /* [n, 2 * hidden]: embeddings | features */
     const int64_t *positions, const float *inv_freq,          /* [n], [head_dim / 2] */
-    const int8_t *fc_w, const float *fc_s, const float *fc_b, /* [hidden, 2 hidden]; fc_b may be NULL */
-    const int8_t *qkv_w, const float *qkv_s, const float *qkv_b, /* [(hq + 2 hkv) d, hidden]; bias may be NULL */
+    const int8_t *fc_w, const float *fc_s, const float *fc_b, /* EAGLE-1: [hidden, 2 hidden]; fc_b may be NULL;
+                                                                 NULL: EAGLE-3 (in_norm_w, hid_norm_w) */
+    const float *in_norm_w, const float *hid_norm_w,          /* EAGLE-3: the embeddings' and features' RMSNorms */
+    int norm_before_residual,                                 /* EAGLE-3: the residual is the features' norm */
+    const int8_t *qkv_w, const float *qkv_s, const float *qkv_b, /* [(hq + 2 hkv) d, hidden or 2 hidden]; bias may
+                                                                    be NULL */
     const int8_t *o_w, const float *o_s,                      /* [hidden, hq d] */
-    const float *norm_w, float eps,                           /* post-attention RMSNorm [hidden] */
+    const float *norm_w, float eps,                           /* post-attention RMSNorm [hidden]; every norm's eps */
     const int8_t *gu_w, const float *gu_s, int64_t inter,     /* [2 inter, hidden]: gate | up */
     const int8_t *down_w, const float *down_s,                /* [hidden, inter] */
     int64_t hq, int64_t hkv, int64_t d, float scale,
@@ -179,7 +199,9 @@ int spectree_eagle_layer(
     float *out)                                               /* [n, hidden] */
 {
     int64_t qkv_out = (hq + 2 * hkv) * d, keys = length + n, group = hq / hkv;
-    float *x0 = malloc(sizeof(float) * n * hidden);
+    const int64_t a_width = fc_w ? hidden : 2 * hidden; /* the attention's input width */
+    float *a = malloc(sizeof(float) * n * a_width);
+    float *res = malloc(sizeof(float) * n * hidden);
     float *qkv = malloc(sizeof(float) * n * qkv_out);
     float *att = malloc(sizeof(float) * n * hq * d);
     float *x1 = malloc(sizeof(float) * n * hidden);
@@ -188,12 +210,22 @@ int spectree_eagle_layer(
     float *act = malloc(sizeof(float) * n * inter);
     float *scores = malloc(sizeof(float) * n * hq * keys);
     float *cs = malloc(sizeof(float) * d);
-    if (!x0 || !qkv || !att || !x1 || !h || !gu || !act || !scores || !cs) {
-        free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores); free(cs);
+    if (!a || !res || !qkv || !att || !x1 || !h || !gu || !act || !scores || !cs) {
+        free(a); free(res); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores); free(cs);
         return 1;
     }
-    qmatmul(x_in, n, 2 * hidden, fc_w, fc_s, fc_b, hidden, x0);
-    qmatmul(x0, n, hidden, qkv_w, qkv_s, qkv_b, qkv_out, qkv);
+    if (fc_w) {
+        qmatmul(x_in, n, 2 * hidden, fc_w, fc_s, fc_b, hidden, a);
+        memcpy(res, a, sizeof(float) * n * hidden);
+    } else {
+        rms_rows(x_in, 2 * hidden, n, hidden, in_norm_w, eps, a, 2 * hidden);
+        rms_rows(x_in + hidden, 2 * hidden, n, hidden, hid_norm_w, eps, a + hidden, 2 * hidden);
+        for (int64_t r = 0; r < n; r++) {
+            const float *from = norm_before_residual ? a + r * 2 * hidden + hidden : x_in + r * 2 * hidden + hidden;
+            memcpy(res + r * hidden, from, sizeof(float) * hidden);
+        }
+    }
+    qmatmul(a, n, a_width, qkv_w, qkv_s, qkv_b, qkv_out, qkv);
     for (int64_t r = 0; r < n; r++) {  /* RoPE on q and k heads; k and v into the cache at slot length + r */
         float *row = qkv + r * qkv_out;
         rope_angles(cs, d / 2, positions[r], inv_freq);  /* once per row, for all its q and k heads */
@@ -248,15 +280,8 @@ int spectree_eagle_layer(
         for (int64_t i = 0; i < d; i++) o[i] /= sum;
     }
     qmatmul(att, n, hq * d, o_w, o_s, NULL, hidden, x1);
-    for (int64_t r = 0; r < n; r++) {
-        float ss = 0.f;
-        for (int64_t i = 0; i < hidden; i++) {
-            x1[r * hidden + i] += x0[r * hidden + i];
-            ss += x1[r * hidden + i] * x1[r * hidden + i];
-        }
-        float inv = 1.f / sqrtf(ss / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i++) h[r * hidden + i] = x1[r * hidden + i] * inv * norm_w[i];
-    }
+    for (int64_t i = 0; i < n * hidden; i++) x1[i] += res[i];
+    rms_rows(x1, hidden, n, hidden, norm_w, eps, h, hidden);
     qmatmul(h, n, hidden, gu_w, gu_s, NULL, 2 * inter, gu);
     for (int64_t r = 0; r < n; r++)
         for (int64_t i = 0; i < inter; i++) {
@@ -265,7 +290,7 @@ int spectree_eagle_layer(
         }
     qmatmul(act, n, inter, down_w, down_s, NULL, hidden, out);
     for (int64_t i = 0; i < n * hidden; i++) out[i] += x1[i];
-    free(x0); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores); free(cs);
+    free(a); free(res); free(qkv); free(att); free(x1); free(h); free(gu); free(act); free(scores); free(cs);
     return 0;
 }
 

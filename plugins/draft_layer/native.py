@@ -1,4 +1,6 @@
-"""An EAGLE-1 draft layer's whole forward on int8 weights in one native call (eagle_layer.c), for CPU drafting.
+"""An EAGLE draft layer's whole forward on int8 weights in one native call (eagle_layer.c), for CPU drafting: EAGLE-1's
+layer (fc, then a decoder layer without input norm) or EAGLE-3's midlayer (attention over the normed [embeddings |
+features]).
 
 Why: a speculative step drafts with three head forwards of a few rows each (the accepted tokens' catch-up, then one
 per tree level), right after a target forward has streamed the target's weights through the caches. In torch each
@@ -52,23 +54,28 @@ class Int8Matrix:
 
 @dataclass(frozen=True)
 class EagleLayerWeights:
-    """What the kernel needs of an EAGLE-1 head with one decoder layer (no input norm, o_proj and MLP without bias)."""
+    """What the kernel needs of an EAGLE head's one decoder layer (o_proj and MLP without bias): EAGLE-1's (`fc`
+    given; no input norm) or EAGLE-3's midlayer (`input_norms` given: attention over the normed [embeddings |
+    features], 2H wide)."""
 
-    fc: Int8Matrix  # [H, 2H]: [embeddings | features] -> H
-    qkv: Int8Matrix  # [(Hq + 2 Hkv) D, H]: q | k | v
+    fc: Int8Matrix | None  # EAGLE-1: [H, 2H]: [embeddings | features] -> H; None for EAGLE-3
+    qkv: Int8Matrix  # [(Hq + 2 Hkv) D, H] (EAGLE-1) or [(Hq + 2 Hkv) D, 2H] (EAGLE-3): q | k | v
     o: Int8Matrix  # [H, Hq D]
     norm: torch.Tensor  # [H] float32: the post-attention RMSNorm's weight
-    eps: float
+    eps: float  # every RMSNorm's
     gate_up: Int8Matrix  # [2 I, H]: gate | up
     down: Int8Matrix  # [H, I]
     inv_freq: torch.Tensor  # [D / 2] float32: RoPE's frequencies, scaling folded in
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # EAGLE-3: the embeddings' (input_layernorm) and features' (hidden_norm) RMSNorm weights, each [H] float32
+    input_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    norm_before_residual: bool = False  # EAGLE-3: the residual is the features' norm, not the features
 
     @property
     def hidden(self) -> int:
-        return self.fc.q.shape[0]
+        return self.o.q.shape[0]
 
     @property
     def intermediate(self) -> int:
@@ -77,18 +84,25 @@ class EagleLayerWeights:
     def unsupported(self) -> str | None:
         """Why the kernel cannot run these weights (None: it can)."""
         h, d, hq, hkv = self.hidden, self.head_dim, self.num_heads, self.num_kv_heads
+        if (self.fc is None) == (self.input_norms is None):
+            return "exactly one of fc (EAGLE-1) and input_norms (EAGLE-3) must be given"
         widths = (("hidden size", h), ("intermediate size", self.intermediate), ("heads x head size", hq * d))
         for name, width in widths:
             if width % WIDTH_MULTIPLE:
                 return f"{name} {width} is not a multiple of {WIDTH_MULTIPLE}"
         if d % 2 or hq % hkv:
             return f"head size {d} must be even and {hq} query heads a multiple of {hkv} KV heads"
-        shapes = {"fc": (self.fc.q, (h, 2 * h)), "qkv": (self.qkv.q, ((hq + 2 * hkv) * d, h)),
-                  "o": (self.o.q, (h, hq * d)), "gate_up": (self.gate_up.q, (2 * self.intermediate, h)),
-                  "down": (self.down.q, (h, self.intermediate))}
+        attention_in = h if self.fc is not None else 2 * h
+        shapes = {"qkv": (self.qkv.q, ((hq + 2 * hkv) * d, attention_in)), "o": (self.o.q, (h, hq * d)),
+                  "gate_up": (self.gate_up.q, (2 * self.intermediate, h)), "down": (self.down.q, (h, self.intermediate))}
+        if self.fc is not None:
+            shapes["fc"] = (self.fc.q, (h, 2 * h))
         for name, (q, shape) in shapes.items():
             if tuple(q.shape) != shape or q.dtype != torch.int8 or q.device.type != "cpu":
                 return f"{name} is {tuple(q.shape)} {q.dtype} on {q.device}, expected {shape} int8 on cpu"
+        for name, t in zip(("input_layernorm", "hidden_norm"), self.input_norms or ()):
+            if tuple(t.shape) != (h,) or t.dtype != torch.float32:
+                return f"{name} is {tuple(t.shape)} {t.dtype}, expected ({h},) float32"
         return None
 
 
@@ -106,7 +120,8 @@ def bind(lib: ctypes.CDLL) -> Kernels:
     fn.restype = ctypes.c_int
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.argtypes = [ptr, i64, i64, ptr, ptr,  # x, n, hidden, positions, inv_freq
-                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # fc q/scale/bias, qkv q/scale/bias, o q/scale
+                   ptr, ptr, ptr, ptr, ptr, ctypes.c_int,  # fc q/scale/bias, EAGLE-3's two norms, norm_before_residual
+                   ptr, ptr, ptr, ptr, ptr,  # qkv q/scale/bias, o q/scale
                    ptr, f32, ptr, ptr, i64, ptr, ptr,  # norm, eps, gate_up q/scale, intermediate, down q/scale
                    i64, i64, i64, f32,  # heads, kv heads, head size, attention scale
                    ptr, ptr, i64, i64, ctypes.c_int,  # k, v cache, their head and slot strides, bf16
@@ -194,8 +209,10 @@ def eagle_layer(
     vis = visible.to(torch.uint8).contiguous()
     out = torch.empty(n, h, dtype=torch.float32)
     w = weights
+    fc, norms = w.fc, w.input_norms or (None, None)
     rc = _kernels(kernels).layer(x.data_ptr(), n, h, positions.data_ptr(), w.inv_freq.data_ptr(),
-            w.fc.q.data_ptr(), w.fc.scale.data_ptr(), _ptr(w.fc.bias), w.qkv.q.data_ptr(), w.qkv.scale.data_ptr(),
+            _ptr(fc and fc.q), _ptr(fc and fc.scale), _ptr(fc and fc.bias), _ptr(norms[0]), _ptr(norms[1]),
+            int(w.norm_before_residual), w.qkv.q.data_ptr(), w.qkv.scale.data_ptr(),
             _ptr(w.qkv.bias), w.o.q.data_ptr(), w.o.scale.data_ptr(), w.norm.data_ptr(), w.eps,
             w.gate_up.q.data_ptr(), w.gate_up.scale.data_ptr(), w.intermediate, w.down.q.data_ptr(),
             w.down.scale.data_ptr(), w.num_heads, hkv, d, d**-0.5,

@@ -170,19 +170,36 @@ class EagleHead(nn.Module):
         cache: KVCache,
         tree_mask: torch.Tensor,  # [1, N, ceil(N / 32)] int32 packed
     ) -> torch.Tensor:  # [1, N, H]: predicted features f'_{t+1}
-        n = embeds.shape[1]
-        native = self.native is not None and n <= QUANT_MAX_ROWS and not torch.compiler.is_compiling()
-        view = _attention_view(cache, tree_mask, n) if native else None
-        if view is not None:
-            kv, base, visible = view
-            kv.open(n)
-            out = native_layer.eagle_layer(self.native, torch.cat([embeds[0], features[0]], dim=-1), positions[0],
-                                           kv.k[0, 0], kv.v[0, 0], kv.length, base, visible)
-            return out.to(self.fc.weight.dtype)[None]
+        out = native_forward(self, embeds, features, positions, cache, tree_mask)
+        if out is not None:
+            return out
         x = linear(torch.cat([embeds, features], dim=-1), self.fc_weight, self.fc.bias)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, cache, i, tree_mask)
         return x
+
+
+def native_forward(
+    head: Any,  # an EAGLE head (EagleHead, Eagle3Head) with its `native` weights (None: the torch route runs)
+    embeds: torch.Tensor,  # [1, N, H]
+    features: torch.Tensor,  # [1, N, H]
+    positions: torch.Tensor,  # [1, N] int64
+    cache: Any,
+    tree_mask: torch.Tensor | None,  # [1, N, ceil(N / 32)] int32 packed
+) -> torch.Tensor | None:  # [1, N, H] in the head's dtype; None: the head's torch route runs
+    """The head's layer as one native call (plugins/draft_layer) where it applies: int8 weights it takes
+    (`head.native`), a step's few rows (QUANT_MAX_ROWS at most) and a cache it reads (`_attention_view`)."""
+    n = embeds.shape[1]
+    if head.native is None or n > QUANT_MAX_ROWS or torch.compiler.is_compiling():
+        return None
+    view = _attention_view(cache, tree_mask, n)
+    if view is None:
+        return None
+    kv, base, visible = view
+    kv.open(n)
+    out = native_layer.eagle_layer(head.native, torch.cat([embeds[0], features[0]], dim=-1), positions[0],
+                                   kv.k[0, 0], kv.v[0, 0], kv.length, base, visible)
+    return out.to(head.fc.weight.dtype)[None]
 
 
 def _attention_view(

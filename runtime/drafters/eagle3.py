@@ -10,8 +10,9 @@ aux hidden states). One decoder layer ("midlayer") maps (embedding of x_{t+1}, g
 its own output layer over its draft vocabulary: lm_head(norm(o)) # [K], mapped to target ids by d2t. While drafting,
 a node at depth d >= 1 is fed (its token, its parent's o) at position L - 1 + d: its parent's pre-norm output
 stands in for the feature, as in EAGLE-1. So drafting is EAGLE-1's (`runtime.drafters.eagle`: static trees, EAGLE-2's
-dynamic tree, pruning, the reduced vocabulary, int8 / int4 weights), with this head and these features; the native
-one-call layer (`plugins/draft_layer`) is EAGLE-1's shape only, so an EAGLE-3 head runs the torch route.
+dynamic tree, pruning, the reduced vocabulary, int8 / int4 weights), with this head and these features. With int8
+weights on the CPU the midlayer runs as one native call (`plugins/draft_layer`, as EAGLE-1's layer does), the fc over
+the target's features through torch's int8 kernel.
 
 Checkpoint (the EAGLE repository's eagle/model/cnets.py `Model`, read at SafeAILab/EAGLE@148042c5; the keys and
 config fields vLLM (vllm/model_executor/models/llama_eagle3.py), SGLang (python/sglang/srt/models/llama_eagle3.py)
@@ -46,15 +47,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from plugins.draft_layer import native as native_layer
 from runtime.checkpoint import IGNORED_SUFFIXES, read_head_state
 from runtime.config import ModelConfig
 from runtime.draft_spec import DraftSpec, DynamicTreeOptions
 from runtime.drafters.draft_vocab import DraftVocab
-from runtime.drafters.eagle import CONFIG_FILE, WEIGHT_FILES, EagleDrafter, EagleKind, _read_config
+from runtime.drafters.eagle import (CONFIG_FILE, WEIGHT_FILES, EagleDrafter, EagleKind, _read_config,
+                                   native_forward)
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
-from runtime.model import (MLP, Attention, PackedWeight, QuantizedWeight, RMSNorm, check_feature_layers, linear)
+from runtime.model import (MLP, Attention, Int8Weight, PackedWeight, QuantizedWeight, RMSNorm, check_feature_layers,
+                           linear)
 from runtime.rope import RotaryEmbedding
 
 NAME = "eagle3"
@@ -151,7 +155,8 @@ class Eagle3Head(nn.Module):
 
     fc_quantized: QuantizedWeight | None = None  # set by quantize()
     fc_packed: PackedWeight | None = None  # set by pack()
-    native = None  # the native one-call layer runs EAGLE-1's layer only
+    # set by quantize(Int8Weight) where the midlayer runs as one native call (plugins/draft_layer)
+    native: native_layer.EagleLayerWeights | None = None
 
     def __init__(self, config: ModelConfig, target_hidden: int, layers: tuple[int, ...], fc_bias: bool,
                  own_embedding: bool, lm_rows: int | None, norm_before_residual: bool,
@@ -170,7 +175,7 @@ class Eagle3Head(nn.Module):
         self.register_load_state_dict_post_hook(lambda module, _keys: module._drop_copies())
 
     def _drop_copies(self) -> None:
-        self.fc_quantized = self.fc_packed = None
+        self.fc_quantized = self.fc_packed = self.native = None
 
     def _apply(self, fn, recurse=True):
         self._drop_copies()
@@ -181,6 +186,30 @@ class Eagle3Head(nn.Module):
         self.fc_quantized = kind.of(self.fc.weight)
         self.midlayer.self_attn.quantize(kind)
         self.midlayer.mlp.quantize(kind)
+        self.native = self._native_weights() if kind is Int8Weight else None
+
+    def _native_weights(self) -> native_layer.EagleLayerWeights | None:
+        """The midlayer's int8 copies as the native layer reads them; None where it cannot run them (not on the CPU,
+        an o_proj or MLP bias, norms with different eps, widths it does not take, or no C compiler: the torch route
+        then runs)."""
+        if self.fc.weight.device.type != "cpu" or native_layer.load() is None:
+            return None
+        layer = self.midlayer
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
+        if attn.o_proj.bias is not None or mlp.fused_bias is not None or len({n.eps for n in norms}) != 1:
+            return None
+        (qkv, o), (gate_up, down) = attn.quantized, mlp.quantized
+        f32 = (lambda t: t.detach().to(torch.float32).contiguous())
+        weights = native_layer.EagleLayerWeights(
+            fc=None, qkv=native_layer.Int8Matrix.of(qkv.q, qkv.scales, attn.fused_bias),
+            o=native_layer.Int8Matrix.of(o.q, o.scales), norm=f32(layer.post_attention_layernorm.weight),
+            eps=layer.post_attention_layernorm.eps, gate_up=native_layer.Int8Matrix.of(gate_up.q, gate_up.scales),
+            down=native_layer.Int8Matrix.of(down.q, down.scales), inv_freq=f32(layer.rotary.inv_freq),
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            input_norms=(f32(layer.input_layernorm.weight), f32(layer.hidden_norm.weight)),
+            norm_before_residual=layer.norm_before_residual)
+        return None if weights.unsupported() else weights
 
     def pack(self) -> None:
         """Run fc and the layer's matmuls on oneDNN-packed copies (as `EagleHead.pack`)."""
@@ -218,7 +247,8 @@ class Eagle3Head(nn.Module):
         cache: Any,
         tree_mask: torch.Tensor | None,  # [1, N, ceil(N / 32)] int32 packed
     ) -> torch.Tensor:  # [1, N, H]: the layer's outputs o_t, the features of their children
-        return self.midlayer(embeds, features, positions, cache, tree_mask)
+        out = native_forward(self, embeds, features, positions, cache, tree_mask)
+        return self.midlayer(embeds, features, positions, cache, tree_mask) if out is None else out
 
 
 class Eagle3Drafter(EagleDrafter):
