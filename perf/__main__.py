@@ -6,8 +6,8 @@
              and speculative decoding on the same prompts in one run: tau, acceptance by depth, target forwards
              per token, tokens/s, time split, speedups against the baselines, greedy identity; writes bench.json,
              bench.md and PNG plots
-    verify-cost  (--config CFG | --checkpoint DIR) [--dtypes float32,auto] [--llama-cpp f32,q4_1] [--context 256]
-             [--sizes 1,2,4,...,64] [--repeats 7] [--threads N] [--out DIR]
+    verify-cost  (--config CFG | --checkpoint DIR) [--dtypes float32,auto] [--target-quantization q4]
+             [--llama-cpp f32,q4_1] [--context 256] [--sizes 1,2,4,...,64] [--repeats 7] [--threads N] [--out DIR]
              one target forward over N new tokens (chain and random-tree masks) against N = 1, per dtype;
              writes verify_cost.json, verify_cost.md and verify_cost.png
     batch    (--config CFG | --engine DIR) [--drafter SPEC] [--concurrency 1,2,4,8] [--max-tokens N] [--out DIR]
@@ -236,6 +236,10 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--profile", type=_list_of("profile", int), default=_default(VerifyCostConfig, "profile"),
                    help="sizes (among --sizes) whose chain forward is also run under torch.profiler: the share of "
                         "matmul, attention and everything else, e.g. 1,16 (default: none)")
+    v.add_argument("--target-quantization", dest="target_quantizations", metavar="FORMAT[,...]",
+                   type=_list_of("target-quantization", str), default=_default(VerifyCostConfig, "target_quantizations"),
+                   help="also measure the target on block-quantised weights in these formats, among "
+                        f"{','.join(TARGET_QUANTIZATIONS)} (GGUF Q8_0 / Q4_1 layouts), loaded in the last --dtypes")
     v.add_argument("--llama-cpp", type=_precisions, metavar="PRECISION[,...]",
                    default=_default(VerifyCostConfig, "llama_cpp"),
                    help="also measure llama.cpp as the target (plugins/llama_cpp) on the GGUF at these precisions, "
@@ -460,7 +464,8 @@ def _verify_cost(ns: argparse.Namespace) -> int:
     config = VerifyCostConfig(config=ns.config, checkpoint=ns.checkpoint, dtypes=tuple(ns.dtypes),
                               context=ns.context, sizes=tuple(ns.sizes), repeats=ns.repeats, warmup=ns.warmup,
                               threads=ns.threads, device=ns.device, seed=ns.seed, profile=tuple(ns.profile),
-                              llama_cpp=tuple(ns.llama_cpp), llama_cpp_gguf=ns.llama_cpp_gguf, out=ns.out)
+                              target_quantizations=tuple(ns.target_quantizations), llama_cpp=tuple(ns.llama_cpp),
+                              llama_cpp_gguf=ns.llama_cpp_gguf, out=ns.out)
     report = run_verify_cost(config, None if ns.quiet else _progress)
     out = expand_out(config.out, report["machine"])
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import torch
 from perf import stats
 from perf.machine import machine_info, report_header, settings_dict, torch_threads, usable_cores
 from runtime import schema
-from runtime.config import DTYPE_CHOICES
+from runtime.config import DTYPE_CHOICES, TARGET_QUANTIZATIONS
 from runtime.errors import ConfigError
 from runtime.files import shown_path
 from runtime.schema import setting
@@ -61,6 +61,9 @@ class VerifyCostConfig:
     device: str = setting("cpu", pattern=r"cpu|cuda(:.*)?", what="cpu, cuda or cuda:K")
     seed: int = 0  # random context, tokens, trees and the order within each pass
     profile: tuple[int, ...] = ()  # N whose chain forward is also run under torch.profiler (op-time breakdown)
+    # the target with block-quantised weights too (runtime.model.quantize_weights), in these formats, each loaded in
+    # the last of `dtypes` and labelled "<dtype> <format>" (the weights q4, say, multiplied with the dtype's rows)
+    target_quantizations: tuple[str, ...] = ()
     # llama.cpp as the target too (plugins/llama_cpp), at these precisions (perf.llama_cpp.PRECISIONS) of the GGUF
     # the checkpoint was imported from (llama_cpp_gguf; None: the shipped SmolLM2 file): one decode of the N tokens
     llama_cpp: tuple[str, ...] = ()
@@ -81,6 +84,10 @@ class VerifyCostConfig:
         if 1 not in self.sizes:
             raise ConfigError(f"sizes: got {list(self.sizes)}, expected a list including 1 (the ratios are "
                                   "verify(N) / verify(1))")
+        tq = self.target_quantizations
+        if any(q not in TARGET_QUANTIZATIONS for q in tq) or len(set(tq)) != len(tq):
+            raise ConfigError(f"target_quantizations: got {list(tq)}, expected distinct names among "
+                              f"{', '.join(TARGET_QUANTIZATIONS)}")
         if self.llama_cpp:
             from perf.llama_cpp import check_precisions
 
@@ -355,6 +362,10 @@ def run_verify_cost(config: VerifyCostConfig,
         for d in config.dtypes:
             model = TargetModel.from_pretrained(path, dtype=d, device=device)
             models.setdefault(model.config.dtype, model)
+        for q in config.target_quantizations:
+            model = TargetModel.from_pretrained(path, dtype=config.dtypes[-1], device=device)
+            model.quantize_weights(q)
+            models[f"{model.config.dtype} {q}"] = model
         labels = list(models)
         c = next(iter(models.values())).config
         need = config.context + max(config.sizes)

@@ -108,6 +108,7 @@ def test_verify_cost_from_a_builder_config(ckpt, tmp_path):
     (["--context", "0"], "context: got 0, expected an integer >= 1"),
     (["--context", "500", "--sizes", "1,64"], "context 500 + the largest size 64 = 564 exceeds the model's context"),
     (["--device", "tpu"], "device: got 'tpu'"),
+    (["--target-quantization", "q3"], "target_quantizations: got ['q3'], expected distinct names among"),
 ])
 def test_verify_cost_bad_input_exits_2_naming_the_setting(ckpt, tmp_path, capsys, args, message):
     code = run_main(["verify-cost", "--checkpoint", str(ckpt), "--repeats", "1", "--warmup", "0",
@@ -187,3 +188,18 @@ def test_auto_is_measured_as_the_dtype_it_chose(ckpt, tmp_path):
     auto = "bfloat16" if stream_linear.bf16_missing() is None else "float32"
     ran = [r["dtype"] for r in report["results"] if r["mask"] == "chain" and r["size"] == 1]
     assert sorted(ran) == sorted({"float32", auto})
+
+
+def test_a_quantised_target_is_measured_beside_the_dense_one(ckpt, tmp_path):
+    """--target-quantization q4: the target's weights block-quantised, a row of its own, its weight reads counted as
+    the packed blocks (fewer bytes than the dense weights)."""
+    out = tmp_path / "out"
+    code = main(["verify-cost", "--checkpoint", str(ckpt), "--dtypes", "bfloat16", "--target-quantization", "q4",
+                 "--sizes", "1,2", "--context", "8", "--repeats", "1", "--warmup", "0", "--threads", "1",
+                 "--out", str(out), "--quiet"])
+    assert code == 0
+    report = json.loads((out / "verify_cost.json").read_text())
+    assert {r["dtype"] for r in report["results"]} == {"bfloat16", "bfloat16 q4"}
+    reads = report["bandwidth"]["by_dtype"]
+    assert 0 < reads["bfloat16 q4"]["weight_bytes"] < reads["bfloat16"]["weight_bytes"]
+    assert "| bfloat16 q4 | chain | " in (out / "verify_cost.md").read_text()
