@@ -108,6 +108,12 @@ def test_catch_up_forward_matches_the_torch_route(target_dir, odd_head_dir, tmp_
     model, native, plain = _drafters(target_dir if head_size == 16 else odd_head_dir, tmp_path, dtype, qkv_bias)
     assert native.head.native.head_dim == head_size
     assert native.head.native is not None and plain.head.native is None
+    _compare_catch_up(model, native, plain, dtype)
+
+
+def _compare_catch_up(model, native, plain, dtype, logits=False):
+    """Catch-up forwards of n rows over a prefilled cache through both drafters: the outputs, the keys and values
+    they write (and, `logits`, the draft logits of those outputs) agree."""
     for n in (1, 2, 3, 5, 9):  # the row blocks of the matmuls: 1, 2, 3, 4 + 1, 4 + 4 + 1
         caches = [_prefilled(d, model, 20) for d in (native, plain)]
         embeds, feats = _inputs(model, n, n)
@@ -115,6 +121,8 @@ def test_catch_up_forward_matches_the_torch_route(target_dir, odd_head_dir, tmp_
         got, want = (d.head(embeds, feats, positions, c, causal_mask(n)) for d, c in zip((native, plain), caches))
         assert got.shape == want.shape == (1, n, model.config.hidden_size) and got.dtype == want.dtype == dtype
         _close(got, want, dtype)
+        if logits:
+            _close(native.draft_logits(got[0]), plain.draft_logits(want[0]), dtype)
         for k in ("k", "v"):  # the new keys and values land where the torch route writes them
             new = [getattr(c, k)[0, 0, :, 20:20 + n] for c in caches]
             _close(new[0], new[1], dtype)
@@ -129,17 +137,7 @@ def test_an_eagle3_midlayer_matches_its_torch_route(target3_dir, tmp_path, dtype
     model, native, plain = _eagle3_drafters(target3_dir, tmp_path, dtype, qkv_bias, norm_before_residual)
     assert native.head.native is not None and native.head.native.fc is None and native.lm_native is not None
     assert native.head.native.norm_before_residual == norm_before_residual
-    for n in (1, 3, 5, 9):
-        caches = [_prefilled(d, model, 20) for d in (native, plain)]
-        embeds, feats = _inputs(model, n, n)
-        positions = torch.arange(20, 20 + n)[None]
-        got, want = (d.head(embeds, feats, positions, c, causal_mask(n)) for d, c in zip((native, plain), caches))
-        assert got.shape == want.shape == (1, n, model.config.hidden_size) and got.dtype == want.dtype == dtype
-        _close(got, want, dtype)
-        _close(native.draft_logits(got[0]), plain.draft_logits(want[0]), dtype)
-        for k in ("k", "v"):
-            new = [getattr(c, k)[0, 0, :, 20:20 + n] for c in caches]
-            _close(new[0], new[1], dtype)
+    _compare_catch_up(model, native, plain, dtype, logits=True)
     for got, want in zip(_levels(native, model, LEVEL_2), _levels(plain, model, LEVEL_2)):
         _close(got, want, dtype)
 
