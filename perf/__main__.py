@@ -237,7 +237,8 @@ def parser() -> argparse.ArgumentParser:
                    help="sizes (among --sizes) whose chain forward is also run under torch.profiler: the share of "
                         "matmul, attention and everything else, e.g. 1,16 (default: none)")
     v.add_argument("--target-quantization", dest="target_quantizations", metavar="FORMAT[,...]",
-                   type=_list_of("target-quantization", str), default=_default(VerifyCostConfig, "target_quantizations"),
+                   type=_list_of("target-quantization", str),
+                   default=_default(VerifyCostConfig, "target_quantizations"),
                    help="also measure the target on block-quantised weights in these formats, among "
                         f"{','.join(TARGET_QUANTIZATIONS)} (GGUF Q8_0 / Q4_1 layouts), loaded in the last --dtypes")
     v.add_argument("--llama-cpp", type=_precisions, metavar="PRECISION[,...]",

@@ -80,8 +80,8 @@ class VariantSpec:
                configured drafter (`resolve`): the tree (its options and pruning) when KIND is the configured
                drafter's and neither a tree nor options are given; the head's quantization whenever KIND is the
                configured drafter's (a tree compared with the configured one runs the same head); the weights from
-               --draft-model or the configured drafter's, max_draft_len (most draft nodes per step, which cuts a static tree to a prefix
-               of its canonical order) from the config's / engine's limit.
+               --draft-model or the configured drafter's, max_draft_len (most draft nodes per step, which cuts a
+               static tree to a prefix of its canonical order) from the config's / engine's limit.
     e.g. "medusa:mc_sim_7b_63", "medusa:chain-3", "eagle", "eagle:dynamic+total_tokens=30", "lookup+max_ngram=4".
     """
 

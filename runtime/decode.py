@@ -214,7 +214,8 @@ class SpecDecoder:
         """The decoder of `drafter`, made from `spec`: trees of at most spec.max_draft_len + 1 nodes, cut by this
         machine's verify cost where the spec's pruning asks for it (`runtime.verify_cost.verify_cost_for`)."""
         nodes = spec.max_draft_len + 1
-        return cls(model, tokenizer, drafter, max_tree_nodes=nodes, verify_cost=verify_cost_for(spec.pruning, model, nodes))
+        return cls(model, tokenizer, drafter, max_tree_nodes=nodes,
+                   verify_cost=verify_cost_for(spec.pruning, model, nodes))
 
     @property
     def max_context(self) -> int:

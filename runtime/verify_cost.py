@@ -2,11 +2,10 @@
 step's tree with (`runtime.tree.cost_budget`).
 
 Measured once per target model in a process, when the first decoder that asks for it is built or a drafter that
-asks for it first drafts: target
-forwards of n chained tokens over a short prefilled context at a few node counts (1, 2, 3, 4, 6, 8, 12, 16, 24, 32,
-48, 64), passes interleaved, the median of each, then linear between them and made non-decreasing (a forward of more
-rows never counts as cheaper). SmolLM2 on 2 CPU cores takes ~3 s; `perf verify-cost` is the full measurement with
-its report.
+asks for it first drafts: target forwards of n chained tokens over a short prefilled context at a few node counts
+(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), passes interleaved, the median of each, then linear between them and
+made non-decreasing (a forward of more rows never counts as cheaper). SmolLM2 on 2 CPU cores takes ~3 s;
+`perf verify-cost` is the full measurement with its report.
 """
 
 from __future__ import annotations

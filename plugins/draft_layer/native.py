@@ -94,7 +94,8 @@ class EagleLayerWeights:
             return f"head size {d} must be even and {hq} query heads a multiple of {hkv} KV heads"
         attention_in = h if self.fc is not None else 2 * h
         shapes = {"qkv": (self.qkv.q, ((hq + 2 * hkv) * d, attention_in)), "o": (self.o.q, (h, hq * d)),
-                  "gate_up": (self.gate_up.q, (2 * self.intermediate, h)), "down": (self.down.q, (h, self.intermediate))}
+                  "gate_up": (self.gate_up.q, (2 * self.intermediate, h)),
+                  "down": (self.down.q, (h, self.intermediate))}
         if self.fc is not None:
             shapes["fc"] = (self.fc.q, (h, 2 * h))
         for name, (q, shape) in shapes.items():

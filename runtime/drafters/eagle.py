@@ -110,26 +110,12 @@ class EagleHead(nn.Module):
         self.native = self._native_weights() if kind is Int8Weight else None
 
     def _native_weights(self) -> native_layer.EagleLayerWeights | None:
-        """The int8 copies as the native layer reads them; None where it cannot run this head (not one CPU layer of
-        EAGLE-1's shape, widths it does not take, or no C compiler: the torch route then runs)."""
-        if len(self.layers) != 1 or self.fc.weight.device.type != "cpu" or native_layer.load() is None:
+        """The int8 copies as the native layer reads them; None where it cannot run this head (not one layer of
+        EAGLE-1's shape, or what `native_layer_weights` refuses: the torch route then runs)."""
+        if len(self.layers) != 1 or self.layers[0].input_layernorm is not None:
             return None
-        layer = self.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        if layer.input_layernorm is not None or attn.o_proj.bias is not None or mlp.fused_bias is not None:
-            return None
-        (qkv, o), (gate_up, down) = attn.quantized, mlp.quantized
-        norm = layer.post_attention_layernorm
-        weights = native_layer.EagleLayerWeights(
-            fc=native_layer.Int8Matrix.of(self.fc_quantized.q, self.fc_quantized.scales, self.fc.bias),
-            qkv=native_layer.Int8Matrix.of(qkv.q, qkv.scales, attn.fused_bias),
-            o=native_layer.Int8Matrix.of(o.q, o.scales),
-            norm=norm.weight.detach().to(torch.float32).contiguous(), eps=norm.eps,
-            gate_up=native_layer.Int8Matrix.of(gate_up.q, gate_up.scales),
-            down=native_layer.Int8Matrix.of(down.q, down.scales),
-            inv_freq=layer.rotary.inv_freq.to(torch.float32).contiguous(),
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
-        return None if weights.unsupported() else weights
+        return native_layer_weights(self.layers[0], fc=native_layer.Int8Matrix.of(
+            self.fc_quantized.q, self.fc_quantized.scales, self.fc.bias))
 
     def pack(self) -> None:
         """Run every matmul of the head on oneDNN-packed copies of its weights (`runtime.model.PackedWeight`: the
@@ -177,6 +163,38 @@ class EagleHead(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, cache, i, tree_mask)
         return x
+
+
+def native_layer_weights(
+    layer: Any,  # a head's decoder layer with int8 copies (self_attn / mlp `quantize(Int8Weight)`)
+    fc: native_layer.Int8Matrix | None = None,  # EAGLE-1's fc
+    input_norms: tuple[nn.Module, nn.Module] | None = None,  # EAGLE-3's input_layernorm, hidden_norm (RMSNorms)
+    norm_before_residual: bool = False,  # EAGLE-3's residual
+) -> native_layer.EagleLayerWeights | None:
+    """The layer's int8 copies as the native layer reads them (`native_layer.EagleLayerWeights`), for EAGLE-1's and
+    EAGLE-3's heads alike; None where it cannot run them (not on the CPU, no C compiler, an o_proj or MLP bias, norms
+    with different eps, widths it does not take)."""
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    if attn.o_proj.weight.device.type != "cpu" or native_layer.load() is None:
+        return None
+    if attn.o_proj.bias is not None or mlp.fused_bias is not None:
+        return None
+    if input_norms is not None and any(n.eps != norm.eps for n in input_norms):
+        return None  # the kernel takes one eps
+    (qkv, o), (gate_up, down) = attn.quantized, mlp.quantized
+    weights = native_layer.EagleLayerWeights(
+        fc=fc, qkv=native_layer.Int8Matrix.of(qkv.q, qkv.scales, attn.fused_bias),
+        o=native_layer.Int8Matrix.of(o.q, o.scales), norm=_float32_copy(norm.weight), eps=norm.eps,
+        gate_up=native_layer.Int8Matrix.of(gate_up.q, gate_up.scales),
+        down=native_layer.Int8Matrix.of(down.q, down.scales), inv_freq=_float32_copy(layer.rotary.inv_freq),
+        num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        input_norms=None if input_norms is None else tuple(_float32_copy(n.weight) for n in input_norms),
+        norm_before_residual=norm_before_residual)
+    return None if weights.unsupported() else weights
+
+
+def _float32_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32).contiguous()
 
 
 def native_forward(

@@ -53,7 +53,7 @@ from runtime.config import ModelConfig
 from runtime.draft_spec import DraftSpec, DynamicTreeOptions
 from runtime.drafters.draft_vocab import DraftVocab
 from runtime.drafters.eagle import (CONFIG_FILE, WEIGHT_FILES, EagleDrafter, EagleKind, _read_config,
-                                   native_forward)
+                                   native_forward, native_layer_weights)
 from runtime.errors import CheckpointError, ConfigError
 from runtime.files import read_json_object
 from runtime.kv_cache import KVCache
@@ -189,27 +189,11 @@ class Eagle3Head(nn.Module):
         self.native = self._native_weights() if kind is Int8Weight else None
 
     def _native_weights(self) -> native_layer.EagleLayerWeights | None:
-        """The midlayer's int8 copies as the native layer reads them; None where it cannot run them (not on the CPU,
-        an o_proj or MLP bias, norms with different eps, widths it does not take, or no C compiler: the torch route
-        then runs)."""
-        if self.fc.weight.device.type != "cpu" or native_layer.load() is None:
-            return None
+        """The midlayer's int8 copies as the native layer reads them; None where `native_layer_weights` refuses them
+        (the torch route then runs)."""
         layer = self.midlayer
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
-        if attn.o_proj.bias is not None or mlp.fused_bias is not None or len({n.eps for n in norms}) != 1:
-            return None
-        (qkv, o), (gate_up, down) = attn.quantized, mlp.quantized
-        f32 = (lambda t: t.detach().to(torch.float32).contiguous())
-        weights = native_layer.EagleLayerWeights(
-            fc=None, qkv=native_layer.Int8Matrix.of(qkv.q, qkv.scales, attn.fused_bias),
-            o=native_layer.Int8Matrix.of(o.q, o.scales), norm=f32(layer.post_attention_layernorm.weight),
-            eps=layer.post_attention_layernorm.eps, gate_up=native_layer.Int8Matrix.of(gate_up.q, gate_up.scales),
-            down=native_layer.Int8Matrix.of(down.q, down.scales), inv_freq=f32(layer.rotary.inv_freq),
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            input_norms=(f32(layer.input_layernorm.weight), f32(layer.hidden_norm.weight)),
-            norm_before_residual=layer.norm_before_residual)
-        return None if weights.unsupported() else weights
+        return native_layer_weights(layer, input_norms=(layer.input_layernorm, layer.hidden_norm),
+                                    norm_before_residual=layer.norm_before_residual)
 
     def pack(self) -> None:
         """Run fc and the layer's matmuls on oneDNN-packed copies (as `EagleHead.pack`)."""
